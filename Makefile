@@ -1,0 +1,41 @@
+# tabrl: `make test` (from a fresh clone) and `make demo` (the main job). Both are idempotent.
+SHELL := /bin/bash
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+export PATH := $(CURDIR)/$(BIN):$(PATH)
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export DO_NOT_TRACK := 1
+
+.PHONY: install test demo data base clean help
+
+help:  ## list targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+
+$(STAMP): pyproject.toml constraints.txt
+	@echo ">> creating $(VENV) and installing tabrl with test extras (torch pinned to the CPU build)"
+	python3 -m venv $(VENV)
+	$(BIN)/pip install -q -U pip
+	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
+	@touch $(STAMP)
+
+install: $(STAMP)  ## create .venv and install (skipped when up to date)
+
+test: install  ## run the test suite
+	@echo ">> running pytest"
+	$(BIN)/python -m pytest
+
+data: install  ## corpus + FIM samples through DVC
+	@echo ">> dvc repro fim (skipped when params and code are unchanged)"
+	$(BIN)/dvc repro fim
+
+base: install  ## data + the tabrl-tiny base model through DVC
+	@echo ">> dvc repro base (skipped when params and code are unchanged)"
+	$(BIN)/dvc repro base
+
+demo: base  ## data + base model, then the base model's held-out simulated acceptance
+	@echo ">> held-out simulated acceptance of the base model"
+	$(BIN)/tabrl acceptance --json state/base_acceptance.json
+
+clean:  ## remove built data, models and local state (not .venv)
+	rm -rf data/corpus data/fim models/tabrl-tiny state

@@ -1,0 +1,145 @@
+"""The log store: every shown suggestion, every outcome, the A/B arms (SQLAlchemy Core).
+
+SQLite (WAL, synchronous=FULL) by default, PostgreSQL through ``TABRL_DATABASE_URL``; one schema
+for both, created on start and stamped with ``SCHEMA_VERSION`` in ``schema_version``.
+A completion row is committed before its response is sent, so an acknowledged suggestion is
+never lost when the gateway dies.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+SCHEMA_VERSION = 1
+
+metadata = sa.MetaData()
+
+schema_version = sa.Table(
+    "schema_version",
+    metadata,
+    sa.Column("version", sa.Integer, primary_key=True),
+    sa.Column("applied_at", sa.Float, nullable=False),
+)
+
+completions = sa.Table(
+    "completions",
+    metadata,
+    sa.Column("seq", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True),
+    sa.Column("id", sa.String(64), nullable=False, unique=True),
+    sa.Column("created_at", sa.Float, nullable=False, index=True),  # unix seconds
+    sa.Column("user_id", sa.String(128), nullable=False, index=True),
+    sa.Column("arm", sa.String(64), nullable=False),
+    sa.Column("model_version", sa.String(256), nullable=False),
+    sa.Column("prompt", sa.Text, nullable=False),
+    sa.Column("prefix", sa.Text, nullable=False),
+    sa.Column("suffix", sa.Text, nullable=False),
+    sa.Column("completion", sa.Text, nullable=False),
+    sa.Column("token_ids", sa.JSON, nullable=True),  # list[int] of the completion, as sampled
+    sa.Column("logprobs", sa.JSON, nullable=True),  # list[float] behaviour log-probs, same length
+    sa.Column("temperature", sa.Float, nullable=False),
+    sa.Column("latency_ms", sa.Float, nullable=False),
+    sa.Column("abstained", sa.Boolean, nullable=False),
+    sa.Column("prompt_hash", sa.String(64), nullable=False, index=True),  # sha256(prompt + "\0" + completion)
+    sa.Column("source", sa.String(32), nullable=False, server_default="gateway"),
+)
+
+feedback = sa.Table(
+    "feedback",
+    metadata,
+    sa.Column("seq", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True),
+    # The completion this outcome is about: ours when matched, else the client's id (unmatched).
+    sa.Column("completion_id", sa.String(128), nullable=False, unique=True),
+    sa.Column("matched", sa.Boolean, nullable=False),
+    sa.Column("accepted", sa.Boolean, nullable=False),
+    sa.Column("accepted_chars", sa.Integer, nullable=True),
+    sa.Column("received_at", sa.Float, nullable=False, index=True),
+    sa.Column("source", sa.String(32), nullable=False),  # api | rlinf | continue | import
+    sa.Column("user_id", sa.String(128), nullable=True),
+    sa.Column("trainable", sa.Boolean, nullable=False, server_default=sa.true()),  # False for noCode events
+    sa.Column("payload", sa.JSON, nullable=True),  # the client's texts when the completion is not ours
+)
+
+arms = sa.Table(
+    "arms",
+    metadata,
+    sa.Column("name", sa.String(64), primary_key=True),
+    sa.Column("model_version", sa.String(256), nullable=False),
+    sa.Column("model_uri", sa.Text, nullable=False),  # local checkpoint dir, or vLLM base URL
+    sa.Column("backend", sa.String(32), nullable=False),
+    sa.Column("share", sa.Float, nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+
+api_keys = sa.Table(
+    "api_keys",
+    metadata,
+    sa.Column("key_hash", sa.String(64), primary_key=True),  # sha256 of the key; the key is never stored
+    sa.Column("user_id", sa.String(128), nullable=False, index=True),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("revoked", sa.Boolean, nullable=False, server_default=sa.false()),
+)
+
+users = sa.Table(
+    "users",
+    metadata,
+    sa.Column("user_id", sa.String(128), primary_key=True),
+    sa.Column("opted_out", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+
+watermarks = sa.Table(
+    "watermarks",
+    metadata,
+    sa.Column("name", sa.String(64), primary_key=True),
+    sa.Column("completion_seq", sa.BigInteger, nullable=False),  # last completions.seq snapshotted
+    sa.Column("snapshot", sa.Text, nullable=True),  # path of the snapshot that advanced it
+    sa.Column("snapshot_sha256", sa.String(64), nullable=True),
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+
+late_feedback = sa.Table(
+    "late_feedback",
+    metadata,
+    sa.Column("completion_id", sa.String(128), primary_key=True),
+    sa.Column("snapshot", sa.Text, nullable=False),
+    sa.Column("accepted", sa.Boolean, nullable=False),
+    sa.Column("recorded_at", sa.Float, nullable=False),
+)
+
+
+def make_engine(url: str) -> Engine:
+    """An engine for the log store; SQLite gets WAL and full fsync, and its directory is created."""
+    if url.startswith("sqlite"):
+        db_path = sa.engine.make_url(url).database
+        if db_path and db_path != ":memory:":
+            Path(db_path).parent.mkdir(parents=True, exist_ok=True)
+        engine = sa.create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @sa.event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_conn, _record):
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=FULL")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.close()
+
+        return engine
+    return sa.create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+
+
+def init_schema(engine: Engine) -> None:
+    """Create missing tables and stamp the schema version; refuse a store from a newer tabrl."""
+    import time
+
+    metadata.create_all(engine)
+    with engine.begin() as conn:
+        found = conn.execute(sa.select(sa.func.max(schema_version.c.version))).scalar()
+        if found is None:
+            conn.execute(schema_version.insert().values(version=SCHEMA_VERSION, applied_at=time.time()))
+        elif found > SCHEMA_VERSION:
+            raise RuntimeError(
+                f"log store schema version {found} is newer than this tabrl's {SCHEMA_VERSION}; upgrade tabrl"
+            )

@@ -1,0 +1,404 @@
+"""One typed, frozen config tree loaded from ``params.yaml``.
+
+Every knob of tabrl lives in ``params.yaml`` (DVC tracks it as the params of every stage) and is
+described here, once, by the docstring under its field. Values are overridden one key at a time:
+
+* CLI: ``tabrl ... --set train.lr=1e-5`` (the value is parsed as YAML: numbers, booleans, lists);
+* environment: ``TABRL_TRAIN__LR=1e-5`` (section and key joined by a double underscore);
+  ``TABRL_DATABASE_URL`` is a short alias for ``paths.database_url``.
+
+CLI beats environment beats file. Unknown keys and bad values fail with a message naming the key,
+the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ENV_PREFIX = "TABRL_"
+ENV_ALIASES = {"TABRL_DATABASE_URL": "paths.database_url", "TABRL_MLFLOW_TRACKING_URI": "paths.mlflow_tracking_uri"}
+DEFAULT_PARAMS_FILE = Path("params.yaml")
+
+
+class ParamsError(ValueError):
+    """A params file, override or value that cannot be used; the message says which and why."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+class DataParams(Section):
+    source: str = "stdlib"
+    """Where the code comes from: `stdlib` (the running interpreter's standard library), a directory
+    of source files, or a JSONL/Parquet FIM data set (`prompt`+`solutions` or `prefix`/`suffix`/`middle`)."""
+    extensions: tuple[str, ...] = (".py",)
+    """File name endings read from a directory source."""
+    max_file_bytes: int = Field(200_000, gt=0)
+    """Files larger than this are skipped (generated tables, vendored blobs)."""
+    test_fraction: float = Field(0.25, gt=0, lt=1)
+    """Share of files (by hash of their path, never by sample) that go to the held-out test split."""
+    split_salt: str = "tabrl-split-v1"
+    """Salt of the path hash that assigns a file to train or test; change it to draw a new split."""
+
+
+class FimParams(Section):
+    n_train: int = Field(3000, ge=1)
+    """FIM samples drawn from the train files (RLinf's setup uses 3000)."""
+    n_test: int = Field(1000, ge=1)
+    """FIM samples drawn from the held-out test files (RLinf's setup uses 1000)."""
+    seed: int = 0
+    """Seed of the span sampler; the same seed and corpus give the same samples."""
+    span_weights: dict[Literal["rest_of_line", "line", "lines"], float] = {"rest_of_line": 0.5, "line": 0.3, "lines": 0.2}
+    """Relative frequency of cursor spans: the rest of a line from the cursor, one whole line, or a few lines."""
+    max_span_lines: int = Field(3, ge=2)
+    """Most lines in a `lines` span."""
+    min_middle_nonblank: int = Field(6, ge=1)
+    """Middles with fewer non-blank characters are dropped (nothing worth suggesting)."""
+    max_middle_chars: int = Field(200, ge=1)
+    """Middles longer than this are dropped (a completion is a few lines, not a file)."""
+    max_prefix_chars: int = Field(1200, ge=1)
+    """Prefix text kept before the cursor (the nearest characters)."""
+    max_suffix_chars: int = Field(300, ge=0)
+    """Suffix text kept after the middle (the nearest characters)."""
+
+
+class ModelParams(Section):
+    base_dir: str = "models/tabrl-tiny"
+    """Where the base model is built, or a local Hugging Face checkpoint directory (e.g. Qwen2.5-Coder)
+    to use as the base instead; the rest of tabrl treats both the same."""
+    vocab_size: int = Field(4096, ge=300)
+    """Byte-level BPE vocabulary of the tiny model's tokenizer (special tokens included)."""
+    hidden_size: int = Field(256, ge=32)
+    """Width of the tiny model."""
+    num_layers: int = Field(4, ge=1)
+    """Transformer blocks of the tiny model."""
+    num_heads: int = Field(4, ge=1)
+    """Attention heads; hidden_size / num_heads must be >= 32 (vLLM's CPU attention needs head dim >= 32)."""
+    num_kv_heads: int = Field(2, ge=1)
+    """Key/value heads (grouped-query attention, as in Qwen2.5)."""
+    intermediate_size: int = Field(704, ge=32)
+    """MLP width of the tiny model."""
+    max_position: int = Field(1024, ge=128)
+    """Longest sequence (prompt + completion) the tiny model supports."""
+    pretrain_steps: int = Field(500, ge=1)
+    """Optimiser steps of FIM pre-training."""
+    pretrain_batch: int = Field(16, ge=1)
+    """Sequences per pre-training step."""
+    pretrain_seq_len: int = Field(320, ge=32)
+    """Tokens per pre-training sequence (longer FIM samples are truncated on the prefix side)."""
+    pretrain_lr: float = Field(3e-3, gt=0)
+    """Peak learning rate of pre-training (linear warm-up, cosine decay)."""
+    pretrain_samples_per_file: int = Field(40, ge=1)
+    """FIM spans drawn per train file for pre-training (more spans, more variety)."""
+    tokenizer_max_files: int = Field(2000, ge=1)
+    """Train files the tokenizer is fitted on."""
+    seed: int = 0
+    """Seed of tokenizer sampling, weight init and pre-training order."""
+
+    @model_validator(mode="after")
+    def _head_dim(self) -> "ModelParams":
+        if self.hidden_size % self.num_heads or self.hidden_size // self.num_heads < 32:
+            raise ValueError(
+                f"hidden_size / num_heads must be a whole number >= 32, got {self.hidden_size}/{self.num_heads}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        return self
+
+
+class Persona(Section):
+    name: str
+    """Label shown in reports."""
+    weight: float = Field(1.0, gt=0)
+    """Relative share of simulated users with this persona."""
+    min_accept_chars: int = Field(4, ge=1)
+    """K: the suggestion must cover at least this many non-blank characters of the true middle."""
+    p_accept_wrong: float = Field(0.0, ge=0, le=1)
+    """Noise: probability of accepting a suggestion that is not what the user was about to type."""
+    p_ignore_right: float = Field(0.0, ge=0, le=1)
+    """Noise: probability of not pressing Tab on a right suggestion."""
+    think_s: float = Field(0.0, ge=0)
+    """Seconds the user waits before answering (over HTTP)."""
+
+
+class SimulatorParams(Section):
+    personas: tuple[Persona, ...] = (
+        Persona(name="careful", weight=1.0, min_accept_chars=6, p_accept_wrong=0.0, p_ignore_right=0.05),
+        Persona(name="typical", weight=2.0, min_accept_chars=4, p_accept_wrong=0.02, p_ignore_right=0.1),
+        Persona(name="hasty", weight=1.0, min_accept_chars=3, p_accept_wrong=0.05, p_ignore_right=0.2),
+    )
+    """Kinds of simulated users; each user gets one persona, drawn by weight from its seed."""
+    seed: int = 0
+    """Seed of persona assignment and noise."""
+
+    @model_validator(mode="after")
+    def _unique(self) -> "SimulatorParams":
+        names = [p.name for p in self.personas]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"personas need at least one entry and unique names, got {names}")
+        return self
+
+
+class RewardParams(Section):
+    accepted: float = 0.75
+    """Reward of a suggestion the user took (Tab). Cursor's Tab RL uses +0.75."""
+    rejected: float = -0.25
+    """Reward of a suggestion shown and not taken (no Tab in time, or another edit)."""
+    abstained: float = 0.0
+    """Reward of showing nothing (an empty completion)."""
+    advantage: Literal["raw", "batch_mean", "batch_norm"] = "raw"
+    """`raw`: the reward (one-step Monte-Carlo return); `batch_mean`: minus the batch mean;
+    `batch_norm`: whitened over the batch (REINFORCE++ style)."""
+
+
+class TrainParams(Section):
+    algorithm: Literal["ppo", "grpo"] = "ppo"
+    """`ppo`: critic-free PPO on logged interactions; `grpo`: offline, G samples per FIM train prompt."""
+    lr: float = Field(2e-5, gt=0)
+    """Peak learning rate (AdamW)."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning-rate schedule after warm-up."""
+    warmup_steps: int = Field(0, ge=0)
+    """Optimiser steps of linear warm-up."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    epochs: int = Field(2, ge=1)
+    """Passes over the snapshot."""
+    micro_batch: int = Field(8, ge=1)
+    """Sequences per forward/backward on one rank."""
+    grad_accum: int = Field(2, ge=1)
+    """Micro-batches accumulated per optimiser step."""
+    max_tokens_per_micro_batch: int = Field(16384, ge=64)
+    """Packing budget: real tokens per micro-batch (no padding is spent)."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Global gradient-norm clip."""
+    clip_low: float = Field(0.2, ge=0, lt=1)
+    """PPO ratio clip below 1 (epsilon_low)."""
+    clip_high: float = Field(0.28, ge=0)
+    """PPO ratio clip above 1 (epsilon_high; a wider upper clip keeps exploration alive)."""
+    kl_beta: float = Field(0.0, ge=0)
+    """Weight of the k3 KL to the starting model; 0 disables it (and the reference forward)."""
+    is_cap: float = Field(2.0, ge=1)
+    """C of the truncated importance weight min(pi_recomputed / pi_behaviour, C)."""
+    max_approx_kl: float = Field(1.0, gt=0)
+    """The job stops (no checkpoint) when approx-KL of a step exceeds this."""
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    """DeepSpeed ZeRO stage on GPUs."""
+    nproc: int = Field(1, ge=1)
+    """Processes (GPUs, or CPU ranks under torchrun/gloo)."""
+    group_size: int = Field(8, ge=2)
+    """G: completions sampled per prompt for `grpo`."""
+    grpo_prompts: int = Field(64, ge=1)
+    """FIM train prompts per GRPO run."""
+    min_rows: int = Field(32, ge=1)
+    """A cycle skips training when its snapshot has fewer usable rows."""
+    seed: int = 0
+    """Seed of shuffling and dropout."""
+
+
+class JudgeParams(Section):
+    kind: Literal["reference", "llm"] = "reference"
+    """`reference`: deterministic score from the true middle (offline); `llm`: an OpenAI-compatible model."""
+    base_url: str = "http://127.0.0.1:8001/v1"
+    """OpenAI-compatible endpoint of the LLM judge."""
+    model: str = "deepseek-chat"
+    """Judge model name."""
+    api_key_env: str = "TABRL_JUDGE_API_KEY"
+    """Name of the environment variable holding the judge's API key (the key never goes in params)."""
+    concurrency: int = Field(8, ge=1)
+    """Judge requests in flight at once."""
+    timeout_s: float = Field(60.0, gt=0)
+    """Per-request timeout."""
+    max_retries: int = Field(4, ge=0)
+    """Retries (with backoff) on 429, 5xx and timeouts."""
+    cache_path: str = "state/judge_cache.sqlite"
+    """Persistent cache keyed by (judge model, prompt hash)."""
+    on_failure: Literal["fail", "reference"] = "fail"
+    """When the judge endpoint is down: fail the evaluation, or fall back to the reference judge."""
+
+
+class EvaluateParams(Section):
+    n_samples: int = Field(200, ge=1)
+    """Held-out FIM test samples scored per evaluation."""
+    max_new_tokens: int = Field(48, ge=1)
+    """Completion length limit."""
+    batch_size: int = Field(16, ge=1)
+    """Prompts generated together."""
+    judge: JudgeParams = JudgeParams()
+    """The judge scoring each completion 0-10."""
+    gate_tolerance: float = Field(0.02, ge=0)
+    """Largest allowed drop (absolute) in reward per request, and x10 in judge mean, for the candidate."""
+    gate_margin: float = Field(0.005, ge=0)
+    """Least improvement (absolute) in reward per request, or x10 in judge mean, needed to pass."""
+
+
+class DeployParams(Section):
+    registered_model: str = "tabrl-completion"
+    """MLflow registered model name."""
+    challenger_share: float = Field(0.5, gt=0, lt=1)
+    """Traffic share of the challenger arm while under test."""
+    min_samples: int = Field(200, ge=1)
+    """Shown suggestions per arm before an A/B decision is made."""
+    alpha: float = Field(0.05, gt=0, lt=1)
+    """Significance level of the A/B tests."""
+    decision_every_minutes: float = Field(5.0, gt=0)
+    """Schedule of the A/B decision flow."""
+    cycle_every_minutes: float = Field(60.0, gt=0)
+    """Schedule of the online RL cycle (interval)."""
+    cycle_cron: str | None = None
+    """A cron expression for the cycle; overrides the interval when set."""
+
+
+class ServingParams(Section):
+    host: str = "127.0.0.1"
+    """Address the gateway binds."""
+    port: int = Field(8000, ge=1, le=65535)
+    """Port the gateway binds."""
+    backend: Literal["embedded", "vllm"] = "embedded"
+    """How arms generate: transformers in the gateway process, or a vLLM server over HTTP."""
+    temperature: float = Field(0.7, ge=0)
+    """Default sampling temperature (training scores log-probs at the same temperature)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Default nucleus sampling cut."""
+    max_tokens: int = Field(48, ge=1)
+    """Default and largest completion length."""
+    max_prompt_chars: int = Field(32_000, ge=1)
+    """Longest accepted prompt (413/422 beyond)."""
+    auth: bool = True
+    """Require an API key; switch off only for the local demo."""
+    experiment_salt: str = "ab-v1"
+    """Salt of the sticky user-to-arm hash; a new salt reshuffles users."""
+    rate_limit_per_minute: int = Field(600, ge=1)
+    """Requests per user per minute before 429."""
+
+
+class IngestParams(Section):
+    feedback_timeout_s: float = Field(10.0, gt=0)
+    """A shown suggestion with no feedback after this many seconds is rejected."""
+    per_user_cap: int = Field(200, ge=1)
+    """Most rows one user contributes to a cycle."""
+    max_prompt_chars: int = Field(8000, ge=1)
+    """Rows with longer prompts are dropped."""
+    max_completion_chars: int = Field(1000, ge=1)
+    """Rows with longer completions are dropped."""
+    min_rows: int = Field(1, ge=1)
+    """A snapshot is written only with at least this many clean rows."""
+
+
+class PathsParams(Section):
+    data_dir: str = "data"
+    """Corpus, FIM samples and interaction snapshots."""
+    models_dir: str = "models"
+    """Checkpoints (base and trained)."""
+    state_dir: str = "state"
+    """Databases and caches of a local run."""
+    database_url: str = "sqlite:///state/tabrl.db"
+    """SQLAlchemy URL of the log store (PostgreSQL at scale)."""
+    mlflow_tracking_uri: str = "sqlite:///state/mlflow.db"
+    """MLflow tracking store."""
+
+
+class Params(Section):
+    data: DataParams = DataParams()
+    fim: FimParams = FimParams()
+    model: ModelParams = ModelParams()
+    simulator: SimulatorParams = SimulatorParams()
+    reward: RewardParams = RewardParams()
+    train: TrainParams = TrainParams()
+    evaluate: EvaluateParams = EvaluateParams()
+    deploy: DeployParams = DeployParams()
+    serving: ServingParams = ServingParams()
+    ingest: IngestParams = IngestParams()
+    paths: PathsParams = PathsParams()
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted key -> value, for logging the resolved config (MLflow params)."""
+        return dict(_flatten(self.model_dump(mode="json")))
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = ""):
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            yield from _flatten(value, dotted + ".")
+        else:
+            yield dotted, value
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ParamsError(f"override {dotted!r}: {part!r} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`train.lr=1e-5` -> ("train.lr", 1e-05); the value is read as YAML."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ParamsError(f"override {text!r} must look like section.key=value, e.g. train.lr=1e-5")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        raise ParamsError(f"override {text!r}: the value is not valid YAML ({err})") from err
+    return key.strip(), value
+
+
+def env_overrides(environ: Mapping[str, str]) -> list[tuple[str, Any]]:
+    """`TABRL_TRAIN__LR=1e-5` -> ("train.lr", 1e-05); aliases such as TABRL_DATABASE_URL too."""
+    found = []
+    for name, raw in sorted(environ.items()):
+        if name in ENV_ALIASES:
+            found.append((ENV_ALIASES[name], raw))
+        elif name.startswith(ENV_PREFIX) and "__" in name:
+            dotted = name[len(ENV_PREFIX):].lower().replace("__", ".")
+            found.append(parse_override(f"{dotted}={raw}"))
+    return found
+
+
+def _describe(err: dict[str, Any], tree: Mapping[str, Any]) -> str:
+    loc = ".".join(str(part) for part in err["loc"])
+    if err["type"] == "extra_forbidden":
+        return f"{loc}: unknown key (check the spelling; known keys are listed in tasks/config.py)"
+    value = err.get("input")
+    return f"{loc} = {value!r}: {err['msg']}"
+
+
+def load_params(
+    path: str | os.PathLike[str] | None = DEFAULT_PARAMS_FILE,
+    overrides: Sequence[str] = (),
+    environ: Mapping[str, str] | None = None,
+) -> Params:
+    """Read params.yaml (or only defaults when path is None), apply env then CLI overrides, validate."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ParamsError(f"params file {file} not found (run from the repo root or pass --params PATH)")
+        try:
+            loaded = yaml.safe_load(file.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ParamsError(f"{file} is not valid YAML: {err}") from err
+        if not isinstance(loaded, dict):
+            raise ParamsError(f"{file} must hold a mapping of sections, got {type(loaded).__name__}")
+        tree = loaded
+    pairs = env_overrides(os.environ if environ is None else environ)
+    pairs += [parse_override(text) for text in overrides]
+    for dotted, value in pairs:
+        _set_dotted(tree, dotted, value)
+    try:
+        return Params.model_validate(tree)
+    except ValidationError as err:
+        lines = [_describe(e, tree) for e in err.errors()]
+        where = f"{path}" if path is not None else "params"
+        raise ParamsError(f"invalid {where}:\n  " + "\n  ".join(lines)) from None

@@ -1,0 +1,138 @@
+"""Load a Hugging Face checkpoint and complete FIM prompts, keeping token ids and log-probs.
+
+One code path for the tiny model and for a local Qwen2.5-Coder directory. Log-probs are those of
+the sampled tokens under the distribution actually sampled from: logits / temperature (greedy
+decoding reports temperature 1). The stop token that ended a completion is kept in ``token_ids``
+(stopping is an action the policy learns), never in ``text``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from tasks.fim import STOP_STRINGS, parse_completion
+
+
+class ModelLoadError(ValueError):
+    """A model directory that is missing or not a Hugging Face causal-LM checkpoint."""
+
+
+@dataclass
+class Generation:
+    text: str  # the suggestion shown ("" = abstain)
+    token_ids: list[int]  # sampled completion tokens, the stop token included when one was emitted
+    logprobs: list[float]  # log-prob of each token in token_ids under the sampling distribution
+    raw_text: str = ""  # the decoded tokens before stop handling
+    latency_ms: float = 0.0
+    finish_reason: str = field(default="stop")  # "stop" | "length"
+
+
+def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) from a local checkpoint directory; never downloads."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} is not a model directory (no config.json); build it with `make demo` or `dvc repro base`")
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    model.to(device).eval()
+    return model, tokenizer
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Ids of the stop strings that are single special tokens in this vocabulary."""
+    vocab = tokenizer.get_vocab()
+    return [vocab[s] for s in STOP_STRINGS if s in vocab]
+
+
+def fit_prompt(ids: list[int], limit: int) -> list[int]:
+    """Prompt ids within limit tokens: keep the first (a FIM or repo marker) and drop the oldest after it."""
+    if len(ids) <= limit:
+        return ids
+    return ids[:1] + ids[len(ids) - limit + 1:]
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, limit: int) -> list[int]:
+    """The prompt ids a model sees, identical at serving and training time."""
+    return fit_prompt(tokenizer(prompt, add_special_tokens=False)["input_ids"], limit)
+
+
+def prompt_limit(model: PreTrainedModel, max_new_tokens: int) -> int:
+    return model.config.max_position_embeddings - max_new_tokens
+
+
+@torch.no_grad()
+def generate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[str],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop: Sequence[str] = STOP_STRINGS,
+) -> list[Generation]:
+    """Complete a batch of prompts (left-padded); greedy when temperature == 0."""
+    if not prompts:
+        return []
+    started = time.perf_counter()
+    stops = stop_token_ids(tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    limit = prompt_limit(model, max_new_tokens)
+    encoded = [encode_prompt(tokenizer, p, limit) for p in prompts]
+    width = max(len(ids) for ids in encoded)
+    device = next(model.parameters()).device
+    input_ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(encoded), width), dtype=torch.long)
+    for row, ids in enumerate(encoded):
+        input_ids[row, width - len(ids):] = torch.tensor(ids)
+        attention[row, width - len(ids):] = 1
+    if seed is not None:
+        torch.manual_seed(seed)
+    sample = temperature > 0
+    out = model.generate(
+        input_ids=input_ids.to(device),
+        attention_mask=attention.to(device),
+        max_new_tokens=max_new_tokens,
+        do_sample=sample,
+        temperature=temperature if sample else None,
+        top_p=top_p if sample else None,
+        top_k=None,
+        eos_token_id=stops,
+        pad_token_id=pad_id,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    new_tokens = out.sequences[:, width:].cpu()
+    logits = torch.stack(out.logits, dim=1).float().cpu()  # (B, new, V)
+    scale = temperature if sample else 1.0
+    logps = torch.log_softmax(logits / scale, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # (B, new)
+    elapsed_ms = (time.perf_counter() - started) * 1000.0
+    stop_set = set(stops)
+    results = []
+    for row in range(len(prompts)):
+        ids, lps = [], []
+        finish = "length"
+        for tok, lp in zip(new_tokens[row].tolist(), logps[row].tolist()):
+            ids.append(tok)
+            lps.append(lp)
+            if tok in stop_set:
+                finish = "stop"
+                break
+        raw = tokenizer.decode([t for t in ids if t not in stop_set], skip_special_tokens=False)
+        results.append(
+            Generation(
+                text=parse_completion(raw, tuple(stop)),
+                token_ids=ids,
+                logprobs=lps,
+                raw_text=raw,
+                latency_ms=elapsed_ms / len(prompts),
+                finish_reason=finish,
+            )
+        )
+    return results

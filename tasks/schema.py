@@ -1,0 +1,74 @@
+"""The record schemas shared between stages, written down once.
+
+Corpus files (``data/corpus/files.parquet``): ``path`` (relative to the corpus root), ``split``
+("train" | "test", by path hash), ``text``.
+
+FIM samples (``data/fim/{train,test}.parquet``), built by ``tasks/ingest/corpus.py``:
+
+    sample_id   string   stable id: sha1 of (path, span start, span end)
+    path        string   source file, relative to the corpus root (the split key)
+    split       string   "train" | "test"
+    span_kind   string   "rest_of_line" | "line" | "lines"
+    prefix      string   text before the cursor (capped at fim.max_prefix_chars)
+    suffix      string   text after the middle (capped at fim.max_suffix_chars)
+    middle      string   what the user was about to type
+
+Interaction snapshots (``data/interactions/<snapshot>.parquet``), built by ``tasks/ingest``;
+the reward stage adds ``reward`` and ``advantage``:
+
+    completion_id       string
+    created_at          float64        unix seconds the suggestion was served
+    user_id             string
+    arm                 string
+    model_version       string
+    prompt              string         the exact FIM prompt the model saw
+    completion          string         the suggestion shown ("" = abstained)
+    token_ids           list<int32>    completion tokens as sampled (null if unknown)
+    logprobs            list<float32>  behaviour log-probs of token_ids at `temperature` (null if unknown)
+    temperature         float64
+    outcome             string         "accepted" | "rejected" | "abstained"
+    accepted_chars      int32          null unless the client reported it
+    reward              float64        (reward stage)
+    advantage           float64        (reward stage)
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+OUTCOMES = ("accepted", "rejected", "abstained")
+
+CORPUS_SCHEMA = pa.schema([("path", pa.string()), ("split", pa.string()), ("text", pa.string())])
+
+FIM_SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("path", pa.string()),
+        ("split", pa.string()),
+        ("span_kind", pa.string()),
+        ("prefix", pa.string()),
+        ("suffix", pa.string()),
+        ("middle", pa.string()),
+    ]
+)
+
+INTERACTION_SCHEMA = pa.schema(
+    [
+        ("completion_id", pa.string()),
+        ("created_at", pa.float64()),
+        ("user_id", pa.string()),
+        ("arm", pa.string()),
+        ("model_version", pa.string()),
+        ("prompt", pa.string()),
+        ("completion", pa.string()),
+        ("token_ids", pa.list_(pa.int32())),
+        ("logprobs", pa.list_(pa.float32())),
+        ("temperature", pa.float64()),
+        ("outcome", pa.string()),
+        ("accepted_chars", pa.int32()),
+    ]
+)
+
+REWARDED_SCHEMA = INTERACTION_SCHEMA.append(pa.field("reward", pa.float64())).append(
+    pa.field("advantage", pa.float64())
+)

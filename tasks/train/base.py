@@ -1,0 +1,165 @@
+"""tabrl-tiny: a byte-level BPE tokenizer and a small Qwen2 model pre-trained on FIM from real code.
+
+    python -m tasks.train.base        # what `dvc repro base` runs (via `tabrl build-base`)
+
+The result is an ordinary Hugging Face checkpoint directory (config.json, model.safetensors,
+tokenizer.json) with Qwen2.5-Coder's special tokens, so the rest of tabrl cannot tell it from
+Qwen2.5-Coder. Pre-training is PSM fill-in-the-middle with the loss on every token (the tiny model
+has to learn the language and the format at once), on spans drawn from the train files only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tqdm import tqdm
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from tasks.config import FimParams, ModelParams
+from tasks.fim import EOS, FIM_MIDDLE, FIM_PAD, FIM_PREFIX, FIM_SUFFIX, SPECIAL_TOKENS
+from tasks.ingest.corpus import SourceFile, sample_spans
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Byte-level BPE (as Qwen2's) with the FIM special tokens as single ids."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS,
+        pad_token=FIM_PAD,
+        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in (EOS, FIM_PAD)],
+        clean_up_tokenization_spaces=False,
+        model_max_length=1 << 20,
+    )
+
+
+def build_model(params: ModelParams, tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
+    """A randomly initialised Qwen2 causal LM sized by params."""
+    torch.manual_seed(params.seed)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=params.hidden_size,
+        intermediate_size=params.intermediate_size,
+        num_hidden_layers=params.num_layers,
+        num_attention_heads=params.num_heads,
+        num_key_value_heads=params.num_kv_heads,
+        max_position_embeddings=params.max_position,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    return Qwen2ForCausalLM(config)
+
+
+def encode_fim(tokenizer: PreTrainedTokenizerFast, sample: dict, seq_len: int) -> list[int]:
+    """PSM ids prefix-truncated from the left and suffix from the right to fit seq_len."""
+    special = tokenizer.convert_tokens_to_ids
+    pre = tokenizer(sample["prefix"], add_special_tokens=False)["input_ids"]
+    suf = tokenizer(sample["suffix"], add_special_tokens=False)["input_ids"]
+    mid = tokenizer(sample["middle"], add_special_tokens=False)["input_ids"]
+    room = seq_len - len(mid) - 4
+    if room <= 0:
+        mid, room = mid[: seq_len // 2], seq_len - seq_len // 2 - 4
+    suf = suf[: room // 4]
+    pre = pre[max(0, len(pre) - (room - len(suf))):]
+    return [special(FIM_PREFIX), *pre, special(FIM_SUFFIX), *suf, special(FIM_MIDDLE), *mid, special(EOS)]
+
+
+def _batches(seqs: Sequence[list[int]], batch: int, pad_id: int, rng: random.Random):
+    order = list(range(len(seqs)))
+    while True:
+        rng.shuffle(order)
+        for i in range(0, len(order) - batch + 1, batch):
+            rows = [seqs[j] for j in order[i:i + batch]]
+            width = max(len(r) for r in rows)
+            ids = torch.full((batch, width), pad_id, dtype=torch.long)
+            labels = torch.full((batch, width), -100, dtype=torch.long)
+            mask = torch.zeros((batch, width), dtype=torch.long)
+            for k, r in enumerate(rows):
+                ids[k, :len(r)] = torch.tensor(r)
+                labels[k, :len(r)] = torch.tensor(r)
+                mask[k, :len(r)] = 1
+            yield ids, mask, labels
+
+
+def pretrain(model: Qwen2ForCausalLM, seqs: Sequence[list[int]], params: ModelParams, pad_id: int) -> list[float]:
+    """FIM pre-training with AdamW, linear warm-up and cosine decay; returns the loss curve."""
+    torch.manual_seed(params.seed)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=params.pretrain_lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = max(1, params.pretrain_steps // 20)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, params.pretrain_steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    batches = _batches(seqs, params.pretrain_batch, pad_id, random.Random(params.seed))
+    losses = []
+    bar = tqdm(range(params.pretrain_steps), desc="pre-train tabrl-tiny", unit="step")
+    for _ in bar:
+        ids, mask, labels = next(batches)
+        # fp32 on purpose: bf16 autocast is ~20x slower on CPUs without bf16 units (measured here).
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    model.eval()
+    return losses
+
+
+def build_base(train_files: Sequence[SourceFile], model_params: ModelParams, fim_params: FimParams, out: Path) -> dict:
+    """Tokenizer + model + FIM pre-training, written atomically to out; returns build stats."""
+    started = time.time()
+    rng = random.Random(model_params.seed)
+    tok_files = rng.sample(list(train_files), min(len(train_files), model_params.tokenizer_max_files))
+    tokenizer = train_tokenizer((f.text for f in tok_files), model_params.vocab_size)
+    model = build_model(model_params, tokenizer)
+    n_samples = min(model_params.pretrain_steps * model_params.pretrain_batch,
+                    model_params.pretrain_samples_per_file * len(train_files))
+    samples = sample_spans(list(train_files), "pretrain", n_samples, fim_params, model_params.seed)
+    seqs = [encode_fim(tokenizer, s, model_params.pretrain_seq_len) for s in samples]
+    losses = pretrain(model, seqs, model_params, tokenizer.pad_token_id)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    stats = {
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "vocab_size": len(tokenizer),
+        "pretrain_sequences": len(seqs),
+        "pretrain_tokens_per_step_mean": sum(map(len, seqs)) / len(seqs) * model_params.pretrain_batch,
+        "loss_first": losses[0],
+        "loss_last10_mean": sum(losses[-10:]) / len(losses[-10:]),
+        "seconds": round(time.time() - started, 1),
+    }
+    (tmp / "build_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return stats

@@ -1,0 +1,72 @@
+"""Shared fixtures: a tiny corpus from real stdlib code, a tiny model built in seconds, isolated state."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# No telemetry, no network, no writes into the user's home from any library under test.
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tasks.config import Params, load_params  # noqa: E402
+from tasks.ingest.corpus import SourceFile, sample_spans, split_files, stdlib_root  # noqa: E402
+
+TINY_MODEL = {
+    "vocab_size": 600, "hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1,
+    "intermediate_size": 128, "max_position": 512, "pretrain_steps": 30, "pretrain_batch": 8,
+    "pretrain_seq_len": 128, "pretrain_lr": 3e-3, "pretrain_samples_per_file": 10, "tokenizer_max_files": 40,
+}
+# A few stdlib packages: real code, small enough to read in well under a second.
+TINY_CORPUS = "email"
+
+
+def tiny_params(tmp: Path | None = None, **sections) -> Params:
+    """Params for tests: the tiny model, a small corpus, small FIM counts."""
+    tree = {
+        "data": {"source": str(stdlib_root() / TINY_CORPUS), "test_fraction": 0.3},
+        "fim": {"n_train": 60, "n_test": 30},
+        "model": TINY_MODEL,
+        "evaluate": {"n_samples": 16, "max_new_tokens": 12, "batch_size": 8},
+    }
+    if tmp is not None:
+        tree["paths"] = {"database_url": f"sqlite:///{tmp}/tabrl.db", "mlflow_tracking_uri": f"sqlite:///{tmp}/mlflow.db",
+                         "state_dir": str(tmp / "state"), "data_dir": str(tmp / "data"), "models_dir": str(tmp / "models")}
+    for name, values in sections.items():
+        tree.setdefault(name, {}).update(values)
+    overrides = [f"{section}.{key}={_yaml(value)}" for section, kv in tree.items() for key, value in kv.items()]
+    return load_params(None, overrides, environ={})
+
+
+def _yaml(value) -> str:
+    import json
+
+    return json.dumps(value)
+
+
+@pytest.fixture(scope="session")
+def stdlib_files() -> list[SourceFile]:
+    """Train files of a larger stdlib slice, for tokenizer and model building."""
+    params = load_params(None, [f"data.source={stdlib_root() / 'email'}"], environ={})
+    return split_files(params.data)["train"]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, stdlib_files) -> Path:
+    """tabrl-tiny at test size: tokenizer + a briefly pre-trained 2-layer Qwen2, saved as an HF dir."""
+    from tasks.train.base import build_base
+
+    params = tiny_params()
+    out = tmp_path_factory.mktemp("models") / "tiny"
+    build_base(stdlib_files, params.model, params.fim, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def fim_samples(stdlib_files) -> list[dict]:
+    params = tiny_params()
+    return sample_spans(stdlib_files, "eval", 24, params.fim, seed=1)

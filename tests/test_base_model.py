@@ -1,0 +1,68 @@
+import json
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tasks.fim import EOS, FIM_MIDDLE, FIM_PAD, FIM_PREFIX, FIM_SUFFIX, SPECIAL_TOKENS, build_prompt
+from tasks.generate import generate, load_model
+from tasks.train.base import encode_fim
+
+
+def test_tokenizer_has_qwen_fim_special_tokens_as_single_ids(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
+    for special in SPECIAL_TOKENS:
+        ids = tok(special, add_special_tokens=False)["input_ids"]
+        assert len(ids) == 1 and tok.decode(ids) == special
+    assert tok.eos_token == EOS and tok.pad_token == FIM_PAD
+    ids = tok(build_prompt("x = ", "\n"), add_special_tokens=False)["input_ids"]
+    assert ids[0] == tok.convert_tokens_to_ids(FIM_PREFIX) and ids[-1] == tok.convert_tokens_to_ids(FIM_MIDDLE)
+    text = "def f(x):\n\treturn x  # ünïcode\n"
+    assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text  # byte-level: lossless
+
+
+def test_checkpoint_is_a_plain_hf_directory_that_generates(tiny_model_dir):
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in tiny_model_dir.iterdir()}
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True)
+    assert model.config.model_type == "qwen2"
+    stats = json.loads((tiny_model_dir / "build_stats.json").read_text())
+    assert stats["loss_last10_mean"] < stats["loss_first"]  # pre-training learned something
+
+    model, tok = load_model(tiny_model_dir)
+    prompts = [build_prompt("import os\n\ndef main():\n    ", "\n"), build_prompt("x = ", "")]
+    gens = generate(model, tok, prompts, max_new_tokens=8, temperature=0.0)
+    assert len(gens) == 2
+    for gen in gens:
+        assert 1 <= len(gen.token_ids) <= 8 and len(gen.logprobs) == len(gen.token_ids)
+        assert all(lp <= 0 for lp in gen.logprobs)
+        assert FIM_SUFFIX not in gen.text and EOS not in gen.text
+
+
+def test_sampled_logprobs_match_a_fresh_forward(tiny_model_dir):
+    model, tok = load_model(tiny_model_dir)
+    prompt = build_prompt("for i in range(10):\n    ", "\n")
+    gen = generate(model, tok, [prompt], max_new_tokens=6, temperature=0.8, seed=0)[0]
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    full = torch.tensor([ids + gen.token_ids])
+    with torch.no_grad():
+        logits = model(full).logits[0, len(ids) - 1:-1] / 0.8
+    expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(gen.token_ids)[:, None]).squeeze(-1)
+    assert torch.allclose(expected, torch.tensor(gen.logprobs), atol=1e-4)
+
+
+def test_encode_fim_fits_seq_len(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
+    sample = {"prefix": "a = 1\n" * 200, "suffix": "b = 2\n" * 200, "middle": "c = a + b"}
+    ids = encode_fim(tok, sample, 64)
+    assert len(ids) <= 64 and ids[-1] == tok.eos_token_id
+    assert tok.decode(ids).endswith("<|fim_middle|>c = a + b<|endoftext|>")
+
+
+def test_long_prompts_are_cut_from_the_oldest_context(tiny_model_dir):
+    model, tok = load_model(tiny_model_dir)
+    prompt = build_prompt("value = compute(value)\n" * 400, "\n")
+    gen = generate(model, tok, [prompt], max_new_tokens=4)[0]
+    assert len(gen.token_ids) >= 1
+    from tasks.generate import encode_prompt, prompt_limit
+    ids = encode_prompt(tok, prompt, prompt_limit(model, 4))
+    assert len(ids) == model.config.max_position_embeddings - 4
+    assert ids[0] == tok.convert_tokens_to_ids(FIM_PREFIX) and ids[-1] == tok.convert_tokens_to_ids(FIM_MIDDLE)

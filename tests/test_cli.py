@@ -1,0 +1,57 @@
+"""The data -> base -> acceptance path through the `tabrl` CLI, as `dvc repro` and `make demo` run it."""
+
+import json
+
+from typer.testing import CliRunner
+
+from tasks.cli import app
+from tests.conftest import TINY_MODEL, tiny_params
+
+runner = CliRunner()
+
+
+def _sets(params_dict):
+    out = []
+    for section, kv in params_dict.items():
+        for key, value in kv.items():
+            out += ["--set", f"{section}.{key}={json.dumps(value)}"]
+    return out
+
+
+def test_pipeline_commands_end_to_end(tmp_path):
+    tiny = tiny_params()
+    sets = _sets({"data": {"source": tiny.data.source, "test_fraction": 0.3}, "fim": {"n_train": 40, "n_test": 20},
+                  "model": TINY_MODEL | {"pretrain_steps": 5}, "evaluate": {"n_samples": 8, "max_new_tokens": 8}})
+    none = ["--params", str(tmp_path / "none.yaml")]
+    assert runner.invoke(app, ["corpus", *none]).exit_code == 2  # missing params file: exit 2 with a sentence
+    (tmp_path / "params.yaml").write_text("{}\n")
+    common = ["--params", str(tmp_path / "params.yaml"), *sets]
+    r = runner.invoke(app, ["corpus", "--out", str(tmp_path / "corpus"), *common])
+    assert r.exit_code == 0, r.output
+    corpus = str(tmp_path / "corpus" / "files.parquet")
+    r = runner.invoke(app, ["data", "--corpus", corpus, "--out", str(tmp_path / "fim"), *common])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["build-base", "--corpus", corpus, "--out", str(tmp_path / "model"), *common])
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "acc.json"
+    r = runner.invoke(app, ["acceptance", "--model", str(tmp_path / "model"), "--test", str(tmp_path / "fim" / "test.parquet"),
+                            "--json", str(out), *common])
+    assert r.exit_code == 0, r.output
+    assert "Held-out simulated acceptance" in r.output
+    numbers = json.loads(out.read_text())
+    assert numbers["samples"] == 8 and 0 <= numbers["suggest_rate"] <= 1
+
+
+def test_bad_params_exit_2_with_the_key(tmp_path):
+    r = runner.invoke(app, ["params", "--params", str(tmp_path / "x.yaml")])
+    assert r.exit_code == 2 and "not found" in r.output
+    (tmp_path / "p.yaml").write_text("train:\n  lr: -1\n")
+    r = runner.invoke(app, ["params", "--params", str(tmp_path / "p.yaml")])
+    assert r.exit_code == 2 and "train.lr = -1" in r.output
+
+
+def test_missing_model_is_a_clear_error(tmp_path):
+    (tmp_path / "p.yaml").write_text("{}\n")
+    r = runner.invoke(app, ["acceptance", "--params", str(tmp_path / "p.yaml"), "--model", str(tmp_path / "nomodel"),
+                            "--test", str(tmp_path / "none.parquet")])
+    assert r.exit_code == 2 and "not found" in r.output

@@ -1,0 +1,72 @@
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from tasks.config import ParamsError, env_overrides, load_params, parse_override
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_repo_params_file_loads_with_documented_fields():
+    params = load_params(REPO / "params.yaml", environ={})
+    assert params.reward.accepted == 0.75 and params.reward.rejected == -0.25 and params.reward.abstained == 0.0
+    assert {"data", "model", "fim", "simulator", "reward", "train", "evaluate", "deploy", "serving", "paths"} <= set(
+        type(params).model_fields
+    )
+    for section in type(params).model_fields.values():
+        for name, field in section.annotation.model_fields.items():
+            assert field.description, f"{section.annotation.__name__}.{name} has no docstring"
+
+
+def test_unknown_key_is_rejected_with_its_name(tmp_path):
+    file = tmp_path / "params.yaml"
+    file.write_text("train:\n  lrr: 0.1\n")
+    with pytest.raises(ParamsError, match=r"train\.lrr: unknown key"):
+        load_params(file, environ={})
+
+
+def test_bad_value_names_key_value_and_range(tmp_path):
+    file = tmp_path / "params.yaml"
+    file.write_text("data:\n  test_fraction: 1.5\n")
+    with pytest.raises(ParamsError) as err:
+        load_params(file, environ={})
+    assert "data.test_fraction = 1.5" in str(err.value) and "less than 1" in str(err.value)
+
+
+def test_wrong_type_and_literal_are_rejected():
+    with pytest.raises(ParamsError, match=r"reward.advantage = 'mean'.*'raw', 'batch_mean' or 'batch_norm'"):
+        load_params(None, ["reward.advantage=mean"], environ={})
+    with pytest.raises(ParamsError, match=r"train.epochs = 'two'"):
+        load_params(None, ["train.epochs=two"], environ={})
+
+
+def test_head_dim_rule_explains_the_fix():
+    with pytest.raises(ParamsError, match=r"hidden_size / num_heads must be a whole number >= 32, got 64/4"):
+        load_params(None, ["model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=1"], environ={})
+
+
+def test_env_then_cli_override_single_keys():
+    env = {"TABRL_TRAIN__LR": "1e-4", "TABRL_DATABASE_URL": "sqlite:///x.db", "HOME": "/root"}
+    params = load_params(None, [], environ=env)
+    assert params.train.lr == 1e-4 and params.paths.database_url == "sqlite:///x.db"
+    params = load_params(None, ["train.lr=3e-4"], environ=env)
+    assert params.train.lr == 3e-4
+    assert env_overrides({"PATH": "/bin", "TABRL_OTHER": "1"}) == []
+
+
+def test_override_syntax_errors():
+    with pytest.raises(ParamsError, match="section.key=value"):
+        parse_override("train.lr")
+    assert parse_override("fim.span_weights={line: 1.0}") == ("fim.span_weights", {"line": 1.0})
+
+
+def test_params_are_frozen():
+    params = load_params(None, environ={})
+    with pytest.raises(ValidationError):
+        params.train.lr = 1.0  # type: ignore[misc]
+
+
+def test_missing_file_says_how_to_fix(tmp_path):
+    with pytest.raises(ParamsError, match="not found"):
+        load_params(tmp_path / "nope.yaml", environ={})
