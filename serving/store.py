@@ -8,6 +8,9 @@ never lost when the gateway dies.
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -132,8 +135,6 @@ def make_engine(url: str) -> Engine:
 
 def init_schema(engine: Engine) -> None:
     """Create missing tables and stamp the schema version; refuse a store from a newer tabrl."""
-    import time
-
     metadata.create_all(engine)
     with engine.begin() as conn:
         found = conn.execute(sa.select(sa.func.max(schema_version.c.version))).scalar()
@@ -143,3 +144,66 @@ def init_schema(engine: Engine) -> None:
             raise RuntimeError(
                 f"log store schema version {found} is newer than this tabrl's {SCHEMA_VERSION}; upgrade tabrl"
             )
+
+
+class ArmError(ValueError):
+    """An arm set that cannot be served (bad shares, duplicate names); the message says which."""
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    model_version: str  # what is logged with every completion (e.g. "tabrl-completion/3")
+    model_uri: str  # local checkpoint directory (embedded) or vLLM base URL (vllm)
+    backend: str  # "embedded" | "vllm"
+    share: float  # traffic share; the shares of all arms sum to 1
+
+
+def validate_arms(new_arms: list[Arm]) -> None:
+    names = [a.name for a in new_arms]
+    if not new_arms:
+        raise ArmError("at least one arm is needed")
+    if len(set(names)) != len(names):
+        raise ArmError(f"arm names must be unique, got {names}")
+    for arm in new_arms:
+        if not 0 <= arm.share <= 1:
+            raise ArmError(f"arm {arm.name!r}: share {arm.share} must be within [0, 1]")
+        if arm.backend not in ("embedded", "vllm"):
+            raise ArmError(f"arm {arm.name!r}: backend {arm.backend!r} must be 'embedded' or 'vllm'")
+    total = sum(a.share for a in new_arms)
+    if abs(total - 1.0) > 1e-6:
+        raise ArmError(f"arm shares must sum to 1, got {total:g} ({', '.join(f'{a.name}={a.share:g}' for a in new_arms)})")
+
+
+def read_arms(conn_or_engine) -> list[Arm]:
+    """The live arms, by name."""
+    with _connect(conn_or_engine) as conn:
+        rows = conn.execute(sa.select(arms).order_by(arms.c.name)).mappings().all()
+    return [Arm(r["name"], r["model_version"], r["model_uri"], r["backend"], r["share"]) for r in rows]
+
+
+def replace_arms(conn_or_engine, new_arms: list[Arm]) -> None:
+    """Swap the whole arm set in one transaction (validated first); gateways pick it up without restart."""
+    validate_arms(new_arms)
+    now = time.time()
+    with _begin(conn_or_engine) as conn:
+        conn.execute(arms.delete())
+        conn.execute(arms.insert(), [{**asdict(a), "updated_at": now} for a in new_arms])
+
+
+@contextmanager
+def _connect(conn_or_engine):
+    if isinstance(conn_or_engine, Engine):
+        with conn_or_engine.connect() as conn:
+            yield conn
+    else:
+        yield conn_or_engine
+
+
+@contextmanager
+def _begin(conn_or_engine):
+    if isinstance(conn_or_engine, Engine):
+        with conn_or_engine.begin() as conn:
+            yield conn
+    else:
+        yield conn_or_engine
