@@ -16,7 +16,8 @@ The score, on the LLM judge's levels (first rule that holds wins):
 
     10  exact
      8  same code up to whitespace and not breaking the parse, or edit_sim >= 0.8 and not breaking it
-     6  a right start (prefix), or edit_sim >= 0.5 and not breaking the parse
+     6  a right start (prefix, short of the whole middle: it need not parse yet), or edit_sim >= 0.5
+        and not breaking the parse
      3  edit_sim >= 0.3, or same code / edit_sim >= 0.5 that breaks the parse
      0  anything else
 
@@ -91,7 +92,7 @@ def reference_score(c: Checks) -> int:
         return 10
     if (c.same_code or c.edit_sim >= SIM_NEAR) and keeps_parse:
         return 8
-    if c.prefix or (c.edit_sim >= SIM_PARTIAL and keeps_parse):
+    if (c.prefix and not c.same_code) or (c.edit_sim >= SIM_PARTIAL and keeps_parse):
         return 6
     if c.edit_sim >= SIM_RELATED or c.same_code:
         return 3
