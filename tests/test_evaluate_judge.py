@@ -229,7 +229,8 @@ def test_cache_hits_on_rerun_cost_no_requests(fake_judge, tmp_path):
 
 def test_concurrency_is_limited(fake_judge, tmp_path):
     fake_judge.delay_s = 0.15
-    run = llm_judge([(sample(i), f"score:{i % 2 * 10}") for i in range(8)], params_for(fake_judge, tmp_path, concurrency=2))
+    pairs = [(sample(i), f"score:{i % 2 * 10}") for i in range(8)]
+    run = llm_judge(pairs, params_for(fake_judge, tmp_path, concurrency=2))
     assert len(run.verdicts) == 8 and all(v.score is not None for v in run.verdicts)
     assert fake_judge.max_in_flight == 2
 

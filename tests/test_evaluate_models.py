@@ -53,7 +53,8 @@ def test_tiny_model_against_itself_passes_no_gate_and_logs_to_mlflow(tiny_model_
     assert logged.tags["eval.judge"] == "reference"
     artifacts = {a.path for a in client.list_artifacts(mlflow_run.info.run_id, "eval")}
     assert {"eval/samples.json", "eval/metrics.png", "eval/gate.json"} <= artifacts
-    table = json.loads(open(client.download_artifacts(mlflow_run.info.run_id, "eval/samples.json", str(tmp_path))).read())
+    local = client.download_artifacts(mlflow_run.info.run_id, "eval/samples.json", str(tmp_path))
+    table = json.loads(open(local).read())
     assert len(table["data"]) == 16 and "judge_score" in table["columns"] and "model" in table["columns"]
 
 

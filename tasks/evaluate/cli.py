@@ -70,7 +70,8 @@ def evaluate_cmd(
         console.print(f"[{style}]gate: {'PASS' if d.passed else 'FAIL'}[/{style}]")
         for reason in d.reasons:
             console.print(f"  - {reason}", highlight=False)
-        payload.update(champion=results[1].metrics, gate={"passed": d.passed, "reasons": d.reasons, "numbers": d.numbers})
+        gate_json = {"passed": d.passed, "reasons": d.reasons, "numbers": d.numbers}
+        payload.update(champion=results[1].metrics, gate=gate_json)
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(payload, indent=2) + "\n")

@@ -98,7 +98,7 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def score(samples: Sequence[dict], made: Suggestions, verdicts: Sequence[Verdict | None], judge_name: str,
+def score_suggestions(samples: Sequence[dict], made: Suggestions, verdicts: Sequence[Verdict | None], judge_name: str,
           params: Params) -> EvalResult:
     """Metrics and per-sample rows of one model's suggestions, given the judge's verdicts."""
     users = make_users(params.evaluate.sim_users, params.simulator)
@@ -148,7 +148,7 @@ def evaluate_model(model_dir: str | Path, samples: Sequence[dict], params: Param
     samples = held_out(samples, params)
     made = suggest(model_dir, samples, params)
     run, (verdicts,) = _judge_all(samples, [made], params)
-    result = score(samples, made, verdicts, run.judge, params)
+    result = score_suggestions(samples, made, verdicts, run.judge, params)
     if mlflow.active_run() is not None:
         log_results({"candidate": result}, None)
     return result
@@ -159,8 +159,8 @@ def compare(candidate_dir: str | Path, champion_dir: str | Path, samples: Sequen
     samples = held_out(samples, params)
     made = [suggest(candidate_dir, samples, params), suggest(champion_dir, samples, params)]
     run, (cand_verdicts, champ_verdicts) = _judge_all(samples, made, params)
-    candidate = score(samples, made[0], cand_verdicts, run.judge, params)
-    champion = score(samples, made[1], champ_verdicts, run.judge, params)
+    candidate = score_suggestions(samples, made[0], cand_verdicts, run.judge, params)
+    champion = score_suggestions(samples, made[1], champ_verdicts, run.judge, params)
     decision = gate(candidate.metrics, champion.metrics, params.evaluate)
     comparison = Comparison(candidate, champion, decision, run.requests, run.cache_hits)
     if mlflow.active_run() is not None:

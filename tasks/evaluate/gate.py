@@ -44,7 +44,8 @@ def gate(candidate: Mapping[str, float], champion: Mapping[str, float], params: 
             reasons.append(f"{short} drops {delta:+.4f} ({cand:.4f} vs {champ:.4f}), beyond tolerance {tolerance:.4f}")
         elif delta > 0 and delta >= margin:
             improved = True
-            reasons.append(f"{short} improves {delta:+.4f} ({cand:.4f} vs {champ:.4f}), at least the margin {margin:.4f}")
+            reasons.append(f"{short} improves {delta:+.4f} ({cand:.4f} vs {champ:.4f}), "
+                           f"at least the margin {margin:.4f}")
         else:
             reasons.append(f"{short} changes {delta:+.4f} ({cand:.4f} vs {champ:.4f}): within tolerance, "
                            f"not an improvement by the margin {margin:.4f}")

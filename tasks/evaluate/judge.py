@@ -189,10 +189,11 @@ async def _ask_all(prompts: Sequence[str], params: JudgeParams, cache: JudgeCach
     answers: dict[str, str] = {}
     if not prompts:
         return answers
+    api_key = _api_key(params)
     limit = asyncio.Semaphore(params.concurrency)
     bar = tqdm(total=len(prompts), desc=f"judge {params.model}", unit="req")
     async with openai.AsyncOpenAI(
-        base_url=params.base_url, api_key=_api_key(params), timeout=params.timeout_s, max_retries=params.max_retries,
+        base_url=params.base_url, api_key=api_key, timeout=params.timeout_s, max_retries=params.max_retries,
     ) as client:
 
         async def one(prompt: str) -> None:
