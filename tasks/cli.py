@@ -139,5 +139,10 @@ def acceptance_cmd(
             "accept_per_request": s.accept_per_request, "mean_len": s.mean_len}, indent=2) + "\n")
 
 
+from tasks.evaluate.cli import evaluate_cmd  # noqa: E402  (after the shared helpers it imports lazily)
+
+app.command("evaluate")(evaluate_cmd)
+
+
 if __name__ == "__main__":
     app()

@@ -230,6 +230,8 @@ class EvaluateParams(Section):
     """Completion length limit."""
     batch_size: int = Field(16, ge=1)
     """Prompts generated together."""
+    sim_users: int = Field(16, ge=1)
+    """Simulated users replaying the samples round-robin (the same users for candidate and champion)."""
     judge: JudgeParams = JudgeParams()
     """The judge scoring each completion 0-10."""
     gate_tolerance: float = Field(0.02, ge=0)

@@ -1,0 +1,60 @@
+"""The gate a candidate must pass before it reaches any user.
+
+It passes only if, against the champion on the same held-out samples and judge,
+
+* neither reward per request nor judge mean drops by more than the tolerance
+  (``gate_tolerance`` for reward, 10x that for the 0-10 judge mean), and
+* at least one of them improves by the margin (``gate_margin``, 10x for the judge mean) and by
+  more than zero: equal is not better, whatever the margin;
+* and both models have judge evidence (at least one scored suggestion each): no gate passes on
+  no evidence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from tasks.config import EvaluateParams
+
+REWARD, JUDGE, SCORED = "eval/reward_per_request", "eval/judge_mean", "eval/judge_scored"
+JUDGE_SCALE = 10.0  # the judge mean is on 0-10, reward per request on roughly -1..1
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    passed: bool
+    reasons: list[str]
+    numbers: dict[str, float] = field(default_factory=dict)
+
+
+def gate(candidate: Mapping[str, float], champion: Mapping[str, float], params: EvaluateParams) -> GateDecision:
+    """Decide from two metric dicts (``EvalResult.metrics``) whether the candidate may go to users."""
+    numbers: dict[str, float] = {}
+    reasons: list[str] = []
+    no_drop, improved = True, False
+    for name, scale in ((REWARD, 1.0), (JUDGE, JUDGE_SCALE)):
+        cand, champ = float(candidate[name]), float(champion[name])
+        delta, tolerance, margin = cand - champ, params.gate_tolerance * scale, params.gate_margin * scale
+        short = name.removeprefix("eval/")
+        numbers.update({f"candidate/{short}": cand, f"champion/{short}": champ, f"delta/{short}": delta,
+                        f"tolerance/{short}": tolerance, f"margin/{short}": margin})
+        if delta < -tolerance:
+            no_drop = False
+            reasons.append(f"{short} drops {delta:+.4f} ({cand:.4f} vs {champ:.4f}), beyond tolerance {tolerance:.4f}")
+        elif delta > 0 and delta >= margin:
+            improved = True
+            reasons.append(f"{short} improves {delta:+.4f} ({cand:.4f} vs {champ:.4f}), "
+                           f"at least the margin {margin:.4f}")
+        else:
+            reasons.append(f"{short} changes {delta:+.4f} ({cand:.4f} vs {champ:.4f}): within tolerance, "
+                           f"not an improvement by the margin {margin:.4f}")
+    evidence = min(float(candidate[SCORED]), float(champion[SCORED]))
+    numbers["evidence/min_judge_scored"] = evidence
+    if evidence <= 0:
+        reasons.append("no judge evidence: a model has no scored suggestion")
+    if not improved:
+        reasons.append("neither reward per request nor judge mean improves by the margin (equal is not better)")
+    passed = no_drop and improved and evidence > 0
+    reasons.append("PASS: the candidate may be deployed" if passed else "FAIL: the champion stays")
+    return GateDecision(passed, reasons, numbers)

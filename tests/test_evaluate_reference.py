@@ -1,0 +1,94 @@
+"""The reference judge on hand-written cases, and the gate on constructed metric pairs."""
+
+from __future__ import annotations
+
+import pytest
+
+from tasks.config import EvaluateParams
+from tasks.evaluate.gate import gate
+from tasks.evaluate.judge import reference_judge
+from tasks.evaluate.reference import checks, edit_similarity, parses, reference_score
+
+PREFIX = "def area(width, height):\n    "
+SUFFIX = "\n\n\nprint(area(2, 3))\n"
+MIDDLE = "return width * height"
+
+
+def case(middle=MIDDLE, prefix=PREFIX, suffix=SUFFIX, path="geometry.py") -> dict:
+    return {"sample_id": "x", "path": path, "span_kind": "line", "prefix": prefix, "suffix": suffix, "middle": middle}
+
+
+@pytest.mark.parametrize("completion, score", [
+    ("return width * height", 10),  # exact
+    ("return width * height\n", 10),  # trailing whitespace is invisible in the editor
+    ("return  width *  height", 8),  # same code up to whitespace, still parses
+    ("return width * heigth", 8),  # a typo: near match (sim >= 0.8) that parses
+    ("return width *", 6),  # a right start covering over half the middle (does not parse alone: allowed)
+    ("return width + height", 8),  # one operator off: near match that parses
+    ("return height", 6),  # related, parses, sim >= 0.5
+    ("return", 3),  # a right start, but too short to count; some similarity
+    ("width * height)", 3),  # similar but breaks the parse
+    ("import os", 0),  # unrelated
+])
+def test_reference_scores_by_hand(completion, score):
+    assert reference_score(checks(case(), completion)) == score
+
+
+def test_checks_fields():
+    c = checks(case(), "return width *")
+    assert (c.exact, c.same_code, c.prefix, c.parse_ok) == (False, False, True, False)
+    assert 0.5 < c.edit_sim < 1
+    assert checks(case(), MIDDLE).parse_ok is True
+    # Other languages, and windows whose original does not parse, are not parse-checked.
+    assert checks(case(path="area.js"), MIDDLE).parse_ok is None
+    assert checks(case(prefix="    if x:\n        "), MIDDLE).parse_ok is None
+
+
+def test_same_code_that_breaks_indentation_is_penalised():
+    sample = case(middle="if width:\n        return 1", prefix="def f(width):\n    ", suffix="\n")
+    assert parses(sample["prefix"] + sample["middle"] + sample["suffix"])
+    c = checks(sample, "if width:\nreturn 1")  # same tokens, lost indentation
+    assert c.same_code and c.parse_ok is False
+    assert reference_score(c) == 3
+
+
+def test_abstentions_are_not_judged_and_helpers_are_sane():
+    run = reference_judge([(case(), ""), (case(), " \n"), (case(), MIDDLE)])
+    assert run.verdicts[:2] == [None, None] and run.verdicts[2].score == 10
+    assert edit_similarity("", "") == 1.0 and edit_similarity("abc", "") == 0.0
+    assert not parses("def (:") and not parses("x = '\0'\x00") and parses("x = '\\d'")
+
+
+def metrics(reward: float, judge: float, scored: float = 100.0) -> dict[str, float]:
+    return {"eval/reward_per_request": reward, "eval/judge_mean": judge, "eval/judge_scored": scored}
+
+
+GATE = EvaluateParams(gate_tolerance=0.02, gate_margin=0.005)
+
+
+@pytest.mark.parametrize("cand, champ, passed, why", [
+    (metrics(0.10, 5.0), metrics(0.10, 5.0), False, "equal is not better"),
+    (metrics(0.12, 5.0), metrics(0.10, 5.0), True, "reward_per_request improves"),
+    (metrics(0.10, 5.2), metrics(0.10, 5.0), True, "judge_mean improves"),
+    (metrics(0.103, 5.0), metrics(0.10, 5.0), False, "equal is not better"),  # below the margin
+    (metrics(0.15, 4.7), metrics(0.10, 5.0), False, "judge_mean drops"),  # judge drop 0.3 > tolerance 0.2
+    (metrics(0.15, 4.85), metrics(0.10, 5.0), True, "reward_per_request improves"),  # judge drop within 0.2
+    (metrics(0.07, 6.0), metrics(0.10, 5.0), False, "reward_per_request drops"),
+    (metrics(0.09, 6.0), metrics(0.10, 5.0), True, "judge_mean improves"),  # reward drop within tolerance
+    (metrics(0.20, 6.0, scored=0), metrics(0.10, 5.0), False, "no judge evidence"),
+    (metrics(0.20, 6.0), metrics(0.10, 0.0, scored=0), False, "no judge evidence"),
+])
+def test_gate_decisions(cand, champ, passed, why):
+    decision = gate(cand, champ, GATE)
+    assert decision.passed is passed
+    assert any(why in reason for reason in decision.reasons), decision.reasons
+    assert decision.reasons[-1].startswith("PASS" if passed else "FAIL")
+    assert decision.numbers["delta/reward_per_request"] == pytest.approx(cand["eval/reward_per_request"]
+                                                                         - champ["eval/reward_per_request"])
+    assert decision.numbers["tolerance/judge_mean"] == pytest.approx(0.2)
+
+
+def test_equal_is_not_better_even_with_zero_margin():
+    zero = EvaluateParams(gate_tolerance=0.0, gate_margin=0.0)
+    assert not gate(metrics(0.1, 5.0), metrics(0.1, 5.0), zero).passed
+    assert gate(metrics(0.1001, 5.0), metrics(0.1, 5.0), zero).passed
