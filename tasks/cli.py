@@ -139,5 +139,11 @@ def acceptance_cmd(
             "accept_per_request": s.accept_per_request, "mean_len": s.mean_len}, indent=2) + "\n")
 
 
+from tasks.deploy.cli import ab_status_cmd, promote_cmd, rollback_cmd  # noqa: E402
+
+app.command("promote")(promote_cmd)
+app.command("rollback")(rollback_cmd)
+app.command("ab-status")(ab_status_cmd)
+
 if __name__ == "__main__":
     app()
