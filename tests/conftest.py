@@ -74,10 +74,12 @@ def fim_samples(stdlib_files) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def prefect_harness():
-    """Prefect against a throwaway local server for the whole session (~15 s, once); request it to run flows."""
+    """Prefect against a throwaway local server for the whole session (~15 s, once); request it to run flows.
+
+    The start-up timeout is generous: on a loaded 2-core machine the server can take over 30 s."""
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness():
+    with prefect_test_harness(server_startup_timeout=120):
         yield
 
 
