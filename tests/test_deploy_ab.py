@@ -292,3 +292,14 @@ def test_ab_decision_flow_continues_then_promotes(tmp_path, mlflow_store, tiny_m
     decision = ab_decision(path)  # nothing under test any more
     assert decision.action == "continue" and "no A/B test" in decision.reason
     engine.dispose()
+
+
+def test_decision_flow_retries_store_hiccups_but_not_states_that_need_a_person():
+    from prefect.states import Failed
+
+    from flows.ab_decision import _transient
+    from tasks.deploy.registry import DeployError
+
+    assert _transient(None, None, Failed(data=sa.exc.OperationalError("SELECT 1", {}, Exception("locked"))))
+    assert not _transient(None, None, Failed(data=NoChallengerError("nothing to promote")))
+    assert not _transient(None, None, Failed(data=DeployError("alias and arm disagree")))
