@@ -143,6 +143,11 @@ from tasks.evaluate.cli import evaluate_cmd  # noqa: E402  (after the shared hel
 
 app.command("evaluate")(evaluate_cmd)
 
+from tasks.deploy.cli import ab_status_cmd, promote_cmd, rollback_cmd  # noqa: E402
+
+app.command("promote")(promote_cmd)
+app.command("rollback")(rollback_cmd)
+app.command("ab-status")(ab_status_cmd)
 
 if __name__ == "__main__":
     app()

@@ -255,6 +255,20 @@ class DeployParams(Section):
     """Schedule of the online RL cycle (interval)."""
     cycle_cron: str | None = None
     """A cron expression for the cycle; overrides the interval when set."""
+    max_samples: int | None = Field(5000, ge=1)
+    """Requests per arm after which a still undecided A/B test ends in a rollback (the champion stays and
+    the next cycle may start; a challenger that abstains too often to reach min_samples ends here too);
+    null keeps collecting for ever."""
+    experiment: str = "tabrl"
+    """MLflow experiment of the cycle runs (one run per cycle; compare them in the MLflow UI)."""
+    decisions_experiment: str = "tabrl-ab-decisions"
+    """MLflow experiment of the A/B decision records (one run per decision, kept apart from the cycles)."""
+
+    @model_validator(mode="after")
+    def _sample_bounds(self) -> "DeployParams":
+        if self.max_samples is not None and self.max_samples < self.min_samples:
+            raise ValueError(f"max_samples ({self.max_samples}) must be >= min_samples ({self.min_samples}) or null")
+        return self
 
 
 class ServingParams(Section):

@@ -70,3 +70,41 @@ def tiny_model_dir(tmp_path_factory, stdlib_files) -> Path:
 def fim_samples(stdlib_files) -> list[dict]:
     params = tiny_params()
     return sample_spans(stdlib_files, "eval", 24, params.fim, seed=1)
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """Prefect against a throwaway local server for the whole session (~15 s, once); request it to run flows.
+
+    The start-up timeout is generous: on a loaded 2-core machine the server can take over 30 s."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="session")
+def _mlflow_template(tmp_path_factory) -> Path:
+    """An MLflow SQLite store migrated once (creating one costs ~10 s here); `mlflow_store` copies it."""
+    from mlflow import MlflowClient
+
+    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    return path
+
+
+@pytest.fixture
+def mlflow_store(tmp_path, _mlflow_template, monkeypatch) -> str:
+    """A fresh MLflow store at tmp_path/mlflow.db (where `tiny_params(tmp_path)` points), also the global
+    tracking URI for the test; artifacts go under tmp_path (see tasks/deploy/registry.py)."""
+    import shutil
+
+    import mlflow
+
+    db = tmp_path / "mlflow.db"
+    shutil.copy(_mlflow_template, db)
+    uri = f"sqlite:///{db}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    mlflow.set_tracking_uri(uri)
+    yield uri
+    mlflow.set_tracking_uri(None)

@@ -1,0 +1,68 @@
+"""`ab_decision`: live per-arm stats -> decide -> promote, roll back or keep collecting (every few minutes).
+
+Run once: `python -m flows.ab_decision` (ephemeral Prefect) or `tabrl ab-status` to only look.
+Scheduled by `tabrl schedule` every `deploy.decision_every_minutes`. The rule is in tasks/deploy/ab.py.
+"""
+
+from __future__ import annotations
+
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+
+from serving.store import ArmError, make_engine
+from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
+from tasks.deploy import ab
+from tasks.deploy.promote import DeployChange, log_decision, promote, rollback
+from tasks.deploy.registry import CHALLENGER, CHAMPION, DeployError, get_alias_version
+
+
+def _transient(task, task_run, state) -> bool:
+    """Retry store and tracking-server hiccups, never a state that needs a person to look at it."""
+    return not isinstance(state.result(raise_on_failure=False), (DeployError, ArmError))
+
+
+@task(retries=3, retry_delay_seconds=[2, 5, 15], cache_policy=NO_CACHE)
+def live_stats(params: Params) -> dict[str, ab.ArmStats]:
+    engine = make_engine(params.paths.database_url)
+    try:
+        return ab.arm_stats(engine, params)
+    finally:
+        engine.dispose()
+
+
+@task(retries=2, retry_delay_seconds=[5, 15], retry_condition_fn=_transient, cache_policy=NO_CACHE)
+def apply_decision(params: Params, decision: ab.Decision) -> DeployChange:
+    engine = make_engine(params.paths.database_url)
+    try:
+        change = promote if decision.action == "promote" else rollback
+        return change(engine, params, decision)
+    finally:
+        engine.dispose()
+
+
+@task(retries=3, retry_delay_seconds=[2, 5, 15], cache_policy=NO_CACHE)
+def record_decision(params: Params, decision: ab.Decision, stats: dict[str, ab.ArmStats]) -> str:
+    return log_decision(params, decision, champion=get_alias_version(params, CHAMPION),
+                        challenger=get_alias_version(params, CHALLENGER), applied=False, stats=stats)
+
+
+@flow(name="ab-decision", log_prints=True)
+def ab_decision(params_file: str = str(DEFAULT_PARAMS_FILE), overrides: list[str] | None = None) -> ab.Decision:
+    """Decide on the running A/B test; a promote or rollback is applied and recorded, a continue recorded."""
+    params = load_params(params_file, overrides or [])
+    stats = live_stats(params)
+    if CHAMPION not in stats or CHALLENGER not in stats:
+        decision = ab.Decision("continue", f"no A/B test running (live arms: {sorted(stats)})", {})
+        print(decision.reason)
+        return decision
+    decision = ab.decide(stats[CHAMPION], stats[CHALLENGER], params)
+    print(f"{decision.action}: {decision.reason}")
+    if decision.action == "continue":
+        record_decision(params, decision, stats)
+    else:
+        apply_decision(params, decision)
+    return decision
+
+
+if __name__ == "__main__":
+    ab_decision()

@@ -1,0 +1,216 @@
+"""Live A/B statistics per arm and the promote / roll back / keep collecting decision.
+
+Counting (per arm, completions served by the arm's current model version since the live arm set was
+written, i.e. since the challenger went live):
+
+* a request is a completion row; an abstained one (empty suggestion) is a request with nothing shown;
+* a shown suggestion is accepted when its feedback says so within `ingest.feedback_timeout_s` of the
+  completion; feedback that says no, feedback that comes later (the user did not press Tab in time,
+  the same rule as ingest), or no feedback once the timeout has passed count as rejected;
+* a shown suggestion younger than the timeout with no feedback yet is pending: it is left out of
+  every number (requests included), so the rates never count an undecided row as a rejection.
+
+Metrics: suggestion rate = shown / requests; accept rate = accepted / shown; reward per request =
+mean of `reward.accepted` / `reward.rejected` / `reward.abstained` over requests (the quantity the
+policy is trained to raise; it prices abstaining against a rejection).
+
+Decision rule (`decide`), each test two-sided at `deploy.alpha`:
+
+1. Both arms need `deploy.min_samples` shown suggestions; before that: continue.
+2. Primary: Welch's t-test on reward per request. Significantly higher -> promote; lower -> roll back.
+3. Secondary (reward not significant): two-proportion z-test on accept rate. Significantly higher
+   and the challenger's reward per request not lower than the champion's (point estimates) -> promote;
+   significantly lower and its reward not higher -> roll back. So a challenger whose reward estimate is
+   below the champion's is never promoted on acceptance alone.
+4. Otherwise continue, until both arms have `deploy.max_samples` requests: then roll back
+   (inconclusive; the champion stays and the next cycle may start).
+
+The decision flow looks at the data every few minutes; repeated looks raise the false-positive rate
+above alpha (no sequential correction is made). `min_samples` keeps the earliest, noisiest looks out.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import sqlalchemy as sa
+from scipy import stats as st
+from sqlalchemy.engine import Engine
+
+from serving.store import arms as arms_table
+from serving.store import completions, feedback
+from tasks.config import Params, RewardParams
+from tasks.deploy.registry import CHALLENGER, CHAMPION
+
+Action = Literal["promote", "rollback", "continue"]
+
+
+@dataclass(frozen=True)
+class ArmStats:
+    arm: str
+    model_version: str
+    requests: int  # decided requests (pending ones left out)
+    shown: int
+    accepted: int
+    rejected: int  # explicit no, late answer, or timed out
+    timed_out: int  # part of rejected: no feedback within the timeout
+    abstained: int
+    pending: int  # shown, no feedback yet, younger than the timeout (not counted anywhere else)
+    suggest_rate: float
+    accept_rate: float  # per shown suggestion
+    reward_per_request: float
+    reward_std: float  # sample standard deviation of the per-request reward
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+    numbers: dict[str, float]
+
+
+def stats_from_counts(
+    arm: str, model_version: str, accepted: int, rejected: int, abstained: int, reward: RewardParams,
+    *, timed_out: int = 0, pending: int = 0,
+) -> ArmStats:
+    """Rates and the reward mean/std of one arm from its outcome counts."""
+    shown = accepted + rejected
+    n = shown + abstained
+    total = accepted * reward.accepted + rejected * reward.rejected + abstained * reward.abstained
+    mean = total / n if n else 0.0
+    if n > 1:
+        squares = accepted * reward.accepted**2 + rejected * reward.rejected**2 + abstained * reward.abstained**2
+        std = math.sqrt(max(squares - n * mean * mean, 0.0) / (n - 1))
+    else:
+        std = 0.0
+    return ArmStats(
+        arm=arm, model_version=model_version, requests=n, shown=shown, accepted=accepted, rejected=rejected,
+        timed_out=timed_out, abstained=abstained, pending=pending,
+        suggest_rate=shown / n if n else 0.0, accept_rate=accepted / shown if shown else 0.0,
+        reward_per_request=mean, reward_std=std,
+    )
+
+
+def live_since(engine: Engine) -> float | None:
+    """When the live arm set was written (the challenger went live then); None without arms."""
+    with engine.connect() as conn:
+        return conn.execute(sa.select(sa.func.max(arms_table.c.updated_at))).scalar()
+
+
+def arm_stats(
+    engine: Engine, params: Params, *, since: float | None = None, now: float | None = None
+) -> dict[str, ArmStats]:
+    """Stats of every live arm (by arm name) over its current model version's completions since `since`
+    (default: when the live arm set was written), with the feedback timeout applied as of `now`."""
+    now = time.time() if now is None else now
+    since = live_since(engine) if since is None else since
+    if since is None:
+        return {}
+    timeout = params.ingest.feedback_timeout_s
+    c, f = completions, feedback
+    shown = sa.not_(c.c.abstained)
+    no_feedback = f.c.completion_id.is_(None)
+    accepted = sa.and_(shown, f.c.accepted, f.c.received_at <= c.c.created_at + timeout)
+    pending = sa.and_(shown, no_feedback, c.c.created_at > now - timeout)
+    timed_out = sa.and_(shown, no_feedback, c.c.created_at <= now - timeout)
+
+    def count(cond):
+        return sa.func.coalesce(sa.func.sum(sa.case((cond, 1), else_=0)), 0)
+
+    # Feedback that arrives after `now` does not exist yet as far as this look is concerned.
+    joined = c.outerjoin(f, sa.and_(f.c.completion_id == c.c.id, f.c.received_at <= now))
+    query = (
+        sa.select(
+            c.c.arm, c.c.model_version, sa.func.count().label("rows"), count(c.c.abstained).label("abstained"),
+            count(accepted).label("accepted"), count(pending).label("pending"), count(timed_out).label("timed_out"),
+        )
+        .select_from(joined)
+        .where(c.c.created_at >= since, c.c.created_at <= now)
+        .group_by(c.c.arm, c.c.model_version)
+    )
+    with engine.connect() as conn:
+        live = conn.execute(sa.select(arms_table.c.name, arms_table.c.model_version)).all()
+        rows = {(r.arm, r.model_version): r for r in conn.execute(query)}
+    out = {}
+    for name, version in live:
+        r = rows.get((name, version))
+        if r is None:
+            out[name] = stats_from_counts(name, version, 0, 0, 0, params.reward)
+            continue
+        rejected = r.rows - r.abstained - r.accepted - r.pending
+        out[name] = stats_from_counts(
+            name, version, int(r.accepted), int(rejected), int(r.abstained), params.reward,
+            timed_out=int(r.timed_out), pending=int(r.pending),
+        )
+    return out
+
+
+def two_proportion_test(x1: int, n1: int, x2: int, n2: int) -> tuple[float, float]:
+    """Pooled two-proportion z-test of x2/n2 vs x1/n1: (z, two-sided p). No variance -> (0, 1)."""
+    if n1 == 0 or n2 == 0:
+        return 0.0, 1.0
+    pooled = (x1 + x2) / (n1 + n2)
+    se = math.sqrt(pooled * (1 - pooled) * (1 / n1 + 1 / n2))
+    if se == 0:
+        return 0.0, 1.0
+    z = (x2 / n2 - x1 / n1) / se
+    return z, float(2 * st.norm.sf(abs(z)))
+
+
+def welch_test(a: ArmStats, b: ArmStats) -> tuple[float, float]:
+    """Welch's t-test of b's reward per request vs a's: (t, two-sided p).
+
+    Both arms without variance: p is 1 for equal means, 0 otherwise (t is then reported as 0).
+    """
+    if a.requests < 2 or b.requests < 2:
+        return 0.0, 1.0
+    if a.reward_std == 0 and b.reward_std == 0:
+        return 0.0, 1.0 if a.reward_per_request == b.reward_per_request else 0.0
+    result = st.ttest_ind_from_stats(
+        b.reward_per_request, b.reward_std, b.requests, a.reward_per_request, a.reward_std, a.requests, equal_var=False
+    )
+    return float(result.statistic), float(result.pvalue)
+
+
+def decide(champion: ArmStats, challenger: ArmStats, params: Params) -> Decision:
+    """Promote, roll back or continue by the rule in this module's docstring; `numbers` holds every input."""
+    d = params.deploy
+    z, p_accept = two_proportion_test(champion.accepted, champion.shown, challenger.accepted, challenger.shown)
+    t, p_reward = welch_test(champion, challenger)
+    d_accept = challenger.accept_rate - champion.accept_rate
+    d_reward = challenger.reward_per_request - champion.reward_per_request
+    numbers = {f"{CHAMPION}_{k}": float(v) for k, v in _numeric(champion).items()}
+    numbers |= {f"{CHALLENGER}_{k}": float(v) for k, v in _numeric(challenger).items()}
+    numbers |= {"accept_rate_diff": d_accept, "accept_z": z, "accept_p": p_accept,
+                "reward_diff": d_reward, "reward_t": t, "reward_p": p_reward,
+                "alpha": d.alpha, "min_samples": float(d.min_samples)}
+    reward_sig = p_reward < d.alpha
+    accept_sig = p_accept < d.alpha
+    fmt = f"reward/request {challenger.reward_per_request:.4f} vs {champion.reward_per_request:.4f} (p={p_reward:.3g})"
+    fmt_acc = f"accept rate {challenger.accept_rate:.3f} vs {champion.accept_rate:.3f} (p={p_accept:.3g})"
+
+    if min(champion.shown, challenger.shown) < d.min_samples:
+        if d.max_samples is not None and min(champion.requests, challenger.requests) >= d.max_samples:
+            return Decision("rollback", f"inconclusive: {d.max_samples} requests per arm and still fewer than "
+                            f"{d.min_samples} shown suggestions (champion {champion.shown}, challenger "
+                            f"{challenger.shown})", numbers)
+        return Decision("continue", f"collecting: {champion.shown}/{d.min_samples} shown suggestions on the champion, "
+                        f"{challenger.shown}/{d.min_samples} on the challenger", numbers)
+    if reward_sig and d_reward > 0:
+        return Decision("promote", f"challenger better: {fmt}", numbers)
+    if reward_sig and d_reward < 0:
+        return Decision("rollback", f"challenger worse: {fmt}", numbers)
+    if accept_sig and d_accept > 0 and d_reward >= 0:
+        return Decision("promote", f"challenger better: {fmt_acc}, reward/request not lower ({fmt})", numbers)
+    if accept_sig and d_accept < 0 and d_reward <= 0:
+        return Decision("rollback", f"challenger worse: {fmt_acc}, reward/request not higher ({fmt})", numbers)
+    if d.max_samples is not None and min(champion.requests, challenger.requests) >= d.max_samples:
+        return Decision("rollback", f"inconclusive after {d.max_samples} requests per arm: {fmt}; {fmt_acc}", numbers)
+    return Decision("continue", f"no significant difference yet: {fmt}; {fmt_acc}", numbers)
+
+
+def _numeric(s: ArmStats) -> dict[str, float]:
+    return {k: v for k, v in asdict(s).items() if isinstance(v, (int, float))}

@@ -1,0 +1,155 @@
+"""End an A/B test: promote the challenger or roll it back, and record every decision in MLflow.
+
+Two stores change together: MLflow aliases (which version is champion / challenger) and the log
+store's arms (what the gateways serve). They cannot share a transaction, so the order is chosen to
+keep traffic safe:
+
+* promote: move the aliases, then swap the arms in one transaction; when the arm swap fails the
+  aliases are put back before the error propagates.
+* rollback: swap the arms first (stop serving the challenger as soon as possible), then delete the
+  alias. When the alias delete fails, the arms are already safe and running rollback again finishes
+  the job (a challenger alias without a challenger arm is still a challenger to roll back).
+
+Arms keep their backend and `model_uri`: promoting hands the challenger's arm (its loaded model, or
+its vLLM server) the champion's name at share 1.0; the arms no longer served are returned so the
+rollout can stop their vLLM processes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, replace
+
+from mlflow.entities import Metric
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import SQLAlchemyError
+
+from serving.store import Arm, ArmError, read_arms, replace_arms
+from tasks.config import Params
+from tasks.deploy.ab import ArmStats, Decision, arm_stats, decide
+from tasks.deploy.registry import (
+    CHALLENGER,
+    CHAMPION,
+    DeployError,
+    ModelVersion,
+    as_flat_tags,
+    delete_alias,
+    experiment_id,
+    get_alias_version,
+    set_alias,
+    tracking_client,
+)
+
+
+class NoChallengerError(DeployError):
+    """Nothing is under test: no challenger arm is live and no version carries the challenger alias."""
+
+
+@dataclass(frozen=True)
+class DeployChange:
+    action: str  # "promote" | "rollback"
+    champion: ModelVersion | None  # the champion after the change
+    challenger: ModelVersion | None  # the version that was under test
+    arms: list[Arm]  # the live arms after the change
+    removed: list[Arm]  # arms no longer served (stop their vLLM servers)
+    record_run_id: str  # the MLflow decision record
+
+
+def promote(engine: Engine, params: Params, decision: Decision | None = None) -> DeployChange:
+    """Challenger -> champion (alias) and the only arm at share 1.0; the old champion arm is removed."""
+    live = read_arms(engine)
+    arm, version = _challenger(live, params, "promote")
+    if arm is None or version is None:
+        raise DeployError(
+            f"cannot promote: the challenger is half set up (arm: {arm.model_version if arm else 'none'}, "
+            f"alias: {version.label if version else 'none'}); run `tabrl rollback` to clear it"
+        )
+    if arm.model_version != version.label:
+        raise DeployError(f"cannot promote: the challenger arm serves {arm.model_version} but the "
+                          f"{CHALLENGER!r} alias points at {version.label}; fix the alias or roll back")
+    decision = decision or _manual("promote", engine, params)
+    before = get_alias_version(params, CHAMPION)
+    set_alias(params, CHAMPION, version.version)
+    delete_alias(params, CHALLENGER)
+    new_arms = [replace(arm, name=CHAMPION, share=1.0)]
+    try:
+        replace_arms(engine, new_arms)
+    except (SQLAlchemyError, ArmError):
+        if before is not None:
+            set_alias(params, CHAMPION, before.version)
+        set_alias(params, CHALLENGER, version.version)
+        raise
+    record = log_decision(params, decision, champion=version, challenger=version, applied=True)
+    removed = [a for a in live if a.name != CHALLENGER]
+    return DeployChange("promote", version, version, new_arms, removed, record)
+
+
+def rollback(engine: Engine, params: Params, decision: Decision | None = None) -> DeployChange:
+    """Challenger arm removed, champion arm at share 1.0, challenger alias deleted."""
+    live = read_arms(engine)
+    arm, version = _challenger(live, params, "roll back")
+    champion_arm = next((a for a in live if a.name == CHAMPION), None)
+    if champion_arm is None:
+        raise DeployError(f"cannot roll back: no {CHAMPION!r} arm is live to take the traffic "
+                          f"(live arms: {[a.name for a in live]})")
+    decision = decision or _manual("rollback", engine, params)
+    new_arms = [replace(champion_arm, share=1.0)]
+    replace_arms(engine, new_arms)
+    delete_alias(params, CHALLENGER)
+    champion = get_alias_version(params, CHAMPION)
+    record = log_decision(params, decision, champion=champion, challenger=version, applied=True)
+    removed = [a for a in live if a.name != CHAMPION]
+    return DeployChange("rollback", champion, version, new_arms, removed, record)
+
+
+def _challenger(live: list[Arm], params: Params, verb: str) -> tuple[Arm | None, ModelVersion | None]:
+    arm = next((a for a in live if a.name == CHALLENGER), None)
+    version = get_alias_version(params, CHALLENGER)
+    if arm is None and version is None:
+        raise NoChallengerError(f"nothing to {verb}: no {CHALLENGER!r} arm is live and no version of "
+                                f"{params.deploy.registered_model!r} has the {CHALLENGER!r} alias")
+    return arm, version
+
+
+def _manual(action: str, engine: Engine, params: Params) -> Decision:
+    """A by-hand decision, recorded with the live numbers and what the rule would have said."""
+    stats = arm_stats(engine, params)
+    if CHAMPION in stats and CHALLENGER in stats:
+        rule = decide(stats[CHAMPION], stats[CHALLENGER], params)
+        return Decision(action, f"by hand (the rule says {rule.action}: {rule.reason})", rule.numbers)  # type: ignore[arg-type]
+    return Decision(action, "by hand (no live numbers for both arms)", {})  # type: ignore[arg-type]
+
+
+def log_decision(
+    params: Params,
+    decision: Decision,
+    *,
+    champion: ModelVersion | None,
+    challenger: ModelVersion | None,
+    applied: bool,
+    stats: dict[str, ArmStats] | None = None,
+) -> str:
+    """One run in `deploy.decisions_experiment` per decision: action, reason, `ab/*` numbers, the record
+    as `decision.json`. A promote or rollback also tags the challenger's cycle run with the outcome."""
+    client = tracking_client(params)
+    exp = experiment_id(client, params.deploy.decisions_experiment, params)
+    label = challenger.label if challenger else "none"
+    tags = {
+        "tabrl.kind": "ab_decision", "tabrl.action": decision.action, "tabrl.reason": decision.reason,
+        "tabrl.applied": str(applied).lower(), "tabrl.challenger_version": label,
+        "tabrl.champion_version": champion.label if champion else "none",
+    }
+    if challenger and challenger.run_id:
+        tags["tabrl.cycle_run_id"] = challenger.run_id
+    run_id = client.create_run(exp, run_name=f"{decision.action}-{label}").info.run_id
+    metrics = [Metric(f"ab/{k}", float(v), int(time.time() * 1000), 0) for k, v in decision.numbers.items()]
+    client.log_batch(run_id, metrics=metrics, tags=as_flat_tags(tags))
+    record = {"decision": asdict(decision), "applied": applied, "champion": champion.label if champion else None,
+              "challenger": label, "stats": {k: asdict(v) for k, v in (stats or {}).items()}}
+    client.log_text(run_id, json.dumps(record, indent=2, sort_keys=True), "decision.json")
+    client.set_terminated(run_id)
+    if applied and challenger and challenger.run_id and decision.action != "continue":
+        client.log_batch(challenger.run_id, metrics=metrics,
+                         tags=as_flat_tags({"tabrl.ab_decision": decision.action, "tabrl.ab_reason": decision.reason}))
+    return run_id

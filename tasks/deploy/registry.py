@@ -1,0 +1,373 @@
+"""The MLflow side of deploy: one run per cycle, one registered model, aliases, local model dirs.
+
+* Every cycle is one MLflow run in experiment ``deploy.experiment``: the full resolved params (as
+  MLflow params, and untruncated as the artifact ``params.json``), the data snapshot hash as a tag,
+  the metrics every stage logs through :func:`log_cycle_metrics`, plots through :func:`log_cycle_artifact`.
+* A candidate checkpoint (a Hugging Face directory) becomes a new version of ``deploy.registered_model``.
+  MLflow 3.17's ``register_model('runs:/..')`` refuses plain folders (it wants an MLmodel file), so the
+  folder is logged once as the run's ``model`` artifact and the version is created by reference to it
+  with ``MlflowClient.create_model_version(source=<run artifact uri>/model)``.
+* Aliases ``champion`` (serves 100 % unless a test runs) and ``challenger`` (under A/B test).
+
+Copies of big checkpoints: the registry holds exactly one immutable copy, the run artifact (the
+trainer's output directory is scratch that the next cycle may overwrite, so a reference to it would
+not be reproducible). Registering a version adds no copy (the version points at the artifact).
+Resolving ``models:/NAME@alias`` on a local artifact store (a SQLite or file tracking URI, artifacts
+under ``paths.state_dir``) returns the artifact directory itself, no copy; on a remote store (an
+``mlflow server``, S3, ...) it downloads once into ``<state_dir>/model_cache/NAME/VERSION`` and
+reuses that (versions are immutable, so the cache never goes stale).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+from urllib.parse import unquote, urlparse
+
+import mlflow
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
+from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH, MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
+
+from tasks.config import Params
+
+CHAMPION = "champion"
+CHALLENGER = "challenger"
+MODEL_ARTIFACT = "model"
+CACHE_DONE = ".tabrl-complete"  # written last into a downloaded model dir; a dir without it is partial
+
+
+class DeployError(RuntimeError):
+    """The registry or the arms are not in a state that allows the step; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class ModelVersion:
+    name: str
+    version: int
+    source: str  # artifact URI of the checkpoint directory
+    run_id: str | None  # the cycle run that produced it
+
+    @property
+    def uri(self) -> str:
+        """`models:/NAME/VERSION`, immutable (an alias URI moves)."""
+        return f"models:/{self.name}/{self.version}"
+
+    @property
+    def label(self) -> str:
+        """`NAME/VERSION`: what arms and completions record as their model version."""
+        return f"{self.name}/{self.version}"
+
+
+def tracking_client(params: Params) -> MlflowClient:
+    """A client on `paths.mlflow_tracking_uri`; a SQLite store's directory is created first."""
+    uri = params.paths.mlflow_tracking_uri
+    if uri.startswith("sqlite:///"):
+        db_path = uri[len("sqlite:///"):]
+        if db_path and db_path != ":memory:":
+            Path(db_path).parent.mkdir(parents=True, exist_ok=True)
+    return MlflowClient(tracking_uri=uri)
+
+
+def experiment_id(client: MlflowClient, name: str, params: Params) -> str:
+    """The id of experiment `name`, created on first use.
+
+    With a local tracking store the artifacts go under `<paths.state_dir>/mlartifacts` (MLflow's own
+    default is ./mlruns of whatever the working directory is); a tracking server decides for itself.
+    """
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    location = None
+    if _is_local_store(params.paths.mlflow_tracking_uri):
+        location = (Path(params.paths.state_dir) / "mlartifacts").resolve().as_uri()
+    return client.create_experiment(name, artifact_location=location)
+
+
+def _is_local_store(tracking_uri: str) -> bool:
+    return urlparse(tracking_uri).scheme in ("", "file", "sqlite")
+
+
+# --- cycle runs -----------------------------------------------------------------------------------
+
+
+def start_cycle_run(
+    params: Params,
+    *,
+    run_id: str | None = None,
+    snapshot_sha256: str | None = None,
+    run_name: str | None = None,
+    tags: Mapping[str, str] | None = None,
+) -> str:
+    """Start the cycle's MLflow run (or resume `run_id`) with the full resolved params; returns the run id.
+
+    Resuming a run checks that its logged params are the ones given (a cycle resumed under another
+    config would no longer be comparable) and logs any that a crash left out.
+    """
+    client = tracking_client(params)
+    all_tags = {"tabrl.kind": "cycle", **(tags or {})}
+    if snapshot_sha256 is not None:
+        all_tags["tabrl.snapshot_sha256"] = snapshot_sha256
+    wanted = mlflow_params(params)
+    if run_id is None:
+        exp = experiment_id(client, params.deploy.experiment, params)
+        run_id = client.create_run(exp, run_name=run_name, tags=all_tags).info.run_id
+        missing = wanted
+        client.log_dict(run_id, params.model_dump(mode="json"), "params.json")
+    else:
+        run = _get_run(client, run_id)
+        logged = run.data.params
+        differ = sorted(k for k, v in wanted.items() if k in logged and logged[k] != v)
+        if differ:
+            shown = ", ".join(f"{k}: {logged[k]!r} -> {wanted[k]!r}" for k in differ[:5])
+            raise DeployError(f"cannot resume MLflow run {run_id} with different params ({shown}); start a new cycle run")
+        missing = {k: v for k, v in wanted.items() if k not in logged}
+        if run.info.status != "RUNNING":
+            client.update_run(run_id, status="RUNNING")
+        client.log_batch(run_id, tags=[RunTag(k, v) for k, v in all_tags.items()])
+    items = [Param(k, v) for k, v in missing.items()]
+    for start in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
+        client.log_batch(run_id, params=items[start:start + MAX_PARAMS_TAGS_PER_BATCH])
+    return run_id
+
+
+def end_cycle_run(params: Params, run_id: str, status: str = "FINISHED") -> None:
+    """Close the cycle run: FINISHED, FAILED or KILLED."""
+    tracking_client(params).set_terminated(run_id, status=status)
+
+
+def log_cycle_metrics(params: Params, run_id: str, metrics: Mapping[str, float], step: int | None = None) -> None:
+    """Log a stage's metrics (namespaced names, e.g. `train/loss`) to the cycle run in batches."""
+    items = [Metric(k, float(v), int(time.time() * 1000), step or 0) for k, v in metrics.items()]
+    client = tracking_client(params)
+    for start in range(0, len(items), 1000):  # MLflow's batch limit for metrics
+        client.log_batch(run_id, metrics=items[start:start + 1000])
+
+
+def log_cycle_artifact(params: Params, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
+    """Attach a file (a plot, a table) to the cycle run."""
+    tracking_client(params).log_artifact(run_id, str(path), artifact_path)
+
+
+def mlflow_params(params: Params) -> dict[str, str]:
+    """params.flat() as MLflow param strings, within MLflow's key and value length limits.
+
+    A value longer than the limit keeps its head and ends in its sha256, so two different long values
+    never log the same string; the untruncated tree is the run's `params.json` artifact.
+    """
+    out = {}
+    for key, value in params.flat().items():
+        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+        out[_fit(key, MAX_ENTITY_KEY_LENGTH)] = _fit(text, MAX_PARAM_VAL_LENGTH)
+    return out
+
+
+def _fit(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    tail = f"...[sha256:{hashlib.sha256(text.encode()).hexdigest()}]"
+    return text[: limit - len(tail)] + tail
+
+
+def _get_run(client: MlflowClient, run_id: str):
+    try:
+        return client.get_run(run_id)
+    except MlflowException as err:
+        if err.error_code == ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
+            raise DeployError(f"MLflow run {run_id} not found in {client.tracking_uri}") from err
+        raise
+
+
+# --- registered model versions and aliases ---------------------------------------------------------
+
+
+def register_candidate(
+    model_dir: str | Path, params: Params, run_id: str, tags: Mapping[str, str] | None = None
+) -> ModelVersion:
+    """Log a checkpoint directory as the run's `model` artifact and register it as a new version.
+
+    The one copy the registry keeps is this artifact; the version refers to it.
+    """
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise DeployError(f"{model_dir} is not a Hugging Face checkpoint directory (no config.json)")
+    client = tracking_client(params)
+    run = _get_run(client, run_id)
+    client.log_artifacts(run_id, str(model_dir), MODEL_ARTIFACT)
+    name = params.deploy.registered_model
+    _ensure_registered_model(client, name)
+    version_tags = {"tabrl.cycle_run_id": run_id, **(tags or {})}
+    snapshot = run.data.tags.get("tabrl.snapshot_sha256")
+    if snapshot:
+        version_tags["tabrl.snapshot_sha256"] = snapshot
+    mv = client.create_model_version(
+        name, source=f"{run.info.artifact_uri}/{MODEL_ARTIFACT}", run_id=run_id, tags=version_tags
+    )
+    return _version(mv)
+
+
+def ensure_champion(base_dir: str | Path, params: Params) -> ModelVersion:
+    """The champion; an empty registry first gets the base model as version 1 and alias `champion`.
+
+    A registered model that has versions but no champion is left alone (someone removed the alias, and
+    silently serving the base model again would undo their deployment): that is an error to fix by hand.
+    """
+    found = get_alias_version(params, CHAMPION)
+    if found is not None:
+        return found
+    client = tracking_client(params)
+    name = params.deploy.registered_model
+    if _ensure_registered_model(client, name) and client.search_model_versions(f"name = '{name}'", max_results=1):
+        raise DeployError(
+            f"registered model {name!r} has versions but no {CHAMPION!r} alias; set one in the MLflow UI "
+            f"or with MlflowClient().set_registered_model_alias({name!r}, {CHAMPION!r}, VERSION)"
+        )
+    run_id = start_cycle_run(params, run_name="base-model", tags={"tabrl.kind": "base"})
+    mv = register_candidate(base_dir, params, run_id, tags={"tabrl.kind": "base"})
+    end_cycle_run(params, run_id)
+    set_alias(params, CHAMPION, mv.version)
+    return mv
+
+
+def _ensure_registered_model(client: MlflowClient, name: str) -> bool:
+    """Create the registered model when missing; True when it already existed."""
+    try:
+        client.get_registered_model(name)
+        return True
+    except MlflowException as err:
+        if err.error_code != ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
+            raise
+    client.create_registered_model(name, description="tabrl code-completion policy (Hugging Face checkpoints)")
+    return False
+
+
+def _version(mv) -> ModelVersion:
+    return ModelVersion(name=mv.name, version=int(mv.version), source=mv.source, run_id=mv.run_id or None)
+
+
+def get_version(params: Params, version: int) -> ModelVersion:
+    """One version of the registered model."""
+    try:
+        return _version(tracking_client(params).get_model_version(params.deploy.registered_model, str(version)))
+    except MlflowException as err:
+        if err.error_code == ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
+            raise DeployError(f"{params.deploy.registered_model} has no version {version}") from err
+        raise
+
+
+def set_alias(params: Params, alias: str, version: int) -> None:
+    """Point `alias` at `version` of the registered model (moves it when it points elsewhere)."""
+    tracking_client(params).set_registered_model_alias(params.deploy.registered_model, alias, str(version))
+
+
+def get_alias_version(params: Params, alias: str) -> ModelVersion | None:
+    """The version `alias` points at, or None (no such alias, or no registered model yet)."""
+    client = tracking_client(params)
+    try:
+        model = client.get_registered_model(params.deploy.registered_model)
+    except MlflowException as err:
+        if err.error_code == ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
+            return None
+        raise
+    version = model.aliases.get(alias)
+    if version is None:
+        return None
+    return _version(client.get_model_version(model.name, str(version)))
+
+
+def delete_alias(params: Params, alias: str) -> bool:
+    """Remove `alias`; False when it was not set."""
+    if get_alias_version(params, alias) is None:
+        return False
+    tracking_client(params).delete_registered_model_alias(params.deploy.registered_model, alias)
+    return True
+
+
+# --- local directories ----------------------------------------------------------------------------
+
+
+def resolve_model_dir(uri: str | Path, params: Params, *, copy: bool = False) -> Path:
+    """A local checkpoint directory for `uri`, loadable with `from_pretrained`.
+
+    `uri`: a local directory (returned as is), `models:/NAME@alias`, `models:/NAME/VERSION`, or
+    `runs:/RUN_ID/path`. A registry version on a local artifact store resolves to the artifact
+    directory itself (read it, never write into it); `copy=True`, or a remote store, downloads into
+    `<paths.state_dir>/model_cache` once per version.
+    """
+    text = str(uri)
+    if not text.startswith(("models:/", "runs:/")):
+        path = Path(text)
+        if not (path / "config.json").is_file():
+            raise DeployError(f"model {text!r} is neither a checkpoint directory (no config.json) nor a models:/ URI")
+        return path
+    cache = Path(params.paths.state_dir) / "model_cache"
+    if text.startswith("runs:/"):
+        run_id, _, sub = text[len("runs:/"):].partition("/")
+        return _download(text, cache / "runs" / run_id / (sub or "root"), params)
+    mv = _model_version_of(text, params)
+    local = _local_path(mv.source)
+    if local is not None and local.is_dir() and not copy:
+        return local
+    return _download(mv.source, cache / mv.name / str(mv.version), params)
+
+
+def _model_version_of(uri: str, params: Params) -> ModelVersion:
+    body = uri[len("models:/"):]
+    client = tracking_client(params)
+    try:
+        if "@" in body:
+            name, alias = body.split("@", 1)
+            return _version(client.get_model_version_by_alias(name, alias))
+        name, _, version = body.partition("/")
+        if not version.isdigit():
+            raise DeployError(f"model URI {uri!r} must look like models:/NAME@alias or models:/NAME/VERSION")
+        return _version(client.get_model_version(name, version))
+    except MlflowException as err:
+        raise DeployError(f"cannot resolve {uri!r} in {params.paths.mlflow_tracking_uri}: {err.message}") from err
+
+
+def _local_path(artifact_uri: str) -> Path | None:
+    parsed = urlparse(artifact_uri)
+    if parsed.scheme == "file":
+        return Path(unquote(parsed.path))
+    if parsed.scheme == "":
+        return Path(artifact_uri)
+    return None
+
+
+def _download(artifact_uri: str, target: Path, params: Params) -> Path:
+    if (target / CACHE_DONE).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".download-", dir=target.parent))
+    try:
+        got = Path(mlflow.artifacts.download_artifacts(
+            artifact_uri=artifact_uri, dst_path=str(staging), tracking_uri=params.paths.mlflow_tracking_uri))
+        (got / CACHE_DONE).write_text(artifact_uri + "\n")
+        if target.exists():  # a partial download from an interrupted earlier call
+            shutil.rmtree(target)
+        got.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def version_of_label(label: str) -> int:
+    """`NAME/VERSION` (an arm's model_version) -> VERSION."""
+    _, _, version = label.rpartition("/")
+    if not version.isdigit():
+        raise DeployError(f"model version label {label!r} must look like NAME/VERSION")
+    return int(version)
+
+
+def as_flat_tags(values: Mapping[str, Any]) -> list[RunTag]:
+    """MLflow tags from plain values (within the tag value limit)."""
+    return [RunTag(_fit(k, MAX_ENTITY_KEY_LENGTH), _fit(str(v), MAX_PARAM_VAL_LENGTH)) for k, v in values.items()]

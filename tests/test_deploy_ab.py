@@ -1,0 +1,305 @@
+"""A/B stats (timeout rule), the decision rule, promote / rollback, the CLI and the decision flow."""
+
+import itertools
+import os
+import uuid
+
+import numpy as np
+import pytest
+import sqlalchemy as sa
+import yaml
+from scipy import stats as st
+from typer.testing import CliRunner
+
+from serving.store import Arm, completions, feedback, init_schema, make_engine, read_arms, replace_arms
+from tasks.deploy.ab import arm_stats, decide, live_since, stats_from_counts, two_proportion_test, welch_test
+from tasks.deploy.promote import NoChallengerError, promote, rollback
+from tasks.deploy.registry import (
+    CHALLENGER,
+    CHAMPION,
+    ensure_champion,
+    get_alias_version,
+    register_candidate,
+    set_alias,
+    start_cycle_run,
+    tracking_client,
+)
+from tests.conftest import tiny_params
+
+_ids = itertools.count()
+
+
+def _engines(tmp_path):
+    """SQLite, then PostgreSQL in a throwaway schema when TABRL_TEST_POSTGRES_URL is set."""
+    engine = make_engine(f"sqlite:///{tmp_path}/store.db")
+    init_schema(engine)
+    yield engine
+    engine.dispose()
+    url = os.environ.get("TABRL_TEST_POSTGRES_URL")
+    if url:
+        schema = f"t_{uuid.uuid4().hex[:10]}"
+        admin = sa.create_engine(url)
+        with admin.begin() as conn:
+            conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
+        engine = make_engine(f"{url}?options=-csearch_path%3D{schema}")
+        try:
+            init_schema(engine)
+            yield engine
+        finally:
+            engine.dispose()
+            with admin.begin() as conn:
+                conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
+            admin.dispose()
+
+
+def _log(engine, arm, version, created, *, abstained=False, answer=None, answered_at=None):
+    """One served completion, and its feedback when `answer` is given."""
+    cid = f"c{next(_ids)}"
+    with engine.begin() as conn:
+        conn.execute(completions.insert().values(
+            id=cid, created_at=created, user_id="u1", arm=arm, model_version=version, prompt="p", prefix="p",
+            suffix="", completion="" if abstained else "x = 1", temperature=0.7, latency_ms=5.0,
+            abstained=abstained, prompt_hash=cid))
+        if answer is not None:
+            conn.execute(feedback.insert().values(
+                completion_id=cid, matched=True, accepted=answer, received_at=answered_at, source="api"))
+
+
+def _ab_arms(engine, champion="m/1", challenger="m/2"):
+    replace_arms(engine, [Arm(CHAMPION, champion, "/models/a", "embedded", 0.5),
+                          Arm(CHALLENGER, challenger, "/models/b", "embedded", 0.5)])
+
+
+def test_arm_stats_apply_the_feedback_timeout_and_count_since_the_challenger_went_live(tmp_path):
+    params = tiny_params(tmp_path, ingest={"feedback_timeout_s": 10.0})
+    for engine in _engines(tmp_path):
+        _log(engine, CHAMPION, "m/1", 1.0, answer=True, answered_at=2.0)  # before the A/B test: left out
+        _ab_arms(engine)
+        t0 = live_since(engine)
+        now = t0 + 100
+        _log(engine, CHAMPION, "m/1", t0 + 1, answer=True, answered_at=t0 + 3)  # accepted in time
+        _log(engine, CHAMPION, "m/1", t0 + 1, answer=True, answered_at=t0 + 40)  # Tab too late: rejected
+        _log(engine, CHAMPION, "m/1", t0 + 1, answer=False, answered_at=t0 + 2)  # explicit no
+        _log(engine, CHAMPION, "m/1", t0 + 5, abstained=True)  # nothing shown
+        _log(engine, CHAMPION, "m/1", t0 + 20)  # no answer, 80 s old: timed out = rejected
+        _log(engine, CHAMPION, "m/1", now - 3)  # no answer, 3 s old: pending, left out
+        _log(engine, CHAMPION, "m/1", now - 3, answer=False, answered_at=now - 1)  # young but answered: counts
+        _log(engine, CHAMPION, "m/1", t0 + 1, answer=True, answered_at=now + 5)  # answer after `now`: not yet seen
+        _log(engine, CHAMPION, "m/0", t0 + 1, answer=True, answered_at=t0 + 2)  # an older version under this name
+        _log(engine, CHALLENGER, "m/2", t0 + 2, answer=True, answered_at=t0 + 4)
+
+        stats = arm_stats(engine, params, now=now)
+        champ, chall = stats[CHAMPION], stats[CHALLENGER]
+        assert (champ.requests, champ.shown, champ.accepted, champ.rejected, champ.abstained) == (7, 6, 1, 5, 1)
+        assert (champ.timed_out, champ.pending) == (2, 1)  # the late-answer-after-now row has timed out too
+        assert champ.suggest_rate == pytest.approx(6 / 7) and champ.accept_rate == pytest.approx(1 / 6)
+        r = params.reward
+        assert champ.reward_per_request == pytest.approx((r.accepted + 5 * r.rejected + r.abstained) / 7)
+        assert (chall.requests, chall.accepted, chall.model_version) == (1, 1, "m/2")
+        # The same store looked at a minute earlier: more rows are still pending.
+        earlier = arm_stats(engine, params, now=t0 + 25)[CHAMPION]
+        assert (earlier.requests, earlier.pending, earlier.timed_out, earlier.accepted) == (5, 1, 2, 1)
+
+
+def test_reward_stats_from_counts_match_the_raw_samples():
+    params = tiny_params()
+    a = stats_from_counts(CHAMPION, "m/1", 30, 50, 20, params.reward)
+    b = stats_from_counts(CHALLENGER, "m/2", 45, 40, 15, params.reward)
+    raw = [np.repeat([params.reward.accepted, params.reward.rejected, params.reward.abstained], counts)
+           for counts in ((30, 50, 20), (45, 40, 15))]
+    assert a.reward_per_request == pytest.approx(raw[0].mean())
+    assert a.reward_std == pytest.approx(raw[0].std(ddof=1))
+    t, p = welch_test(a, b)
+    ref = st.ttest_ind(raw[1], raw[0], equal_var=False)
+    assert (t, p) == (pytest.approx(ref.statistic), pytest.approx(ref.pvalue))
+    z, p = two_proportion_test(30, 80, 45, 85)
+    pooled = 75 / 165
+    assert z == pytest.approx((45 / 85 - 30 / 80) / np.sqrt(pooled * (1 - pooled) * (1 / 80 + 1 / 85)))
+    assert p == pytest.approx(2 * st.norm.sf(abs(z)))
+
+
+def _pair(champ, chall, params):
+    return (stats_from_counts(CHAMPION, "m/1", *champ, params.reward),
+            stats_from_counts(CHALLENGER, "m/2", *chall, params.reward))
+
+
+def test_decision_rule_minimum_samples_promote_rollback_and_continue():
+    params = tiny_params(deploy={"min_samples": 100, "alpha": 0.05, "max_samples": 1000})
+    # A huge difference but too few shown suggestions on one arm: keep collecting.
+    d = decide(*_pair((10, 89, 0), (90, 9, 0), params), params)
+    assert d.action == "continue" and "99/100" in d.reason
+    assert d.numbers["challenger_accept_rate"] == pytest.approx(90 / 99)
+    # Enough samples: better reward per request -> promote; worse -> roll back.
+    assert decide(*_pair((30, 70, 0), (60, 40, 0), params), params).action == "promote"
+    assert decide(*_pair((60, 40, 0), (30, 70, 0), params), params).action == "rollback"
+    # No difference -> continue; still none at max_samples requests per arm -> roll back (inconclusive).
+    assert decide(*_pair((50, 50, 0), (51, 49, 0), params), params).action == "continue"
+    d = decide(*_pair((500, 500, 0), (502, 498, 0), params), params)
+    assert d.action == "rollback" and "inconclusive" in d.reason
+    # A challenger that abstains too often to show min_samples suggestions ends at max_samples too.
+    assert decide(*_pair((500, 500, 0), (40, 40, 920), params), params).action == "rollback"
+
+
+def test_accept_rate_route_needs_reward_not_lower():
+    params = tiny_params(deploy={"min_samples": 100, "alpha": 0.05, "max_samples": None})
+    # Challenger abstains more: accept rate clearly higher, reward per request equal -> promote.
+    champ, chall = (100, 200, 0), (75, 50, 175)  # reward: 0.75*100-0.25*200 = 25 vs 0.75*75-0.25*50 = 43.75
+    d = decide(*_pair(champ, chall, params), params)
+    assert d.numbers["accept_p"] < 0.05 and d.numbers["reward_p"] >= 0.05 and d.numbers["reward_diff"] >= 0
+    assert d.action == "promote" and "accept rate" in d.reason
+    # Accept rate higher but reward per request estimate lower (and not significant): not promoted.
+    champ, chall = (150, 150, 0), (100, 50, 150)  # reward 75/300 vs 62.5/300
+    d = decide(*_pair(champ, chall, params), params)
+    assert d.numbers["accept_p"] < 0.05 and d.numbers["reward_p"] >= 0.05 and d.numbers["reward_diff"] < 0
+    assert d.action == "continue"
+
+
+# --- promote / rollback -----------------------------------------------------------------------------
+
+
+def _registry_with_challenger(params, model_dir):
+    champion = ensure_champion(model_dir, params)
+    challenger = register_candidate(model_dir, params, start_cycle_run(params, run_name="cycle-1"))
+    set_alias(params, CHALLENGER, challenger.version)
+    return champion, challenger
+
+
+def _live_arms(engine, champion, challenger):
+    replace_arms(engine, [Arm(CHAMPION, champion.label, "/models/champ", "embedded", 0.5),
+                          Arm(CHALLENGER, challenger.label, "/models/chall", "embedded", 0.5)])
+
+
+def _decision_runs(params):
+    client = tracking_client(params)
+    exp = client.get_experiment_by_name(params.deploy.decisions_experiment)
+    return client.search_runs([exp.experiment_id]) if exp else []
+
+
+def test_promote_and_rollback_change_arms_and_aliases(tmp_path, mlflow_store, tiny_model_dir):
+    params = tiny_params(tmp_path, deploy={"min_samples": 1})
+    champion, challenger = _registry_with_challenger(params, tiny_model_dir)
+    for engine in _engines(tmp_path):
+        set_alias(params, CHAMPION, champion.version)
+        set_alias(params, CHALLENGER, challenger.version)
+        _live_arms(engine, champion, challenger)
+        for i in range(4):
+            _log(engine, CHALLENGER, challenger.label, live_since(engine) - 5 + i, answer=True,
+                 answered_at=live_since(engine) - 4 + i)
+        change = promote(engine, params)
+        assert read_arms(engine) == [Arm(CHAMPION, challenger.label, "/models/chall", "embedded", 1.0)]
+        assert get_alias_version(params, CHAMPION) == challenger and get_alias_version(params, CHALLENGER) is None
+        assert [a.name for a in change.removed] == [CHAMPION] and change.removed[0].model_uri == "/models/champ"
+        with pytest.raises(NoChallengerError, match="nothing to promote"):
+            promote(engine, params)
+        with pytest.raises(NoChallengerError, match="nothing to roll back"):
+            rollback(engine, params)
+
+        # Put the old champion back and test the new version again, then roll it back.
+        set_alias(params, CHAMPION, champion.version)
+        set_alias(params, CHALLENGER, challenger.version)
+        _live_arms(engine, champion, challenger)
+        change = rollback(engine, params)
+        assert read_arms(engine) == [Arm(CHAMPION, champion.label, "/models/champ", "embedded", 1.0)]
+        assert get_alias_version(params, CHAMPION) == champion and get_alias_version(params, CHALLENGER) is None
+        assert [a.model_uri for a in change.removed] == ["/models/chall"]
+
+        records = _decision_runs(params)
+        assert sorted(r.data.tags["tabrl.action"] for r in records[:2]) == ["promote", "rollback"]
+        assert all(r.data.tags["tabrl.reason"].startswith("by hand") for r in records[:2])
+        cycle = tracking_client(params).get_run(challenger.run_id)
+        assert cycle.data.tags["tabrl.ab_decision"] == "rollback"  # the challenger's cycle run knows its fate
+
+
+def test_promote_restores_aliases_when_the_arm_swap_fails(tmp_path, mlflow_store, tiny_model_dir):
+    params = tiny_params(tmp_path)
+    champion, challenger = _registry_with_challenger(params, tiny_model_dir)
+    engine = next(_engines(tmp_path))
+    _live_arms(engine, champion, challenger)
+    with engine.begin() as conn:  # a real database failure inside the arm swap
+        conn.execute(sa.text("CREATE TRIGGER arms_fail BEFORE INSERT ON arms BEGIN SELECT RAISE(ABORT, 'disk full'); END"))
+    with pytest.raises(sa.exc.IntegrityError, match="disk full"):
+        promote(engine, params)
+    assert get_alias_version(params, CHAMPION) == champion and get_alias_version(params, CHALLENGER) == challenger
+    assert {a.name: a.share for a in read_arms(engine)} == {CHAMPION: 0.5, CHALLENGER: 0.5}
+    assert _decision_runs(params) == []  # no decision recorded for a change that did not happen
+
+
+def _params_file(tmp_path, params):
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params.model_dump(mode="json")))
+    return path
+
+
+def test_cli_promote_without_challenger_exits_2_and_rollback_works(tmp_path, mlflow_store, tiny_model_dir):
+    from tasks.cli import app
+
+    params = tiny_params(tmp_path)
+    path = _params_file(tmp_path, params)
+    champion = ensure_champion(tiny_model_dir, params)
+    engine = make_engine(params.paths.database_url)
+    init_schema(engine)
+    replace_arms(engine, [Arm(CHAMPION, champion.label, "/models/champ", "embedded", 1.0)])
+    runner = CliRunner()
+    result = runner.invoke(app, ["promote", "--params", str(path)])
+    assert result.exit_code == 2 and "nothing to promote" in result.output
+
+    challenger = register_candidate(tiny_model_dir, params, start_cycle_run(params))
+    set_alias(params, CHALLENGER, challenger.version)
+    _live_arms(engine, champion, challenger)
+    result = runner.invoke(app, ["ab-status", "--params", str(path)])
+    assert result.exit_code == 0 and "collecting" in result.output
+    result = runner.invoke(app, ["rollback", "--params", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "champion is now" in result.output and [a.name for a in read_arms(engine)] == [CHAMPION]
+    engine.dispose()
+
+
+# --- the decision flow ------------------------------------------------------------------------------
+
+
+def test_ab_decision_flow_continues_then_promotes(tmp_path, mlflow_store, tiny_model_dir, prefect_harness):
+    from flows.ab_decision import ab_decision
+
+    params = tiny_params(tmp_path, deploy={"min_samples": 30})
+    path = str(_params_file(tmp_path, params))
+    champion, challenger = _registry_with_challenger(params, tiny_model_dir)
+    engine = make_engine(params.paths.database_url)
+    init_schema(engine)
+    _live_arms(engine, champion, challenger)
+    t0 = live_since(engine)
+
+    def serve(arm, label, accepted, rejected):
+        for i in range(accepted + rejected):
+            _log(engine, arm, label, t0 + 0.001 * i, answer=i < accepted, answered_at=t0 + 0.05)
+
+    serve(CHAMPION, champion.label, 5, 15)
+    serve(CHALLENGER, challenger.label, 15, 5)
+    decision = ab_decision(path)
+    assert decision.action == "continue" and "20/30" in decision.reason
+    assert [a.name for a in read_arms(engine)] == [CHALLENGER, CHAMPION]
+    assert [r.data.tags["tabrl.action"] for r in _decision_runs(params)] == ["continue"]
+
+    serve(CHAMPION, champion.label, 5, 15)
+    serve(CHALLENGER, challenger.label, 15, 5)
+    decision = ab_decision(path)
+    assert decision.action == "promote" and decision.numbers["reward_p"] < 0.05
+    assert read_arms(engine) == [Arm(CHAMPION, challenger.label, "/models/chall", "embedded", 1.0)]
+    assert get_alias_version(params, CHAMPION) == challenger
+    records = _decision_runs(params)
+    assert records[0].data.tags["tabrl.action"] == "promote"
+    assert records[0].data.metrics["ab/challenger_shown"] == 40
+
+    decision = ab_decision(path)  # nothing under test any more
+    assert decision.action == "continue" and "no A/B test" in decision.reason
+    engine.dispose()
+
+
+def test_decision_flow_retries_store_hiccups_but_not_states_that_need_a_person():
+    from prefect.states import Failed
+
+    from flows.ab_decision import _transient
+    from tasks.deploy.registry import DeployError
+
+    assert _transient(None, None, Failed(data=sa.exc.OperationalError("SELECT 1", {}, Exception("locked"))))
+    assert not _transient(None, None, Failed(data=NoChallengerError("nothing to promote")))
+    assert not _transient(None, None, Failed(data=DeployError("alias and arm disagree")))

@@ -1,0 +1,108 @@
+"""MLflow registry on a temp SQLite store: cycle runs, versions, aliases, models:/ -> local dir."""
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tasks.deploy.registry import (
+    CACHE_DONE,
+    CHALLENGER,
+    CHAMPION,
+    DeployError,
+    delete_alias,
+    end_cycle_run,
+    ensure_champion,
+    get_alias_version,
+    log_cycle_metrics,
+    mlflow_params,
+    register_candidate,
+    resolve_model_dir,
+    set_alias,
+    start_cycle_run,
+    tracking_client,
+)
+from tests.conftest import tiny_params
+
+
+def test_cycle_run_logs_every_param_within_mlflow_limits_and_resumes(tmp_path, mlflow_store):
+    params = tiny_params(tmp_path, data={"split_salt": "s" * 7000})  # longer than MLflow's 6000-char limit
+    run_id = start_cycle_run(params, snapshot_sha256="ab" * 32, run_name="cycle-1")
+    log_cycle_metrics(params, run_id, {"train/loss": 1.5, "eval/judge_mean": 6.0}, step=1)
+    end_cycle_run(params, run_id)
+
+    run = tracking_client(params).get_run(run_id)
+    assert set(run.data.params) == set(params.flat())
+    assert len(run.data.params["data.split_salt"]) <= 6000
+    assert run.data.params["data.split_salt"].endswith("]") and "sha256:" in run.data.params["data.split_salt"]
+    assert run.data.params["deploy.min_samples"] == str(params.deploy.min_samples)
+    assert run.data.tags["tabrl.snapshot_sha256"] == "ab" * 32
+    assert run.data.metrics == {"train/loss": 1.5, "eval/judge_mean": 6.0}
+    assert run.info.status == "FINISHED"
+    assert Path(run.info.artifact_uri.removeprefix("file://")).is_relative_to(tmp_path)  # artifacts under state_dir
+
+    # Resume: same params is fine and reopens the run; other params would make the run incomparable.
+    assert start_cycle_run(params, run_id=run_id) == run_id
+    assert tracking_client(params).get_run(run_id).info.status == "RUNNING"
+    other = tiny_params(tmp_path, data={"split_salt": "s" * 7000}, deploy={"min_samples": 7})
+    with pytest.raises(DeployError, match="deploy.min_samples"):
+        start_cycle_run(other, run_id=run_id)
+    with pytest.raises(DeployError, match="not found"):
+        start_cycle_run(params, run_id="0" * 32)
+
+
+def test_mlflow_params_are_strings_and_distinct_long_values_stay_distinct(tmp_path):
+    a = mlflow_params(tiny_params(tmp_path, data={"split_salt": "x" * 7000}))
+    b = mlflow_params(tiny_params(tmp_path, data={"split_salt": "x" * 6999 + "y"}))
+    assert all(isinstance(v, str) for v in a.values())
+    assert a["data.split_salt"] != b["data.split_salt"]
+
+
+def test_register_versions_aliases_and_resolve_to_loadable_dirs(tmp_path, mlflow_store, tiny_model_dir):
+    params = tiny_params(tmp_path)
+    name = params.deploy.registered_model
+    assert get_alias_version(params, CHAMPION) is None  # no registered model yet
+
+    base = ensure_champion(tiny_model_dir, params)
+    assert (base.version, base.label) == (1, f"{name}/1")
+    assert ensure_champion(tiny_model_dir, params) == base  # idempotent: no second base version
+
+    run_id = start_cycle_run(params, snapshot_sha256="cd" * 32)
+    cand = register_candidate(tiny_model_dir, params, run_id)
+    assert cand.version == 2 and cand.run_id == run_id and cand.uri == f"models:/{name}/2"
+    mv = tracking_client(params).get_model_version(name, "2")
+    assert mv.tags["tabrl.snapshot_sha256"] == "cd" * 32
+
+    set_alias(params, CHALLENGER, cand.version)
+    assert get_alias_version(params, CHALLENGER) == cand
+    assert get_alias_version(params, CHAMPION) == base
+
+    # Local artifact store: the alias resolves to the registered artifact itself, no copy.
+    local = resolve_model_dir(f"models:/{name}@{CHALLENGER}", params)
+    assert str(local) == cand.source.removeprefix("file://")
+    assert local.is_relative_to(tmp_path / "state" / "mlartifacts")
+    model = AutoModelForCausalLM.from_pretrained(local)
+    assert model.config.vocab_size == AutoModelForCausalLM.from_pretrained(tiny_model_dir).config.vocab_size
+    assert AutoTokenizer.from_pretrained(local)("def f():")["input_ids"]
+
+    # A private copy (what a remote store always gets): downloaded once into the cache, then reused.
+    copied = resolve_model_dir(f"models:/{name}/{base.version}", params, copy=True)
+    assert copied == tmp_path / "state" / "model_cache" / name / "1" and (copied / CACHE_DONE).is_file()
+    AutoModelForCausalLM.from_pretrained(copied)
+    (copied / "marker").write_text("kept")
+    assert resolve_model_dir(f"models:/{name}/1", params, copy=True) == copied and (copied / "marker").exists()
+
+    assert resolve_model_dir(tiny_model_dir, params) == tiny_model_dir
+    assert delete_alias(params, CHALLENGER) and not delete_alias(params, CHALLENGER)
+    with pytest.raises(DeployError, match="cannot resolve"):
+        resolve_model_dir(f"models:/{name}@{CHALLENGER}", params)
+    with pytest.raises(DeployError, match="no config.json"):
+        register_candidate(tmp_path, params, run_id)
+
+
+def test_ensure_champion_refuses_a_registry_that_lost_its_champion(tmp_path, mlflow_store, tiny_model_dir):
+    params = tiny_params(tmp_path)
+    ensure_champion(tiny_model_dir, params)
+    delete_alias(params, CHAMPION)
+    with pytest.raises(DeployError, match="no 'champion' alias"):
+        ensure_champion(tiny_model_dir, params)
