@@ -139,5 +139,14 @@ def acceptance_cmd(
             "accept_per_request": s.accept_per_request, "mean_len": s.mean_len}, indent=2) + "\n")
 
 
+from serving.cli import arms_cmd, import_continue_cmd, keys_app, serve_cmd, simulate_cmd  # noqa: E402
+
+app.command("serve")(serve_cmd)
+app.command("arms")(arms_cmd)
+app.command("import-continue")(import_continue_cmd)
+app.command("simulate")(simulate_cmd)
+app.add_typer(keys_app, name="keys")
+
+
 if __name__ == "__main__":
     app()
