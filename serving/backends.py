@@ -26,6 +26,9 @@ from tasks.fim import parse_completion
 from tasks.generate import Generation, ModelLoadError, generate, load_model
 
 
+VLLM_MAX_STOP = 4
+
+
 class BackendError(RuntimeError):
     """A backend that could not produce a completion; the message says why."""
 
@@ -102,7 +105,8 @@ class VLLMBackend:
             "max_tokens": max_tokens,
             "temperature": temperature,
             "top_p": top_p,
-            "stop": list(stop),
+            # vLLM takes at most 4 stop strings (OpenAI's limit); the full list is applied to the text below.
+            "stop": list(stop)[:VLLM_MAX_STOP],
             "logprobs": 0,  # the sampled token's log-prob only
             "return_token_ids": True,
             "skip_special_tokens": False,

@@ -22,6 +22,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Callable
 
 import sqlalchemy as sa
 from fastapi import FastAPI, Request
@@ -32,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from sqlalchemy.engine import Engine
 
 from serving.auth import Directory
-from serving.backends import BackendError
+from serving.backends import Backend, BackendError, make_backend
 from serving.compat import CONTINUE_SCHEMA, CompatError, outcome_from_continue, outcome_from_rlinf, texts_of
 from serving.log import LogWriter, Outcome, Recorded, insert_completion, prompt_hash, record_outcome
 from serving.router import Router, UnknownArmError
@@ -135,13 +136,18 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def create_app(params: Params, engine: Engine | None = None, auth: bool | None = None) -> FastAPI:
-    """The gateway app; auth=None follows params.serving.auth (switch it off only for a local demo)."""
+def create_app(params: Params, engine: Engine | None = None, auth: bool | None = None,
+               backend_factory: Callable[[Arm, float], Backend] = make_backend) -> FastAPI:
+    """The gateway app; auth=None follows params.serving.auth (switch it off only for a local demo).
+
+    backend_factory builds an arm's backend (default: embedded or vLLM by the arm's `backend`);
+    the benchmark passes its own to measure the gateway alone.
+    """
     s = params.serving
     engine = engine if engine is not None else make_engine(params.paths.database_url)
     require_auth = s.auth if auth is None else auth
     writer = LogWriter(engine, s.log_batch)
-    router = Router(engine, s.experiment_salt, s.config_ttl_s, s.backend_timeout_s)
+    router = Router(engine, s.experiment_salt, s.config_ttl_s, s.backend_timeout_s, backend_factory)
     directory = Directory(engine, s.config_ttl_s)
     metrics = Metrics()
     windows: dict[str, tuple[float, int]] = {}  # user -> (minute window start, requests), for the rate limit

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from typing import Callable
 
 from sqlalchemy.engine import Engine
 
@@ -52,8 +53,10 @@ def champion_of(arms: list[Arm]) -> Arm:
 class Router:
     """Live arms (TTL cache over the store) and one backend per arm version."""
 
-    def __init__(self, engine: Engine, salt: str, ttl_s: float, backend_timeout_s: float):
+    def __init__(self, engine: Engine, salt: str, ttl_s: float, backend_timeout_s: float,
+                 backend_factory: Callable[[Arm, float], Backend] = make_backend):
         self.engine = engine
+        self.backend_factory = backend_factory
         self.salt = salt
         self.ttl_s = ttl_s
         self.backend_timeout_s = backend_timeout_s
@@ -88,7 +91,7 @@ class Router:
     def backend(self, arm: Arm) -> Backend:
         key = (arm.backend, arm.model_uri)
         if key not in self._backends:
-            self._backends[key] = make_backend(arm, self.backend_timeout_s)
+            self._backends[key] = self.backend_factory(arm, self.backend_timeout_s)
         return self._backends[key]
 
     async def _drop_stale_backends(self) -> None:
