@@ -149,5 +149,14 @@ app.command("promote")(promote_cmd)
 app.command("rollback")(rollback_cmd)
 app.command("ab-status")(ab_status_cmd)
 
+from serving.cli import arms_cmd, import_continue_cmd, keys_app, serve_cmd, simulate_cmd  # noqa: E402
+
+app.command("serve")(serve_cmd)
+app.command("arms")(arms_cmd)
+app.command("import-continue")(import_continue_cmd)
+app.command("simulate")(simulate_cmd)
+app.add_typer(keys_app, name="keys")
+
+
 if __name__ == "__main__":
     app()

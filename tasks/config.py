@@ -292,6 +292,15 @@ class ServingParams(Section):
     """Salt of the sticky user-to-arm hash; a new salt reshuffles users."""
     rate_limit_per_minute: int = Field(600, ge=1)
     """Requests per user per minute before 429."""
+    config_ttl_s: float = Field(2.0, ge=0)
+    """Seconds the gateway caches arms, API keys and opt-outs read from the store: a change made
+    with `tabrl arms` / `tabrl keys` takes effect within this time, without a restart."""
+    max_text_chars: int = Field(8_000, ge=1)
+    """Longest prefix, suffix or completion text accepted in a feedback/outcome body (413 beyond)."""
+    log_batch: int = Field(256, ge=1)
+    """Most rows committed together by the log writer (group commit; each caller still waits for its commit)."""
+    backend_timeout_s: float = Field(30.0, gt=0)
+    """Per-request timeout of a vLLM backend call (502 naming the arm after it)."""
 
 
 class IngestParams(Section):

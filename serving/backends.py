@@ -1,0 +1,145 @@
+"""How an arm generates: one interface, two implementations, chosen once per arm by `make_backend`.
+
+* ``EmbeddedBackend``: transformers in the gateway process (``tasks.generate``), run in a worker
+  thread behind a lock so a slow generation never blocks the event loop (other requests, feedback
+  and /healthz keep being answered while the model works).
+* ``VLLMBackend``: an OpenAI-compatible vLLM server, called with ``logprobs: 0`` and
+  ``return_token_ids: true`` so the behaviour log-probs and token ids are logged. The raw FIM
+  prompt is always sent: vLLM's ``suffix`` parameter is rejected for Qwen2.5-Coder.
+
+Both return ``tasks.generate.Generation`` (text, token ids, per-token log-probs); both raise
+``BackendError`` with the reason when they cannot answer, which the gateway turns into a 502.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import httpx
+
+from serving.store import Arm
+from tasks.fim import parse_completion
+from tasks.generate import Generation, ModelLoadError, generate, load_model
+
+
+VLLM_MAX_STOP = 4
+
+
+class BackendError(RuntimeError):
+    """A backend that could not produce a completion; the message says why."""
+
+
+class Backend(Protocol):
+    async def complete(
+        self, prompt: str, max_tokens: int, temperature: float, top_p: float, stop: Sequence[str]
+    ) -> Generation: ...
+
+    async def aclose(self) -> None: ...
+
+
+class EmbeddedBackend:
+    """A local Hugging Face checkpoint, loaded on first use, generating one request at a time."""
+
+    def __init__(self, model_dir: str | Path):
+        self.model_dir = Path(model_dir)
+        self._lock = threading.Lock()  # one generation at a time: the model is not re-entrant
+        self._model = None
+        self._tokenizer = None
+
+    def _load(self) -> None:
+        if self._model is None:
+            try:
+                self._model, self._tokenizer = load_model(self.model_dir)
+            except (ModelLoadError, OSError) as err:
+                raise BackendError(f"cannot load model {self.model_dir}: {err}") from err
+
+    def _complete(self, prompt: str, max_tokens: int, temperature: float, top_p: float, stop: Sequence[str]) -> Generation:
+        with self._lock:
+            self._load()
+            return generate(self._model, self._tokenizer, [prompt], max_tokens, temperature=temperature, top_p=top_p,
+                            stop=tuple(stop))[0]
+
+    async def complete(self, prompt: str, max_tokens: int, temperature: float, top_p: float, stop: Sequence[str]) -> Generation:
+        return await asyncio.to_thread(self._complete, prompt, max_tokens, temperature, top_p, stop)
+
+    async def aclose(self) -> None:
+        self._model = self._tokenizer = None
+
+
+class VLLMBackend:
+    """An OpenAI-compatible vLLM server at base_url (with or without the trailing /v1)."""
+
+    def __init__(self, base_url: str, model: str | None = None, timeout_s: float = 30.0):
+        root = base_url.rstrip("/")
+        self.base_url = root if root.endswith("/v1") else root + "/v1"
+        self.model = model  # None: the one model the server lists, looked up on first use
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=min(5.0, timeout_s)))
+
+    async def _model_name(self) -> str:
+        if self.model is None:
+            body = await self._request("GET", "/models")
+            names = [m["id"] for m in body.get("data", [])]
+            if len(names) != 1:
+                raise BackendError(f"vLLM at {self.base_url} serves {names}; set the arm's model explicitly")
+            self.model = names[0]
+        return self.model
+
+    async def _request(self, method: str, path: str, json: dict | None = None) -> dict:
+        try:
+            response = await self._client.request(method, self.base_url + path, json=json)
+        except httpx.HTTPError as err:
+            raise BackendError(f"vLLM at {self.base_url} unreachable: {type(err).__name__}: {err}") from err
+        if response.status_code != 200:
+            raise BackendError(f"vLLM at {self.base_url}{path} answered {response.status_code}: {response.text[:300]}")
+        return response.json()
+
+    async def complete(self, prompt: str, max_tokens: int, temperature: float, top_p: float, stop: Sequence[str]) -> Generation:
+        started = time.perf_counter()
+        body = await self._request("POST", "/completions", {
+            "model": await self._model_name(),
+            "prompt": prompt,  # raw FIM prompt; never `suffix` (rejected for Qwen2.5-Coder)
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            # vLLM takes at most 4 stop strings (OpenAI's limit); the full list is applied to the text below.
+            "stop": list(stop)[:VLLM_MAX_STOP],
+            "logprobs": 0,  # the sampled token's log-prob only
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        })
+        return generation_from_vllm(body, stop, (time.perf_counter() - started) * 1000.0)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+def generation_from_vllm(body: dict, stop: Sequence[str], latency_ms: float) -> Generation:
+    """Map one vLLM /v1/completions choice onto a Generation (token ids + behaviour log-probs)."""
+    try:
+        choice = body["choices"][0]
+        token_ids = choice.get("token_ids")
+        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+        raw = choice["text"]
+    except (KeyError, IndexError, TypeError) as err:
+        raise BackendError(f"vLLM answer lacks {err}: {str(body)[:300]}") from err
+    if token_ids is None or logprobs is None or len(token_ids) != len(logprobs):
+        raise BackendError("vLLM answer lacks token ids or log-probs (needs a vLLM with return_token_ids)")
+    return Generation(
+        text=parse_completion(raw, tuple(stop)),
+        token_ids=[int(t) for t in token_ids],
+        logprobs=[float(lp) for lp in logprobs],
+        raw_text=raw,
+        latency_ms=latency_ms,
+        finish_reason="length" if choice.get("finish_reason") == "length" else "stop",
+    )
+
+
+def make_backend(arm: Arm, timeout_s: float) -> Backend:
+    """The backend an arm names: its model_uri is a checkpoint dir (embedded) or a vLLM base URL."""
+    if arm.backend == "vllm":
+        return VLLMBackend(arm.model_uri, timeout_s=timeout_s)
+    return EmbeddedBackend(arm.model_uri)

@@ -1,0 +1,241 @@
+"""`tabrl serve | keys | arms | import-continue | simulate`: the serving side of the command line."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tasks.config import DEFAULT_PARAMS_FILE
+
+console = Console()
+
+# Typer options are declared here (not imported from tasks.cli) so that tasks/cli.py can import this module.
+ParamsOpt = Annotated[Path, typer.Option("--params", help="params.yaml to read.")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override one key: section.key=value (repeatable).")]
+
+keys_app = typer.Typer(help="API keys and the opt-in cohort.", no_args_is_help=True)
+
+
+def _params(path: Path, overrides: list[str] | None):
+    from tasks.cli import params_or_exit
+
+    return params_or_exit(path, overrides)
+
+
+def _fail(message: str, code: int = 2) -> None:
+    from tasks.cli import fail
+
+    fail(message, code)
+
+
+def _engine(params):
+    from serving.store import init_schema, make_engine
+
+    engine = make_engine(params.paths.database_url)
+    init_schema(engine)
+    return engine
+
+
+def serve_cmd(
+    model: Annotated[Optional[Path], typer.Option(help="Checkpoint to serve as the single champion arm when the store has no arms (default: model.base_dir).")] = None,
+    host: Annotated[Optional[str], typer.Option(help="Bind address (default: serving.host).")] = None,
+    port: Annotated[Optional[int], typer.Option(help="Port (default: serving.port).")] = None,
+    no_auth: Annotated[bool, typer.Option("--no-auth", help="Serve without API keys (local demo only); users are taken from the `user` field.")] = False,
+    params: ParamsOpt = DEFAULT_PARAMS_FILE,
+    set_: SetOpt = None,
+) -> None:
+    """Run the gateway (uvicorn): completions, feedback, A/B arms, a durable log."""
+    import uvicorn
+
+    from serving.gateway import create_app
+    from serving.store import Arm, read_arms, replace_arms
+
+    p = _params(params, set_)
+    engine = _engine(p)
+    if not read_arms(engine):
+        target = model or Path(p.model.base_dir)
+        if not (target / "config.json").is_file():
+            _fail(f"the store has no arms and {target} is not a model directory; pass --model DIR "
+                  "(or build the base model with `make base`)")
+        replace_arms(engine, [Arm("champion", target.name, str(target.resolve()), "embedded", 1.0)])
+        console.print(f"Seeded arm 'champion' -> {target}")
+    elif model is not None:
+        console.print(f"The store already has arms; --model {model} ignored (change arms with `tabrl arms`).")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(p, engine=engine, auth=False if no_auth else None)
+    uvicorn.run(app, host=host or p.serving.host, port=port or p.serving.port, log_level="warning")
+
+
+@keys_app.command("add")
+def keys_add_cmd(user: Annotated[str, typer.Argument(help="User id the key maps to.")],
+                 params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -> None:
+    """Create an API key for USER and print it (only its hash is stored)."""
+    from serving.auth import add_key
+
+    p = _params(params, set_)
+    try:
+        key = add_key(_engine(p), user)
+    except ValueError as err:
+        _fail(str(err))
+    typer.echo(key)
+
+
+@keys_app.command("opt-out")
+def keys_opt_out_cmd(user: Annotated[str, typer.Argument(help="User id.")],
+                     undo: Annotated[bool, typer.Option("--undo", help="Opt the user back in.")] = False,
+                     params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -> None:
+    """Stop logging USER's requests (they are still served); --undo logs them again."""
+    from serving.auth import set_opt_out
+
+    p = _params(params, set_)
+    set_opt_out(_engine(p), user, not undo)
+    console.print(f"{user}: {'opted in' if undo else 'opted out'}")
+
+
+ARM_FIELDS = {"name", "uri", "backend", "share", "version"}
+
+
+def parse_arm_spec(spec: str):
+    """`name=champion,uri=models/x,share=0.5[,backend=embedded][,version=v1]` -> Arm."""
+    from serving.store import Arm
+
+    fields = {}
+    for part in spec.split(","):
+        key, sep, value = part.partition("=")
+        if not sep or key.strip() not in ARM_FIELDS:
+            raise ValueError(f"arm spec {spec!r}: {part!r} must be one of {sorted(ARM_FIELDS)} as key=value")
+        fields[key.strip()] = value.strip()
+    missing = {"name", "uri", "share"} - fields.keys()
+    if missing:
+        raise ValueError(f"arm spec {spec!r} lacks {sorted(missing)}")
+    try:
+        share = float(fields["share"])
+    except ValueError:
+        raise ValueError(f"arm spec {spec!r}: share {fields['share']!r} is not a number") from None
+    uri = fields["uri"]
+    return Arm(fields["name"], fields.get("version") or Path(uri).name, uri, fields.get("backend", "embedded"), share)
+
+
+def arms_cmd(
+    arm: Annotated[Optional[list[str]], typer.Option("--arm", help="Replace the arms: name=N,uri=DIR|URL,share=S[,backend=embedded|vllm][,version=V] (repeat per arm).")] = None,
+    from_json: Annotated[Optional[Path], typer.Option("--json", help="Replace the arms from a JSON list of {name, model_version, model_uri, backend, share}.")] = None,
+    params: ParamsOpt = DEFAULT_PARAMS_FILE,
+    set_: SetOpt = None,
+) -> None:
+    """Show the live A/B arms, or replace them (shares must sum to 1; gateways pick the change up without restart)."""
+    from serving.store import Arm, ArmError, read_arms, replace_arms
+
+    p = _params(params, set_)
+    engine = _engine(p)
+    new = None
+    try:
+        if from_json is not None:
+            if not from_json.is_file():
+                _fail(f"{from_json} not found")
+            new = [Arm(**item) for item in json.loads(from_json.read_text())]
+        elif arm:
+            new = [parse_arm_spec(spec) for spec in arm]
+        if new is not None:
+            replace_arms(engine, new)
+    except (ArmError, ValueError, TypeError) as err:
+        _fail(str(err))
+    table = Table(title="A/B arms")
+    for col in ("name", "share", "backend", "model_version", "model_uri"):
+        table.add_column(col)
+    for a in read_arms(engine):
+        table.add_row(a.name, f"{a.share:g}", a.backend, a.model_version, a.model_uri)
+    console.print(table)
+
+
+def import_continue_cmd(
+    file: Annotated[Path, typer.Argument(help="Continue's dev_data/0.2.0/autocomplete.jsonl (one event per line).")],
+    level: Annotated[str, typer.Option(help="'all' (texts present) or 'noCode' (texts withheld: stored, not trained on).")] = "all",
+    params: ParamsOpt = DEFAULT_PARAMS_FILE,
+    set_: SetOpt = None,
+) -> None:
+    """Import Continue autocomplete outcomes; matched to our log by (prompt, completion) hash, else stored unmatched."""
+    from serving.compat import CompatError, outcome_from_continue
+    from serving.log import record_outcome
+
+    p = _params(params, set_)
+    if not file.is_file():
+        _fail(f"{file} not found")
+    engine = _engine(p)
+    counts = {"recorded": 0, "matched": 0, "duplicate": 0, "conflict": 0, "bad": 0}
+    bad_lines = []
+    with engine.begin() as conn:
+        for number, line in enumerate(file.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                event = json.loads(line)
+                if not isinstance(event, dict):
+                    raise CompatError(f"a line must be a JSON object, got {type(event).__name__}")
+                rec = record_outcome(outcome_from_continue(event, level, "import"), None, require_ours=False)(conn)
+            except (json.JSONDecodeError, CompatError) as err:
+                counts["bad"] += 1
+                bad_lines.append(f"line {number}: {err}")
+                continue
+            counts[rec.status] += 1
+            counts["matched"] += rec.status == "recorded" and rec.matched
+    for message in bad_lines[:10]:
+        console.print(f"skipped {message}", highlight=False)
+    console.print(f"Imported {file}: " + ", ".join(f"{k}={v}" for k, v in counts.items()), highlight=False)
+
+
+def simulate_cmd(
+    users: Annotated[int, typer.Option(help="Simulated users (personas drawn by weight).", min=1)] = 8,
+    requests: Annotated[int, typer.Option(help="Completion requests in all.", min=1)] = 64,
+    url: Annotated[Optional[str], typer.Option(help="Gateway base URL (default: http://serving.host:serving.port).")] = None,
+    samples: Annotated[Path, typer.Option(help="FIM samples the users replay (held-out).")] = Path("data/fim/test.parquet"),
+    concurrency: Annotated[int, typer.Option(help="Requests in flight at once.", min=1)] = 4,
+    no_auth: Annotated[bool, typer.Option("--no-auth", help="The gateway runs without keys: send users in the `user` field.")] = False,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the per-arm numbers here.")] = None,
+    params: ParamsOpt = DEFAULT_PARAMS_FILE,
+    set_: SetOpt = None,
+) -> None:
+    """Drive the gateway over HTTP like editors: request, think, Tab or silence; per-arm summary."""
+    import httpx
+    from tqdm import tqdm
+
+    from serving.auth import add_key
+    from serving.simulate import SimulationError, run_simulation
+    from serving.simulator import make_users
+    from tasks.ingest.corpus import CorpusError, read_samples
+
+    p = _params(params, set_)
+    try:
+        rows = read_samples(samples)
+    except CorpusError as err:
+        _fail(str(err))
+    sim_users = make_users(users, p.simulator)
+    keys = None
+    if not no_auth:
+        # The simulator is an operator tool with store access: it mints keys for its own users.
+        engine = _engine(p)
+        keys = {u.user_id: add_key(engine, u.user_id) for u in sim_users}
+    base_url = url or f"http://{p.serving.host}:{p.serving.port}"
+    with tqdm(total=requests, desc="simulated requests", unit="req") as bar:
+        try:
+            by_arm = run_simulation(base_url, rows, sim_users, requests, keys, concurrency, p.simulator.seed,
+                                    progress=lambda: bar.update(1))
+        except (SimulationError, httpx.HTTPError) as err:
+            _fail(f"simulation against {base_url} failed: {err}", 1)
+    table = Table(title=f"Simulated users over HTTP: {base_url}")
+    for col in ("arm", "requests", "suggestion rate", "accept / shown", "accept / request", "mean length (chars)"):
+        table.add_column(col, justify="right")
+    for arm, s in by_arm.items():
+        table.add_row(arm, str(s.requests), f"{s.suggest_rate:.3f}", f"{s.accept_rate:.3f}", f"{s.accept_per_request:.3f}",
+                      f"{s.mean_len:.1f}")
+    console.print(table)
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps({arm: {"requests": s.requests, "shown": s.shown, "accepted": s.accepted,
+                                              "suggest_rate": s.suggest_rate, "accept_rate": s.accept_rate,
+                                              "mean_len": s.mean_len} for arm, s in by_arm.items()}, indent=2) + "\n")

@@ -1,0 +1,393 @@
+"""The gateway editors talk to: OpenAI-compatible completions, feedback, A/B arms, a durable log.
+
+    POST /v1/completions      FIM prompt (plain or Continue's repo-level form) or prompt + suffix;
+                              the response id is the completion id; stream=true gives SSE + [DONE]
+    POST /v1/feedback         {completion_id, accepted, accepted_chars?}
+    POST /api/training/submit RLinf's Continue fork outcome body
+    POST /api/continue/events upstream Continue's HTTP `data` destination (schema 0.2.0)
+    GET  /v1/models, /healthz, /metrics (Prometheus)
+
+Every served suggestion is committed to the log store (``serving.log.LogWriter``, group commit)
+before its response is sent. Users who opted out, and requests with ``X-Tabrl-Opt-Out: 1``, are
+served and not logged. ``X-Tabrl-Arm: NAME`` pins a request to one arm (debugging, evaluation).
+Run: ``tabrl serve`` (uvicorn).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Callable
+
+import sqlalchemy as sa
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from sqlalchemy.engine import Engine
+
+from serving.auth import Directory
+from serving.backends import Backend, BackendError, make_backend
+from serving.compat import CONTINUE_SCHEMA, CompatError, outcome_from_continue, outcome_from_rlinf, texts_of
+from serving.log import LogWriter, Outcome, Recorded, insert_completion, prompt_hash, record_outcome
+from serving.router import Router, UnknownArmError
+from serving.store import Arm, init_schema, make_engine
+from tasks.config import Params
+from tasks.fim import STOP_STRINGS, FimFormatError, build_prompt, parse_prompt
+from tasks.generate import Generation
+
+log = logging.getLogger("tabrl.gateway")
+
+MAX_STOP_STRINGS = 32
+
+
+class ApiError(Exception):
+    """An answer other than 200, with a message naming the problem (OpenAI error shape)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # OpenAI clients send more fields (presence_penalty, echo, ...)
+
+    model: str | None = None
+    prompt: str | list[str]
+    suffix: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    user: str | None = Field(None, max_length=128)
+    n: int = Field(1, ge=1, le=1)
+
+
+class FeedbackRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    completion_id: str = Field(min_length=1, max_length=128)
+    accepted: StrictBool
+    accepted_chars: int | None = Field(None, ge=0)
+
+
+class ContinueData(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    data: dict
+    schema_: str = Field(alias="schema")
+    level: str = "all"
+    profileId: str | None = None
+
+
+@dataclass(frozen=True)
+class Caller:
+    user_id: str
+    logged: bool  # False: opted out; served, never stored
+    owner_checked: bool  # True with auth: feedback only for the caller's own completions
+
+
+class Metrics:
+    """Prometheus metrics of one app (own registry, so several apps can live in one process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("tabrl_requests", "HTTP requests by endpoint and status.", ["endpoint", "status"],
+                                registry=self.registry)
+        self.completions = Counter("tabrl_completions", "Completions served by arm (shown or abstained).", ["arm", "shown"],
+                                   registry=self.registry)
+        self.latency = Histogram("tabrl_completion_latency_seconds", "Completion latency in the gateway by arm.", ["arm"],
+                                 registry=self.registry,
+                                 buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+        self.feedback = Counter("tabrl_feedback", "Outcomes recorded by arm ('' when unmatched) and answer.",
+                                ["arm", "accepted"], registry=self.registry)
+        self.accept_rate = Gauge("tabrl_online_accept_rate", "Accepted / shown suggestions per arm since start.", ["arm"],
+                                 registry=self.registry)
+        self.fallbacks = Counter("tabrl_fallbacks", "Requests a failing arm handed to the champion.", ["arm"],
+                                 registry=self.registry)
+        self.unlogged = Counter("tabrl_unlogged", "Requests served but not logged (opted out).", registry=self.registry)
+        self._shown: dict[str, int] = {}
+        self._accepted: dict[str, int] = {}
+
+    def served(self, arm: str, shown: bool, seconds: float) -> None:
+        self.completions.labels(arm, str(shown).lower()).inc()
+        self.latency.labels(arm).observe(seconds)
+        if shown:
+            self._shown[arm] = self._shown.get(arm, 0) + 1
+
+    def recorded(self, rec: Recorded) -> None:
+        if rec.status != "recorded":
+            return
+        self.feedback.labels(rec.arm or "", str(rec.accepted).lower()).inc()
+        if rec.accepted and rec.arm:
+            self._accepted[rec.arm] = self._accepted.get(rec.arm, 0) + 1
+
+    def render(self) -> bytes:
+        for arm, shown in self._shown.items():
+            self.accept_rate.labels(arm).set(self._accepted.get(arm, 0) / shown)
+        return generate_latest(self.registry)
+
+
+def create_app(params: Params, engine: Engine | None = None, auth: bool | None = None,
+               backend_factory: Callable[[Arm, float], Backend] = make_backend) -> FastAPI:
+    """The gateway app; auth=None follows params.serving.auth (switch it off only for a local demo).
+
+    backend_factory builds an arm's backend (default: embedded or vLLM by the arm's `backend`);
+    the benchmark passes its own to measure the gateway alone.
+    """
+    s = params.serving
+    engine = engine if engine is not None else make_engine(params.paths.database_url)
+    require_auth = s.auth if auth is None else auth
+    writer = LogWriter(engine, s.log_batch)
+    router = Router(engine, s.experiment_salt, s.config_ttl_s, s.backend_timeout_s, backend_factory)
+    directory = Directory(engine, s.config_ttl_s)
+    metrics = Metrics()
+    windows: dict[str, tuple[float, int]] = {}  # user -> (minute window start, requests), for the rate limit
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        init_schema(engine)
+        writer.start()
+        log.info("gateway up: auth=%s, store=%s", require_auth, engine.url.render_as_string(hide_password=True))
+        try:
+            yield
+        finally:
+            writer.stop()
+            await router.aclose()
+
+    app = FastAPI(title="tabrl gateway", lifespan=lifespan)
+    app.state.engine, app.state.router, app.state.metrics = engine, router, metrics
+
+    def error(request: Request, status: int, message: str, param: str | None = None) -> JSONResponse:
+        metrics.requests.labels(request.url.path, str(status)).inc()
+        kind = "invalid_request_error" if status < 500 else "backend_error"
+        return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status_code=status)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, err: ApiError) -> JSONResponse:
+        return error(request, err.status, err.message, err.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        problems = []
+        for e in err.errors():
+            if e["type"] == "json_invalid":
+                problems.append(f"malformed JSON body: {e.get('ctx', {}).get('error', e['msg'])}")
+            else:
+                loc = ".".join(str(p) for p in e["loc"] if p != "body") or "body"
+                problems.append(f"{loc}: {e['msg']}")
+        return error(request, 422, "; ".join(problems))
+
+    def ok(request: Request, body: dict) -> JSONResponse:
+        metrics.requests.labels(request.url.path, "200").inc()
+        return JSONResponse(body)
+
+    async def caller_of(request: Request, claimed_user: str | None) -> Caller:
+        header_opt_out = request.headers.get("x-tabrl-opt-out", "").strip() == "1"
+        if require_auth:
+            scheme, _, key = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not key.strip():
+                raise ApiError(401, "missing API key: send `Authorization: Bearer KEY` (create one with `tabrl keys add USER`)")
+            user_id = await directory.user_for_key(key.strip())
+            if user_id is None:
+                raise ApiError(401, "invalid or revoked API key")
+        else:
+            user_id = claimed_user or request.headers.get("x-tabrl-user") or "anonymous"
+        logged = not header_opt_out and not await directory.opted_out(user_id)
+        return Caller(user_id, logged, owner_checked=require_auth)
+
+    def check_rate(user_id: str) -> None:
+        now = time.monotonic()
+        start, count = windows.get(user_id, (now, 0))
+        if now - start >= 60:
+            start, count = now, 0
+        if count >= s.rate_limit_per_minute:
+            raise ApiError(429, f"rate limit: at most {s.rate_limit_per_minute} requests per minute per user")
+        windows[user_id] = (start, count + 1)
+
+    def check_size(field: str, text: str, limit: int) -> None:
+        if len(text) > limit:
+            raise ApiError(413, f"{field} is {len(text)} characters; the limit is {limit}", field)
+
+    async def generate_with_fallback(arm: Arm, champion: Arm, prompt: str, max_tokens: int, temperature: float,
+                                     top_p: float, stop: list[str]) -> tuple[Arm, Generation]:
+        try:
+            return arm, await router.backend(arm).complete(prompt, max_tokens, temperature, top_p, stop)
+        except BackendError as err:
+            if arm.name == champion.name:
+                raise ApiError(502, f"arm {arm.name!r} ({arm.backend} {arm.model_uri}) failed: {err}") from err
+            log.warning("arm %r failed (%s); falling back to champion %r", arm.name, err, champion.name)
+            metrics.fallbacks.labels(arm.name).inc()
+        try:
+            return champion, await router.backend(champion).complete(prompt, max_tokens, temperature, top_p, stop)
+        except BackendError as err:
+            raise ApiError(502, f"arm {arm.name!r} failed and champion arm {champion.name!r} ({champion.backend} "
+                                f"{champion.model_uri}) failed too: {err}") from err
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        started = time.perf_counter()
+        caller = await caller_of(request, req.user)
+        if isinstance(req.prompt, list):
+            if len(req.prompt) != 1:
+                raise ApiError(422, f"prompt: send one prompt per request (got a list of {len(req.prompt)})", "prompt")
+            text = req.prompt[0]
+        else:
+            text = req.prompt
+        check_size("prompt", text, s.max_prompt_chars)
+        if req.suffix is not None:
+            check_size("suffix", req.suffix, s.max_prompt_chars)
+            prefix, suffix, prompt = text, req.suffix, build_prompt(text, req.suffix)
+        else:
+            try:
+                fim = parse_prompt(text)
+            except FimFormatError as err:
+                raise ApiError(422, f"prompt: {err}; send a FIM prompt (<|fim_prefix|>...<|fim_suffix|>...<|fim_middle|>) "
+                                    "or the prefix as prompt plus suffix", "prompt") from None
+            prefix, suffix, prompt = fim.prefix, fim.suffix, text
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or STOP_STRINGS)
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ApiError(422, f"stop: at most {MAX_STOP_STRINGS} stop strings (got {len(stop)})", "stop")
+        max_tokens = min(req.max_tokens or s.max_tokens, s.max_tokens)  # clients ask for more than a FIM line needs
+        temperature = s.temperature if req.temperature is None else req.temperature
+        top_p = s.top_p if req.top_p is None else req.top_p
+        check_rate(caller.user_id)
+        try:
+            arm, champion = await router.route(caller.user_id, request.headers.get("x-tabrl-arm"))
+        except UnknownArmError as err:
+            raise ApiError(404 if request.headers.get("x-tabrl-arm") else 503, str(err), "X-Tabrl-Arm") from None
+        arm, gen = await generate_with_fallback(arm, champion, prompt, max_tokens, temperature, top_p, stop)
+        completion_id = f"cmpl-{uuid.uuid4().hex}"
+        latency_ms = (time.perf_counter() - started) * 1000.0
+        if caller.logged:
+            await writer.submit(insert_completion({
+                "id": completion_id, "created_at": time.time(), "user_id": caller.user_id, "arm": arm.name,
+                "model_version": arm.model_version, "prompt": prompt, "prefix": prefix, "suffix": suffix,
+                "completion": gen.text, "token_ids": gen.token_ids, "logprobs": gen.logprobs, "temperature": temperature,
+                "latency_ms": latency_ms, "abstained": not gen.text, "prompt_hash": prompt_hash(prompt, gen.text),
+            }))
+        else:
+            metrics.unlogged.inc()
+        metrics.served(arm.name, bool(gen.text), time.perf_counter() - started)
+        created = int(time.time())
+        tabrl = {"arm": arm.name, "model_version": arm.model_version, "logged": caller.logged}
+        headers = {"X-Tabrl-Arm": arm.name}
+        if req.stream:
+            metrics.requests.labels(request.url.path, "200").inc()
+            return StreamingResponse(_sse(completion_id, created, arm, gen, tabrl), media_type="text/event-stream",
+                                     headers=headers)
+        metrics.requests.labels(request.url.path, "200").inc()
+        return JSONResponse({
+            "id": completion_id, "object": "text_completion", "created": created, "model": arm.model_version,
+            "choices": [{"text": gen.text, "index": 0, "logprobs": None, "finish_reason": gen.finish_reason}],
+            "usage": {"completion_tokens": len(gen.token_ids)},
+            "tabrl": tabrl,
+        }, headers=headers)
+
+    async def record(request: Request, caller: Caller, outcome: Outcome, require_ours: bool) -> JSONResponse:
+        if not caller.logged:
+            return ok(request, {"logged": False})
+        rec = await writer.submit(record_outcome(outcome, caller.user_id if caller.owner_checked else None, require_ours))
+        metrics.recorded(rec)
+        if rec.status == "unknown":
+            raise ApiError(404, f"unknown completion id {outcome.completion_id!r} (not served by this gateway, or opted out)",
+                           "completion_id")
+        if rec.status == "forbidden":
+            raise ApiError(403, f"completion {rec.completion_id!r} belongs to another user; a key may only send feedback "
+                                "for its own completions", "completion_id")
+        if rec.status == "conflict":
+            raise ApiError(409, f"feedback for {rec.completion_id!r} was already recorded as accepted={rec.accepted}; "
+                                "the first answer wins", "accepted")
+        return ok(request, {"completion_id": rec.completion_id, "matched": rec.matched, "accepted": rec.accepted,
+                            "duplicate": rec.status == "duplicate", "logged": True})
+
+    @app.post("/v1/feedback")
+    async def feedback_(req: FeedbackRequest, request: Request):
+        caller = await caller_of(request, None)
+        return await record(request, caller, Outcome(req.accepted, "api", req.completion_id,
+                                                     accepted_chars=req.accepted_chars), require_ours=True)
+
+    async def json_object(request: Request) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ApiError(422, f"malformed JSON body: {err}") from None
+        if not isinstance(body, dict):
+            raise ApiError(422, f"body must be a JSON object, got {type(body).__name__}")
+        return body
+
+    @app.post("/api/training/submit")
+    async def rlinf_submit(request: Request):
+        body = await json_object(request)
+        for name, text in texts_of(body).items():
+            check_size(name, text, s.max_text_chars if name != "prompt" else s.max_prompt_chars)
+        caller = await caller_of(request, None)
+        try:
+            outcome = outcome_from_rlinf(body)
+        except CompatError as err:
+            raise ApiError(422, str(err)) from None
+        return await record(request, caller, outcome, require_ours=False)
+
+    @app.post("/api/continue/events")
+    async def continue_events(request: Request):
+        envelope = await json_object(request)
+        try:
+            event = ContinueData.model_validate(envelope)
+        except ValueError as err:
+            raise ApiError(422, f"not a Continue data event ({{name, data, schema, level}}): {err}") from None
+        if event.schema_ != CONTINUE_SCHEMA:
+            raise ApiError(422, f"schema {event.schema_!r} is not supported; set `schema: {CONTINUE_SCHEMA}` on the data "
+                                "destination", "schema")
+        if event.name != "autocomplete":
+            return ok(request, {"ignored": True, "reason": f"event {event.name!r} is not used by tabrl"})
+        for name, text in texts_of(event.data).items():
+            check_size(f"data.{name}", text, s.max_text_chars if name != "prompt" else s.max_prompt_chars)
+        caller = await caller_of(request, None)
+        try:
+            outcome = outcome_from_continue(event.data, event.level, "continue")
+        except CompatError as err:
+            raise ApiError(422, str(err)) from None
+        return await record(request, caller, outcome, require_ours=False)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        arms = await router.arms()
+        return ok(request, {"object": "list", "data": [
+            {"id": a.model_version, "object": "model", "owned_by": "tabrl", "arm": a.name, "backend": a.backend,
+             "share": a.share} for a in arms]})
+
+    @app.get("/healthz")
+    async def healthz(request: Request):
+        arms = await router.arms()
+
+        def ping() -> None:
+            with engine.connect() as conn:
+                conn.execute(sa.text("SELECT 1"))
+
+        await asyncio.to_thread(ping)
+        return ok(request, {"status": "ok", "arms": [a.name for a in arms], "auth": require_auth})
+
+    @app.get("/metrics")
+    async def metrics_(request: Request):
+        metrics.requests.labels(request.url.path, "200").inc()
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _sse(completion_id: str, created: int, arm: Arm, gen: Generation, tabrl: dict):
+    """OpenAI-style SSE: the text, then the finish reason, then [DONE] (the row is already committed)."""
+    base = {"id": completion_id, "object": "text_completion", "created": created, "model": arm.model_version}
+    first = {**base, "choices": [{"text": gen.text, "index": 0, "logprobs": None, "finish_reason": None}], "tabrl": tabrl}
+    last = {**base, "choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": gen.finish_reason}]}
+    yield f"data: {json.dumps(first)}\n\n"
+    yield f"data: {json.dumps(last)}\n\n"
+    yield "data: [DONE]\n\n"

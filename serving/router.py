@@ -1,0 +1,105 @@
+"""The A/B router: which arm serves a user, read live from the store.
+
+Assignment is sticky: a user's point ``u = sha256(salt:user) / 2^64`` in [0, 1) falls in one arm's
+slice of the cumulative shares (arms ordered by name), so the same user meets the same arm on
+every request until the arms or the salt change. Arms are re-read from the store after
+``serving.config_ttl_s`` seconds, so `tabrl arms` (or the rollout flow) changes traffic without a
+restart. The champion is the arm named ``champion``, else the arm with the largest share; a failing
+challenger falls back to it (the gateway logs and counts that).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from typing import Callable
+
+from sqlalchemy.engine import Engine
+
+from serving.backends import Backend, make_backend
+from serving.store import Arm, read_arms
+
+CHAMPION = "champion"
+
+
+class UnknownArmError(LookupError):
+    """A request named an arm that is not live; the message lists the live ones."""
+
+
+def user_point(user_id: str, salt: str) -> float:
+    """The user's sticky position in [0, 1)."""
+    digest = hashlib.sha256(f"{salt}:{user_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def assign(user_id: str, salt: str, arms: list[Arm]) -> Arm:
+    """The arm whose cumulative-share slice holds the user's point (arms by name; shares sum to 1)."""
+    point = user_point(user_id, salt)
+    ordered = sorted(arms, key=lambda a: a.name)
+    edge = 0.0
+    for arm in ordered:
+        edge += arm.share
+        if point < edge and arm.share > 0:
+            return arm
+    return next(a for a in reversed(ordered) if a.share > 0)  # float rounding at the top edge
+
+
+def champion_of(arms: list[Arm]) -> Arm:
+    named = [a for a in arms if a.name == CHAMPION]
+    return named[0] if named else max(arms, key=lambda a: (a.share, a.name))
+
+
+class Router:
+    """Live arms (TTL cache over the store) and one backend per arm version."""
+
+    def __init__(self, engine: Engine, salt: str, ttl_s: float, backend_timeout_s: float,
+                 backend_factory: Callable[[Arm, float], Backend] = make_backend):
+        self.engine = engine
+        self.backend_factory = backend_factory
+        self.salt = salt
+        self.ttl_s = ttl_s
+        self.backend_timeout_s = backend_timeout_s
+        self._arms: list[Arm] = []
+        self._read_at = float("-inf")
+        self._lock = asyncio.Lock()
+        # One backend per (backend, model_uri): a share change keeps the loaded model, a new model_uri loads anew.
+        self._backends: dict[tuple[str, str], Backend] = {}
+
+    async def arms(self) -> list[Arm]:
+        if time.monotonic() - self._read_at >= self.ttl_s:
+            async with self._lock:
+                if time.monotonic() - self._read_at >= self.ttl_s:
+                    self._arms = await asyncio.to_thread(read_arms, self.engine)
+                    self._read_at = time.monotonic()
+                    await self._drop_stale_backends()
+        return self._arms
+
+    async def route(self, user_id: str, forced: str | None = None) -> tuple[Arm, Arm]:
+        """(arm to try, champion to fall back to) for this user; `forced` names an arm explicitly."""
+        arms = await self.arms()
+        if not arms:
+            raise UnknownArmError("no arms are configured; add one with `tabrl arms --arm ...` or `tabrl serve --model DIR`")
+        champion = champion_of(arms)
+        if forced is not None:
+            match = [a for a in arms if a.name == forced]
+            if not match:
+                raise UnknownArmError(f"unknown arm {forced!r}; live arms: {', '.join(a.name for a in arms)}")
+            return match[0], champion
+        return assign(user_id, self.salt, arms), champion
+
+    def backend(self, arm: Arm) -> Backend:
+        key = (arm.backend, arm.model_uri)
+        if key not in self._backends:
+            self._backends[key] = self.backend_factory(arm, self.backend_timeout_s)
+        return self._backends[key]
+
+    async def _drop_stale_backends(self) -> None:
+        live = {(a.backend, a.model_uri) for a in self._arms}
+        for key in [k for k in self._backends if k not in live]:
+            await self._backends.pop(key).aclose()
+
+    async def aclose(self) -> None:
+        for backend in self._backends.values():
+            await backend.aclose()
+        self._backends.clear()
