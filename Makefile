@@ -29,9 +29,9 @@ data: install  ## corpus + FIM samples through DVC
 	@echo ">> dvc repro fim (skipped when params and code are unchanged)"
 	$(BIN)/dvc repro fim
 
-base: install  ## data + the tabrl-tiny base model through DVC
-	@echo ">> dvc repro base (skipped when params and code are unchanged)"
-	$(BIN)/dvc repro base
+base: install  ## corpus + FIM samples + the tabrl-tiny base model through DVC
+	@echo ">> dvc repro (corpus -> fim -> base; stages whose params and code are unchanged are skipped)"
+	$(BIN)/dvc repro
 
 demo: base  ## data + base model, then the base model's held-out simulated acceptance
 	@echo ">> held-out simulated acceptance of the base model"

@@ -301,6 +301,14 @@ class ServingParams(Section):
     """Most rows committed together by the log writer (group commit; each caller still waits for its commit)."""
     backend_timeout_s: float = Field(30.0, gt=0)
     """Per-request timeout of a vLLM backend call (502 naming the arm after it)."""
+    vllm_python: str = "python"
+    """Interpreter of the environment vLLM is installed in (its own venv: its pins conflict with prefect's);
+    the rollout starts `{vllm_python} -m vllm.entrypoints.openai.api_server` for each new version."""
+    vllm_args: tuple[str, ...] = ("--logprobs-mode", "processed_logprobs")
+    """Extra vLLM server flags. processed_logprobs: logged behaviour log-probs are under the temperature-scaled
+    distribution training uses. On CPU add --dtype float32 --enforce-eager."""
+    vllm_start_timeout_s: float = Field(420.0, gt=0)
+    """A new vLLM server must answer /health within this many seconds, else the rollout is undone."""
 
 
 class IngestParams(Section):

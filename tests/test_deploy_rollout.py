@@ -1,0 +1,60 @@
+"""Rollout: the challenger goes live at its share, all or nothing (Prefect transaction)."""
+
+import pytest
+from prefect import flow
+
+import tasks.deploy.rollout as rollout_mod
+from serving.store import Arm, init_schema, make_engine, read_arms, replace_arms
+from tasks.deploy.registry import CHALLENGER, CHAMPION, DeployError, ensure_champion, get_alias_version, register_candidate, start_cycle_run
+from tasks.deploy.rollout import challenger_arms, rollout
+from tests.conftest import tiny_params
+
+
+def _live(params, champion_dir):
+    engine = make_engine(params.paths.database_url)
+    init_schema(engine)
+    replace_arms(engine, [Arm(CHAMPION, "tabrl-completion/1", str(champion_dir), "embedded", 1.0)])
+    return engine
+
+
+@flow
+def _rollout_flow(version, model_dir, params):
+    return rollout(version, model_dir, params)
+
+
+def test_rollout_makes_the_challenger_live_at_its_share(tmp_path, mlflow_store, tiny_model_dir, prefect_harness):
+    params = tiny_params(tmp_path, deploy={"challenger_share": 0.25})
+    engine = _live(params, tiny_model_dir)
+    ensure_champion(tiny_model_dir, params)
+    version = register_candidate(tiny_model_dir, params, start_cycle_run(params))
+    done = _rollout_flow(version, str(tiny_model_dir), params)
+    arms = {a.name: a for a in read_arms(engine)}
+    assert arms[CHAMPION].share == pytest.approx(0.75) and arms[CHALLENGER].share == pytest.approx(0.25)
+    assert arms[CHALLENGER].model_version == version.label and done.arms == sorted(arms.values(), key=lambda a: a.name, reverse=True)
+    assert get_alias_version(params, CHALLENGER).version == version.version
+
+
+def test_a_failing_step_restores_arms_and_aliases(tmp_path, mlflow_store, tiny_model_dir, prefect_harness, monkeypatch):
+    params = tiny_params(tmp_path)
+    engine = _live(params, tiny_model_dir)
+    ensure_champion(tiny_model_dir, params)
+    first = register_candidate(tiny_model_dir, params, start_cycle_run(params))
+    _rollout_flow(first, str(tiny_model_dir), params)  # an earlier challenger is live
+    before = read_arms(engine)
+    second = register_candidate(tiny_model_dir, params, start_cycle_run(params))
+
+    @rollout_mod.task(name="check-arms")
+    def failing_check(expected, params):
+        raise DeployError("injected: the new arms did not come up")
+
+    monkeypatch.setattr(rollout_mod, "check_arms", failing_check)
+    with pytest.raises(DeployError, match="injected"):
+        _rollout_flow(second, str(tiny_model_dir), params)
+    assert read_arms(engine) == before  # the arms swap was undone
+    assert get_alias_version(params, CHALLENGER).version == first.version  # and the alias put back
+
+
+def test_rollout_needs_a_live_champion(tmp_path):
+    params = tiny_params(tmp_path)
+    with pytest.raises(DeployError, match="no live 'champion' arm"):
+        challenger_arms([], None, "/m", params)
