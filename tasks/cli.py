@@ -139,5 +139,9 @@ def acceptance_cmd(
             "accept_per_request": s.accept_per_request, "mean_len": s.mean_len}, indent=2) + "\n")
 
 
+from tasks.train.cli import train_cmd  # noqa: E402
+
+app.command("train")(train_cmd)
+
 if __name__ == "__main__":
     app()
