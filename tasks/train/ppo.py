@@ -135,15 +135,20 @@ def build_examples(rows: Sequence[dict], tokenizer, limit: int, max_len: int) ->
 
 @dataclass
 class Packed:
-    """Several sequences in one row: (1, L) ids with position ids restarting at each sequence."""
+    """Sequences packed into R rows of width W, position ids restarting at each sequence (no attention mask).
 
-    input_ids: torch.Tensor  # (1, L)
-    position_ids: torch.Tensor  # (1, L)
-    gather_idx: torch.Tensor  # (N,) positions whose hidden state predicts a completion token
+    With flash-attention (varlen kernels) everything goes into one row. Otherwise rows are bins as wide
+    as the longest sequence, filled first-fit-decreasing: sdpa then builds a block-diagonal mask per
+    row, so attention costs sum(T) * W rather than sum(T)^2, and the rest of each row is padding that
+    forms its own sequence and is never gathered."""
+
+    input_ids: torch.Tensor  # (R, W)
+    position_ids: torch.Tensor  # (R, W)
+    gather_idx: torch.Tensor  # (N,) flat positions (row * W + col) whose hidden state predicts a completion token
     targets: torch.Tensor  # (N,) the completion tokens
     inv_temp: torch.Tensor  # (N,) 1 / temperature of each token's row
-    example_idx: list[int]
-    n_tokens: int  # L: real tokens, no padding
+    example_idx: list[int]  # in the order their tokens appear in targets
+    n_tokens: int  # real tokens, padding excluded
 
     def to(self, device) -> "Packed":
         for name in ("input_ids", "position_ids", "gather_idx", "targets", "inv_temp"):
@@ -151,25 +156,44 @@ class Packed:
         return self
 
 
-def pack(examples: Sequence[Example], idx: Sequence[int]) -> Packed:
-    ids, pos, gather, targets, inv_temp = [], [], [], [], []
-    for i in idx:
-        ex = examples[i]
-        offset = len(ids)
-        ids.extend(ex.input_ids)
-        pos.extend(range(len(ex.input_ids)))
-        # the hidden state at position t predicts token t + 1
-        gather.extend(range(offset + ex.n_prompt - 1, offset + len(ex.input_ids) - 1))
-        targets.extend(ex.input_ids[ex.n_prompt:])
-        inv_temp.extend([1.0 / ex.temperature] * ex.n_completion)
+def pack(examples: Sequence[Example], idx: Sequence[int], one_row: bool = False, pad_id: int = 0) -> Packed:
+    lengths = {i: len(examples[i].input_ids) for i in idx}
+    width = sum(lengths.values()) if one_row else max(lengths.values())
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(idx, key=lambda j: (-lengths[j], j)):
+        k = next((b for b, r in enumerate(room) if r >= lengths[i]), None)
+        if k is None:
+            bins.append([])
+            room.append(width)
+            k = len(bins) - 1
+        bins[k].append(i)
+        room[k] -= lengths[i]
+    ids = torch.full((len(bins), width), pad_id, dtype=torch.long)
+    pos = torch.zeros((len(bins), width), dtype=torch.long)
+    gather, targets, inv_temp, order = [], [], [], []
+    for r, members in enumerate(bins):
+        col = 0
+        for i in members:
+            ex = examples[i]
+            n = len(ex.input_ids)
+            ids[r, col:col + n] = torch.tensor(ex.input_ids)
+            pos[r, col:col + n] = torch.arange(n)
+            # the hidden state at position t predicts token t + 1
+            gather.extend(range(r * width + col + ex.n_prompt - 1, r * width + col + n - 1))
+            targets.extend(ex.input_ids[ex.n_prompt:])
+            inv_temp.extend([1.0 / ex.temperature] * ex.n_completion)
+            order.append(i)
+            col += n
+        pos[r, col:] = torch.arange(width - col)  # padding: a sequence of its own
     return Packed(
-        input_ids=torch.tensor([ids], dtype=torch.long),
-        position_ids=torch.tensor([pos], dtype=torch.long),
+        input_ids=ids,
+        position_ids=pos,
         gather_idx=torch.tensor(gather, dtype=torch.long),
         targets=torch.tensor(targets, dtype=torch.long),
         inv_temp=torch.tensor(inv_temp, dtype=torch.float32),
-        example_idx=list(idx),
-        n_tokens=len(ids),
+        example_idx=order,
+        n_tokens=sum(lengths.values()),
     )
 
 
@@ -235,8 +259,8 @@ class CompletionPolicy(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, gather_idx: torch.Tensor) -> torch.Tensor:
         # attention_mask=None + restarting position_ids: transformers builds the block-diagonal
         # (packed) causal mask for sdpa/eager and uses varlen kernels for flash-attention.
-        hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state  # (1, L, H)
-        return self.lm.lm_head(hidden[0, gather_idx])  # (N, V)
+        hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state  # (R, W, H)
+        return self.lm.lm_head(hidden.flatten(0, 1)[gather_idx])  # (N, V)
 
 
 def token_logp(logits: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -373,18 +397,19 @@ def _dummy(examples: Sequence[Example]) -> Packed:
 
 
 @torch.no_grad()
-def prox_logps(engine, examples: Sequence[Example], tp: TrainParams, rank: int, world: int, device) -> dict[int, list[float]]:
+def prox_logps(engine, examples: Sequence[Example], make_batch, tp: TrainParams, rank: int, world: int,
+               device) -> dict[int, list[float]]:
     """log pi_prox of every completion token with the starting weights, through the training engine."""
     engine.module.eval()
     plan = plan_epoch(examples, tp.model_copy(update={"grad_accum": 1 << 20}), epoch=-1, rank=rank, world=world)
     local: dict[int, list[float]] = {}
     for step in plan:
         for idx in step.micro:
-            batch = (pack(examples, idx) if idx else _dummy(examples)).to(device)
+            batch = make_batch(idx).to(device)
             logits = engine.module(batch.input_ids, batch.position_ids, batch.gather_idx)
             logp, _ = token_logp(logits, batch.targets, batch.inv_temp)
             cursor = 0
-            for i in idx:
+            for i in batch.example_idx:
                 n = examples[i].n_completion
                 local[i] = logp[cursor:cursor + n].tolist()
                 cursor += n
@@ -438,8 +463,12 @@ def train(snapshot: str | Path, from_dir: str | Path, out_dir: str | Path, param
     if not examples:
         raise SnapshotError(f"snapshot {snapshot}: none of its {len(rows)} rows has completion tokens to train on")
     engine = engine_cls(CompletionPolicy(lm), tp, world, device)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
-    prox = prox_logps(engine, examples, tp, rank, world, device)
+    def make_batch(idx: list[int]) -> Packed:
+        return pack(examples, idx, one_row=attn == "flash_attention_2", pad_id=pad_id) if idx else _dummy(examples)
+
+    prox = prox_logps(engine, examples, make_batch, tp, rank, world, device)
     plans = [plan_epoch(examples, tp, epoch, rank, world) for epoch in range(tp.epochs)]
     total_steps = sum(len(p) for p in plans)
     client = _mlflow_client(mlflow_run_id) if rank == 0 else None
@@ -454,12 +483,12 @@ def train(snapshot: str | Path, from_dir: str | Path, out_dir: str | Path, param
             ratio_max = 0.0
             for k, idx in enumerate(plan.micro):
                 boundary = k == len(plan.micro) - 1
-                batch = (pack(examples, idx) if idx else _dummy(examples)).to(device)
+                batch = make_batch(idx).to(device)
                 with engine.micro_step(boundary):
                     logits = engine.module(batch.input_ids, batch.position_ids, batch.gather_idx)  # (N, V)
                     logp, entropy = token_logp(logits, batch.targets, batch.inv_temp)  # (N,)
                     if idx:
-                        old, weight, adv = _token_inputs(examples, idx, prox, tp.is_cap, device)
+                        old, weight, adv = _token_inputs(examples, batch.example_idx, prox, tp.is_cap, device)
                         # DDP/DeepSpeed average gradients over ranks, so each rank divides by step_tokens / world
                         loss, stats = ppo_loss(logp, old, adv, torch.ones_like(logp), clip_low=tp.clip_low,
                                                clip_high=tp.clip_high, is_weight=weight, entropy=entropy,
