@@ -492,6 +492,7 @@ def train(snapshot: str | Path, from_dir: str | Path, out_dir: str | Path, param
                         # DDP/DeepSpeed average gradients over ranks, so each rank divides by step_tokens / world
                         loss, stats = ppo_loss(logp, old, adv, torch.ones_like(logp), clip_low=tp.clip_low,
                                                clip_high=tp.clip_high, is_weight=weight, entropy=entropy,
+                                               ref_logp=old, kl_beta=tp.kl_beta,  # reference = the starting weights
                                                num_tokens=plan.step_tokens / world)
                     else:
                         loss, stats = logp.sum() * 0.0, {"tokens": 0.0}
