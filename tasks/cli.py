@@ -158,5 +158,9 @@ app.command("simulate")(simulate_cmd)
 app.add_typer(keys_app, name="keys")
 
 
+from tasks.train.cli import train_cmd  # noqa: E402
+
+app.command("train")(train_cmd)
+
 if __name__ == "__main__":
     app()

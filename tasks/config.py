@@ -190,6 +190,9 @@ class TrainParams(Section):
     """The job stops (no checkpoint) when approx-KL of a step exceeds this."""
     zero_stage: Literal[0, 1, 2, 3] = 2
     """DeepSpeed ZeRO stage on GPUs."""
+    engine: Literal["auto", "deepspeed", "torch"] = "auto"
+    """`auto`: DeepSpeed on GPUs, plain torch (DDP over gloo for nproc > 1) on CPU, where DeepSpeed's
+    first start JIT-compiles a comm op for minutes; `deepspeed` forces DeepSpeed's CPU accelerator too."""
     nproc: int = Field(1, ge=1)
     """Processes (GPUs, or CPU ranks under torchrun/gloo)."""
     group_size: int = Field(8, ge=2)

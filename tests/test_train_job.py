@@ -1,0 +1,161 @@
+"""The training job on the tiny model: packing, pi_prox, one step, invariances, guards, checkpoint, CLI."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from tasks.fim import build_prompt
+from tasks.generate import generate, load_model, prompt_limit
+from tasks.schema import REWARDED_SCHEMA
+from tasks.train.launch import launch_train
+from tasks.train.loss import ppo_loss
+from tasks.train.ppo import (CompletionPolicy, TrainingDiverged, build_examples, pack, read_snapshot, token_logp,
+                             train)
+from tests.conftest import tiny_params
+
+MAX_NEW = 8
+TEMPERATURE = 0.7
+
+
+def _row(prompt, text, ids, logps, advantage, outcome="rejected"):
+    return {"completion_id": f"c{random.random()}", "created_at": 0.0, "user_id": "u", "arm": "champion",
+            "model_version": "v0", "prompt": prompt, "completion": text, "token_ids": ids, "logprobs": logps,
+            "temperature": TEMPERATURE, "outcome": outcome, "accepted_chars": None, "reward": advantage,
+            "advantage": advantage}
+
+
+@pytest.fixture(scope="module")
+def snapshot(tmp_path_factory, tiny_model_dir, fim_samples) -> Path:
+    """16 sampled completions with behaviour log-probs, plus the edge rows of real logs."""
+    model, tok = load_model(tiny_model_dir)
+    prompts = [build_prompt(s["prefix"][-300:], s["suffix"][:60]) for s in fim_samples[:16]]  # short: fast on 2 cores
+    gens = generate(model, tok, prompts, MAX_NEW, temperature=TEMPERATURE, seed=0)
+    rng = random.Random(0)
+    rows = [_row(p, g.text, g.token_ids, g.logprobs, rng.choice([0.75, -0.25])) for p, g in zip(prompts, gens)]
+    rows[3]["logprobs"] = None  # a client that logged no log-probs: pi_prox recomputed, weight 1
+    eos = tok.eos_token_id
+    rows.append(_row(prompts[0], "", [], [], 0.0, "abstained"))  # nothing generated: no gradient
+    rows.append(_row(prompts[1], "", [eos], [-0.1], 0.0, "abstained"))  # stop token only: trains
+    path = tmp_path_factory.mktemp("snap") / "snapshot.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=REWARDED_SCHEMA), path)
+    return path
+
+
+def _params(tmp, **train):
+    base = {"lr": 1e-3, "epochs": 1, "micro_batch": 8, "grad_accum": 1, "grad_clip": 1e6, "max_approx_kl": 10.0}
+    return tiny_params(tmp, train=base | train, serving={"max_tokens": MAX_NEW, "temperature": TEMPERATURE})
+
+
+def _examples(model_dir, snapshot, params):
+    model, tok = load_model(model_dir)
+    return model, build_examples(read_snapshot(snapshot), tok, prompt_limit(model, MAX_NEW), 512)
+
+
+def _logps(model, examples, one_row=False):
+    """Completion log-probs of all examples in one packed batch, back in example order."""
+    packed = pack(examples, range(len(examples)), one_row=one_row)
+    with torch.no_grad():
+        logits = CompletionPolicy(model)(packed.input_ids, packed.position_ids, packed.gather_idx)
+    flat = token_logp(logits, packed.targets, packed.inv_temp)[0].split([examples[i].n_completion for i in packed.example_idx])
+    by_example = dict(zip(packed.example_idx, flat))
+    return torch.cat([by_example[i] for i in range(len(examples))])
+
+
+def test_packed_logps_match_unpacked_and_serving_logprobs(tiny_model_dir, snapshot, tmp_path):
+    model, examples = _examples(tiny_model_dir, snapshot, _params(tmp_path))
+    assert len(examples) == 17  # 18 rows, the one with no tokens is left out; the stop-token-only row stays
+    packed = _logps(model, examples)
+    assert torch.allclose(_logps(model, examples, one_row=True), packed, atol=1e-4)
+    single, behaviour = [], []
+    for ex in examples:
+        with torch.no_grad():
+            logits = model(torch.tensor([ex.input_ids])).logits[0, ex.n_prompt - 1:-1]
+        single.append(torch.log_softmax(logits / ex.temperature, -1).gather(-1, torch.tensor(ex.input_ids[ex.n_prompt:])[:, None])[:, 0])
+        if ex.behaviour_logp is not None and ex.n_completion > 1:
+            behaviour.append((single[-1], torch.tensor(ex.behaviour_logp)))
+    assert torch.allclose(packed, torch.cat(single), atol=1e-4)  # no cross-talk between packed sequences
+    for mine, served in behaviour:  # same prompt ids, same temperature as serving: IS weight ~ 1
+        assert torch.allclose(mine, served, atol=1e-3)
+
+
+def test_one_step_changes_params_and_lowers_the_loss_on_its_batch(tiny_model_dir, snapshot, tmp_path):
+    params = _params(tmp_path, micro_batch=32, lr=3e-3)
+    out = tmp_path / "out"
+    result = train(snapshot, tiny_model_dir, out, params)
+    assert result.steps == 1 and result.rows_used == 17 and result.engine == "torch"
+    before, examples = _examples(tiny_model_dir, snapshot, params)
+    after = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    assert after.dtype == torch.float32
+    changed = [n for n, p in after.named_parameters() if not torch.equal(p, dict(before.named_parameters())[n])]
+    assert len(changed) == len(list(after.named_parameters()))
+    old = _logps(before, examples)
+    adv = torch.cat([torch.full((e.n_completion,), e.advantage) for e in examples])
+    ones = torch.ones_like(old)
+    loss_before, _ = ppo_loss(old, old, adv, ones, clip_low=0.2, clip_high=0.28)
+    loss_after, _ = ppo_loss(_logps(after, examples), old, adv, ones, clip_low=0.2, clip_high=0.28)
+    assert loss_after.item() < loss_before.item() - 1e-3
+    assert result.final["train/loss"] == pytest.approx(loss_before.item(), abs=0.05)  # IS weights ~ 1 here
+    # the checkpoint is a complete HF directory, written atomically
+    assert (out / "tokenizer.json").is_file() and json.loads((out / "train_result.json").read_text())["steps"] == 1
+    assert not (tmp_path / ".out.tmp").exists()
+
+
+def _weights(d: Path) -> dict[str, torch.Tensor]:
+    return load_file(d / "model.safetensors")
+
+
+def _assert_same_update(a: Path, b: Path, start: Path, ra, rb):
+    assert ra.final["train/grad_norm"] == pytest.approx(rb.final["train/grad_norm"], rel=1e-4)
+    assert ra.final["train/loss"] == pytest.approx(rb.final["train/loss"], rel=1e-4, abs=1e-6)
+    wa, wb, w0 = _weights(a), _weights(b), _weights(start)
+    for name in wa:
+        step = (wa[name] - w0[name]).abs().max()
+        # Adam divides each element by its own gradient scale, so rounding noise in near-zero gradients
+        # reaches ~1% of the largest update; the grad norm above is the scale-sensitive check
+        assert (wa[name] - wb[name]).abs().max() <= 2e-2 * max(step.item(), 1e-8) + 1e-6, name
+
+
+def test_grad_accumulation_1x8_equals_8x1(tiny_model_dir, snapshot, tmp_path):
+    # 17 rows, 8 per step: 3 steps (8, 8, 1) either way; Adam is scale-free, so grad norms are compared too
+    ra = train(snapshot, tiny_model_dir, tmp_path / "a", _params(tmp_path, micro_batch=8, grad_accum=1))
+    rb = train(snapshot, tiny_model_dir, tmp_path / "b", _params(tmp_path, micro_batch=1, grad_accum=8))
+    assert ra.steps == rb.steps == 3
+    _assert_same_update(tmp_path / "a", tmp_path / "b", tiny_model_dir, ra, rb)
+
+
+def test_two_gloo_ranks_equal_one_process(tiny_model_dir, snapshot, tmp_path):
+    r1 = launch_train(snapshot, tiny_model_dir, tmp_path / "one", _params(tmp_path, micro_batch=4, grad_accum=2))
+    r2 = launch_train(snapshot, tiny_model_dir, tmp_path / "two",
+                      _params(tmp_path, micro_batch=4, grad_accum=1, nproc=2))
+    assert (r1.world_size, r2.world_size) == (1, 2) and r1.steps == r2.steps == 3
+    _assert_same_update(tmp_path / "one", tmp_path / "two", tiny_model_dir, r1, r2)
+    # same inputs again: the finished result is returned, nothing retrains
+    mtime = (tmp_path / "two" / "model.safetensors").stat().st_mtime_ns
+    again = launch_train(snapshot, tiny_model_dir, tmp_path / "two", _params(tmp_path, micro_batch=4, grad_accum=1, nproc=2))
+    assert again == r2 and (tmp_path / "two" / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_non_finite_loss_stops_without_checkpoint(tiny_model_dir, snapshot, tmp_path):
+    rows = pq.read_table(snapshot).to_pylist()
+    rows[0]["advantage"] = 1e39  # finite in the log, inf in fp32
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=REWARDED_SCHEMA), bad)
+    (tmp_path / ".out.tmp").mkdir()  # a temp dir left by a killed job
+    with pytest.raises(TrainingDiverged, match="non-finite loss at step 0"):
+        train(bad, tiny_model_dir, tmp_path / "out", _params(tmp_path))
+    assert not (tmp_path / "out").exists()
+
+
+def test_approx_kl_guard(tiny_model_dir, snapshot, tmp_path):
+    with pytest.raises(TrainingDiverged, match="approx-KL .* exceeds train.max_approx_kl"):
+        train(snapshot, tiny_model_dir, tmp_path / "out", _params(tmp_path, micro_batch=4, lr=5e-2, max_approx_kl=1e-6))
+    assert not (tmp_path / "out").exists()
