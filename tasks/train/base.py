@@ -83,7 +83,8 @@ def encode_fim(tokenizer: PreTrainedTokenizerFast, sample: dict, seq_len: int) -
     return [special(FIM_PREFIX), *pre, special(FIM_SUFFIX), *suf, special(FIM_MIDDLE), *mid, special(EOS)]
 
 
-def _batches(seqs: Sequence[list[int]], batch: int, pad_id: int, rng: random.Random):
+def _batches(seqs: Sequence[list[int]], batch: int, pad_id: int, middle_id: int, rng: random.Random):
+    """(ids, attention mask, labels, middle mask): the middle mask marks tokens after <|fim_middle|>."""
     order = list(range(len(seqs)))
     while True:
         rng.shuffle(order)
@@ -93,15 +94,22 @@ def _batches(seqs: Sequence[list[int]], batch: int, pad_id: int, rng: random.Ran
             ids = torch.full((batch, width), pad_id, dtype=torch.long)
             labels = torch.full((batch, width), -100, dtype=torch.long)
             mask = torch.zeros((batch, width), dtype=torch.long)
+            middle = torch.zeros((batch, width), dtype=torch.bool)
             for k, r in enumerate(rows):
                 ids[k, :len(r)] = torch.tensor(r)
                 labels[k, :len(r)] = torch.tensor(r)
                 mask[k, :len(r)] = 1
-            yield ids, mask, labels
+                middle[k, r.index(middle_id) + 1:len(r)] = True
+            yield ids, mask, labels, middle
 
 
-def pretrain(model: Qwen2ForCausalLM, seqs: Sequence[list[int]], params: ModelParams, pad_id: int) -> list[float]:
-    """FIM pre-training with AdamW, linear warm-up and cosine decay; returns the loss curve."""
+def pretrain(model: Qwen2ForCausalLM, seqs: Sequence[list[int]], params: ModelParams, pad_id: int,
+             middle_id: int) -> list[float]:
+    """FIM pre-training with AdamW, linear warm-up and cosine decay; returns the loss curve.
+
+    The loss is the token mean over the whole sequence plus the token mean over the middle and its
+    <|endoftext|>: the language is learnt everywhere, and the completion task (including when to
+    stop) gets the extra weight a model this small needs to learn it in a few hundred steps."""
     torch.manual_seed(params.seed)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=params.pretrain_lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -114,13 +122,17 @@ def pretrain(model: Qwen2ForCausalLM, seqs: Sequence[list[int]], params: ModelPa
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    batches = _batches(seqs, params.pretrain_batch, pad_id, random.Random(params.seed))
+    batches = _batches(seqs, params.pretrain_batch, pad_id, middle_id, random.Random(params.seed))
     losses = []
     bar = tqdm(range(params.pretrain_steps), desc="pre-train tabrl-tiny", unit="step")
     for _ in bar:
-        ids, mask, labels = next(batches)
+        ids, mask, labels, middle = next(batches)
         # fp32 on purpose: bf16 autocast is ~20x slower on CPUs without bf16 units (measured here).
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]  # (B, T-1, V)
+        targets, on_middle = labels[:, 1:], middle[:, 1:]  # (B, T-1)
+        token_loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")  # (B, T-1)
+        valid = targets != -100
+        loss = token_loss[valid].mean() + token_loss[on_middle].mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -143,7 +155,7 @@ def build_base(train_files: Sequence[SourceFile], model_params: ModelParams, fim
                     model_params.pretrain_samples_per_file * len(train_files))
     samples = sample_spans(list(train_files), "pretrain", n_samples, fim_params, model_params.seed)
     seqs = [encode_fim(tokenizer, s, model_params.pretrain_seq_len) for s in samples]
-    losses = pretrain(model, seqs, model_params, tokenizer.pad_token_id)
+    losses = pretrain(model, seqs, model_params, tokenizer.pad_token_id, tokenizer.convert_tokens_to_ids(FIM_MIDDLE))
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
