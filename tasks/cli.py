@@ -139,5 +139,9 @@ def acceptance_cmd(
             "accept_per_request": s.accept_per_request, "mean_len": s.mean_len}, indent=2) + "\n")
 
 
+from tasks.ingest.cli import ingest_cmd  # noqa: E402  (needs the helpers above)
+
+app.command("ingest")(ingest_cmd)
+
 if __name__ == "__main__":
     app()
