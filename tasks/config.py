@@ -292,7 +292,7 @@ class IngestParams(Section):
     commit_grace_s: float = Field(60.0, ge=0)
     """A gap in completion sequence numbers followed by a row younger than this may be an insert still
     committing (PostgreSQL hands out numbers before commit); the cycle stops before such a gap."""
-    chunk_rows: int = Field(50_000, ge=1)
+    chunk_rows: int = Field(10_000, ge=1)
     """Rows read from the log store and written per Parquet row group at a time (bounds memory)."""
     secret_detectors: tuple[str, ...] = (
         "AWSKeyDetector", "AzureStorageKeyDetector", "BasicAuthDetector", "DiscordBotTokenDetector",

@@ -65,3 +65,18 @@ def test_snapshot_holds_only_clean_rows(tmp_path, backend):
     texts = " ".join(kept.column("prompt").to_pylist() + kept.column("completion").to_pylist())
     assert "AKIA" not in texts and "PRIVATE KEY" not in texts
     assert result.arms["all"].requests == 11  # the cycle's stats still count every decided row
+
+
+def test_batched_scan_agrees_with_detect_secrets_line_by_line():
+    """The joined-text prefilter must never hide a line the plugins flag, wherever the secret sits."""
+    scanner = SecretScanner(IngestParams().secret_detectors, cache_lines=1000)
+    secrets = ["AKIAIOSFODNN7EXAMPLE", "ghp_" + "a" * 36, "-----BEGIN OPENSSH PRIVATE KEY-----",
+               "xoxb-1234-5678-abcdefgh", "sk_live_" + "b" * 24, "https://user:hunter2@example.com/x"]
+    lines = []
+    for i, secret in enumerate(secrets):
+        lines += [secret, f"key = '{secret}'", f"{secret} # tail", "    return value + 1", f"x{i} = {i}"]
+    lines += ["ghp_", "AKIA" + "Z" * 10]  # near misses: no verdict
+    expected = {line for line in lines if scanner.line_types(line)}
+    assert len(expected) == 3 * len(secrets)
+    assert scanner._with_secrets(lines) == expected
+    assert scanner.flag(["\n".join(lines[3:5]), "\n".join(lines[:2])]) == [False, True]

@@ -16,10 +16,15 @@ key per kept row for duplicates, a count per user, a bounded cache of clean line
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
+import re
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from detect_secrets.core.plugins.util import get_mapping_from_secret_type_to_class
+from detect_secrets.plugins.base import RegexBasedDetector
 
 from tasks.config import IngestParams
 
@@ -27,7 +32,13 @@ RULES = ("not_trainable", "opted_out", "too_long", "duplicate", "secret", "per_u
 
 
 class SecretScanner:
-    """detect-secrets' detectors, line by line (as the tool scans files), with a cache of clean lines."""
+    """detect-secrets' detectors, line by line (as the tool scans files), with a cache of clean lines.
+
+    Speed without changing the verdict: the new (uncached) lines of a batch are joined and each
+    detector's own patterns are searched once over the whole text (with MULTILINE, so every match
+    a pattern has inside one line is also found there); only the lines a match touches are then
+    scanned line by line by the plugins themselves, which decides.
+    """
 
     def __init__(self, detectors: tuple[str, ...], cache_lines: int) -> None:
         by_name = {cls.__name__: cls for cls in get_mapping_from_secret_type_to_class().values()}
@@ -35,23 +46,56 @@ class SecretScanner:
         if unknown:
             raise ValueError(f"ingest.secret_detectors: unknown detect-secrets plugin(s) {unknown}; known: {sorted(by_name)}")
         self.plugins = [by_name[name]() for name in detectors]
+        missing = [type(p).__name__ for p in self.plugins if not isinstance(p, RegexBasedDetector)]
+        if missing:
+            raise ValueError(f"ingest.secret_detectors: {missing} are not pattern detectors (entropy/keyword ones are not supported)")
+        self._patterns = [re.compile(r.pattern, r.flags | re.MULTILINE) for p in self.plugins for r in p.denylist]
         self.cache_lines = cache_lines
         self._clean: set[str] = set()
 
+    def line_types(self, line: str) -> list[str]:
+        """The verdict on one line: the secret types detect-secrets' plugins find in it."""
+        return [p.secret_type for p in self.plugins if next(iter(p.analyze_string(line)), None) is not None]
+
     def secret_types(self, text: str) -> list[str]:
-        """Secret types found in text (empty when clean)."""
-        found: list[str] = []
-        for line in text.splitlines():
-            if line in self._clean:
-                continue
-            hits = [p.secret_type for p in self.plugins if next(iter(p.analyze_string(line)), None) is not None]
-            if hits:
-                found.extend(hits)
-            elif self.cache_lines:
-                if len(self._clean) >= self.cache_lines:
-                    self._clean.clear()  # bounded: forget everything rather than track recency
-                self._clean.add(line)
-        return found
+        """Secret types found in one text (empty when clean)."""
+        return [t for line in self._with_secrets(text.splitlines()) for t in self.line_types(line)]
+
+    def flag(self, texts: list[str]) -> list[bool]:
+        """For each text: does any of its lines hold a secret?"""
+        split = [text.splitlines() for text in texts]
+        bad = self._with_secrets(set().union(*split))
+        if not bad:
+            return [False] * len(texts)
+        return [not bad.isdisjoint(lines) for lines in split]
+
+    def _with_secrets(self, lines: Iterable[str]) -> set[str]:
+        clean = self._clean
+        new = set(lines) - clean
+        if not new or not self.plugins:
+            return set()
+        bad = {line for line in self._touched(sorted(new)) if self.line_types(line)}
+        if self.cache_lines:
+            if len(clean) + len(new) > self.cache_lines:
+                clean.clear()  # bounded: forget everything rather than track recency
+            clean.update(new - bad)
+        return bad
+
+    def _touched(self, lines: list[str]) -> list[str]:
+        """Lines that a detector pattern matches in (or across) when they are searched as one text."""
+        text = "\n".join(lines)
+        starts = list(itertools.accumulate((len(line) + 1 for line in lines[:-1]), initial=0))
+        touched: set[int] = set()
+        for pattern in self._patterns:
+            pos = 0
+            while (match := pattern.search(text, pos)) is not None:
+                first = bisect.bisect_right(starts, match.start()) - 1
+                last = bisect.bisect_right(starts, max(match.end() - 1, match.start())) - 1
+                touched.update(range(first, last + 1))
+                if first + 1 >= len(starts):
+                    break
+                pos = starts[first + 1]  # resume at the next line: a long match hides none of its own lines' matches
+        return [lines[i] for i in sorted(touched)]
 
 
 @dataclass
@@ -68,8 +112,7 @@ class Cleaner:
         self.scanner = SecretScanner(self.params.secret_detectors, self.params.secret_cache_lines)
         self.report = {"rows_in": 0, **{rule: 0 for rule in RULES}, "rows_out": 0}
 
-    def rule_for(self, user_id: str, prompt: str, completion: str, trainable: bool, opted_out: bool) -> str | None:
-        """The rule that drops this row, or None to keep it (and count it against the user's cap)."""
+    def _cheap_rule(self, user_id: str, prompt: str, completion: str, trainable: bool, opted_out: bool) -> str | None:
         if not trainable:
             return "not_trainable"
         if opted_out:
@@ -80,21 +123,29 @@ class Cleaner:
         if key in self._seen:
             return "duplicate"
         self._seen.add(key)
-        if self.scanner.secret_types(prompt) or self.scanner.secret_types(completion):
-            return "secret"
-        if self._per_user.get(user_id, 0) >= self.params.per_user_cap:
-            return "per_user_cap"
-        self._per_user[user_id] = self._per_user.get(user_id, 0) + 1
         return None
 
+    def keep_mask(self, rows: list[tuple[str, str, str, bool, bool]]) -> list[bool]:
+        """For (user_id, prompt, completion, trainable, opted_out) rows in seq order: keep each one?"""
+        self.report["rows_in"] += len(rows)
+        verdict: list[str | None] = [self._cheap_rule(*row) for row in rows]
+        todo = [i for i, rule in enumerate(verdict) if rule is None]
+        prompts = self.scanner.flag([rows[i][1] for i in todo])
+        completions = self.scanner.flag([rows[i][2] for i in todo])
+        for i, in_prompt, in_completion in zip(todo, prompts, completions):
+            user = rows[i][0]
+            if in_prompt or in_completion:
+                verdict[i] = "secret"
+            elif self._per_user.get(user, 0) >= self.params.per_user_cap:
+                verdict[i] = "per_user_cap"
+            else:
+                self._per_user[user] = self._per_user.get(user, 0) + 1
+        for rule in verdict:
+            self.report[rule or "rows_out"] += 1
+        return [rule is None for rule in verdict]
+
     def keep(self, user_id: str, prompt: str, completion: str, trainable: bool = True, opted_out: bool = False) -> bool:
-        self.report["rows_in"] += 1
-        rule = self.rule_for(user_id, prompt, completion, trainable, opted_out)
-        if rule is None:
-            self.report["rows_out"] += 1
-            return True
-        self.report[rule] += 1
-        return False
+        return self.keep_mask([(user_id, prompt, completion, trainable, opted_out)])[0]
 
 
 def _row_key(user_id: str, prompt: str, completion: str) -> int:

@@ -20,7 +20,7 @@ time, so its sequence has no such gaps.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -37,9 +37,8 @@ class Watermark:
     updated_at: float | None  # `now` of the cycle that set it
 
 
-@dataclass(frozen=True)
-class Decided:
-    """One completion with its outcome, as the cleaning and snapshot steps see it."""
+class Decided(NamedTuple):
+    """One completion with its outcome, as the cleaning and snapshot steps see it (a tuple: cheap by the million)."""
 
     seq: int
     completion_id: str
@@ -49,8 +48,8 @@ class Decided:
     model_version: str
     prompt: str
     completion: str
-    token_ids: list[int] | None
-    logprobs: list[float] | None
+    token_ids: str | None  # JSON text as stored (parsed a chunk at a time when written)
+    logprobs: str | None
     temperature: float
     outcome: str  # "accepted" | "rejected" | "abstained"
     accepted_chars: int | None
@@ -83,7 +82,8 @@ def _query(after_seq: int, upto_seq: int | None) -> sa.Select:
     stmt = (
         sa.select(
             c.c.seq, c.c.id, c.c.created_at, c.c.user_id, c.c.arm, c.c.model_version, c.c.prompt, c.c.completion,
-            c.c.token_ids, c.c.logprobs, c.c.temperature, c.c.abstained,
+            sa.cast(c.c.token_ids, sa.Text).label("token_ids"), sa.cast(c.c.logprobs, sa.Text).label("logprobs"),
+            c.c.temperature, c.c.abstained,
             f.c.accepted, f.c.accepted_chars, f.c.received_at, f.c.trainable, u.c.opted_out,
         )
         .select_from(
@@ -109,23 +109,21 @@ def pull_decided(conn: Connection, params: IngestParams, after_seq: int, now: fl
     try:
         for part in result.partitions():
             chunk: list[Decided] = []
-            for r in part:
+            for (seq, cid, created_at, user_id, arm, model_version, prompt, completion, token_ids, logprobs,
+                 temperature, abstained, accepted, accepted_chars, received_at, trainable, opted_out) in part:
                 if upto_seq is None:
-                    if r.created_at + timeout > now:
+                    if created_at + timeout > now:
                         yield chunk
                         return  # undecided: this and everything after wait for the next cycle
-                    if r.seq != expected and r.created_at + grace > now:
+                    if seq != expected and created_at + grace > now:
                         yield chunk
                         return  # a gap that may still fill (an insert committing)
-                expected = r.seq + 1
-                outcome, late = outcome_of(r.abstained, r.created_at, r.received_at, r.accepted, timeout)
+                expected = seq + 1
+                outcome, late = outcome_of(abstained, created_at, received_at, accepted, timeout)
                 chunk.append(Decided(
-                    seq=r.seq, completion_id=r.id, created_at=r.created_at, user_id=r.user_id, arm=r.arm,
-                    model_version=r.model_version, prompt=r.prompt, completion=r.completion, token_ids=r.token_ids,
-                    logprobs=r.logprobs, temperature=r.temperature, outcome=outcome,
-                    accepted_chars=r.accepted_chars if outcome == "accepted" else None,
-                    trainable=r.trainable is not False, opted_out=bool(r.opted_out),
-                    late_accepted=bool(r.accepted) if late else None,
+                    seq, cid, created_at, user_id, arm, model_version, prompt, completion, token_ids, logprobs,
+                    temperature, outcome, accepted_chars if outcome == "accepted" else None,
+                    trainable is not False, bool(opted_out), bool(accepted) if late else None,
                 ))
             yield chunk
     finally:

@@ -25,6 +25,7 @@ The Parquet schema is ``tasks.schema.INTERACTION_SCHEMA``.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
@@ -125,21 +126,20 @@ def _merge(parts: list[Summary]) -> Summary:
     )
 
 
+def _json_lists(texts: list[str | None]) -> list:
+    """JSON arrays as stored, parsed in one call per chunk (SQL NULL and JSON null -> None)."""
+    return json.loads("[" + ",".join(text if text is not None else "null" for text in texts) + "]")
+
+
 def _columns(rows: list[Decided]) -> pa.Table:
-    return pa.Table.from_pydict({
-        "completion_id": [d.completion_id for d in rows],
-        "created_at": [d.created_at for d in rows],
-        "user_id": [d.user_id for d in rows],
-        "arm": [d.arm for d in rows],
-        "model_version": [d.model_version for d in rows],
-        "prompt": [d.prompt for d in rows],
-        "completion": [d.completion for d in rows],
-        "token_ids": [d.token_ids for d in rows],
-        "logprobs": [d.logprobs for d in rows],
-        "temperature": [d.temperature for d in rows],
-        "outcome": [d.outcome for d in rows],
-        "accepted_chars": [d.accepted_chars for d in rows],
-    }, schema=INTERACTION_SCHEMA)
+    cols = list(zip(*rows))
+    f = Decided._fields
+    pick = {name: list(cols[f.index(name)]) for name in
+            ("completion_id", "created_at", "user_id", "arm", "model_version", "prompt", "completion", "temperature",
+             "outcome", "accepted_chars")}
+    pick["token_ids"] = _json_lists(cols[f.index("token_ids")])
+    pick["logprobs"] = _json_lists(cols[f.index("logprobs")])
+    return pa.Table.from_pydict(pick, schema=INTERACTION_SCHEMA).select(INTERACTION_SCHEMA.names)
 
 
 def _fsync_replace(src: Path, dst: Path) -> None:
@@ -180,7 +180,8 @@ def run_ingest(engine: Engine, params: Params, repo_dir: Path, now: float) -> In
                 stats.add(chunk)
                 late += [{"completion_id": d.completion_id, "accepted": d.late_accepted}
                          for d in chunk if d.late_accepted is not None]
-                kept = [d for d in chunk if cleaner.keep(d.user_id, d.prompt, d.completion, d.trainable, d.opted_out)]
+                mask = cleaner.keep_mask([(d.user_id, d.prompt, d.completion, d.trainable, d.opted_out) for d in chunk])
+                kept = [d for d, keep in zip(chunk, mask) if keep]
                 if kept:
                     if writer is None:
                         writer = pq.ParquetWriter(incoming, INTERACTION_SCHEMA, compression="zstd")
