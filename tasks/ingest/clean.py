@@ -6,7 +6,8 @@ Rules, applied in this order; a dropped row is counted under the first rule that
                     the outcome still counts in the cycle's stats
     opted_out       the user opted out (``users.opted_out``)
     too_long        prompt longer than ingest.max_prompt_chars or completion than max_completion_chars
-    duplicate       same (user, prompt, completion) as an earlier row of the cycle
+    duplicate       same (user, prompt, completion) as an earlier row of the cycle (keyed by the store's
+                    prompt_hash = sha256(prompt, NUL, completion), so the texts are not hashed again)
     secret          a detect-secrets detector fires on a line of the prompt or the completion
     per_user_cap    the user already has ingest.per_user_cap rows in the cycle (first ones by seq kept)
 
@@ -112,21 +113,25 @@ class Cleaner:
         self.scanner = SecretScanner(self.params.secret_detectors, self.params.secret_cache_lines)
         self.report = {"rows_in": 0, **{rule: 0 for rule in RULES}, "rows_out": 0}
 
-    def _cheap_rule(self, user_id: str, prompt: str, completion: str, trainable: bool, opted_out: bool) -> str | None:
+    def _cheap_rule(self, user_id: str, prompt: str, completion: str, trainable: bool, opted_out: bool,
+                    prompt_hash: str | None = None) -> str | None:
         if not trainable:
             return "not_trainable"
         if opted_out:
             return "opted_out"
         if len(prompt) > self.params.max_prompt_chars or len(completion) > self.params.max_completion_chars:
             return "too_long"
-        key = _row_key(user_id, prompt, completion)
+        key = _row_key(user_id, prompt_hash or text_hash(prompt, completion))
         if key in self._seen:
             return "duplicate"
         self._seen.add(key)
         return None
 
-    def keep_mask(self, rows: list[tuple[str, str, str, bool, bool]]) -> list[bool]:
-        """For (user_id, prompt, completion, trainable, opted_out) rows in seq order: keep each one?"""
+    def keep_mask(self, rows: list[tuple]) -> list[bool]:
+        """For (user_id, prompt, completion, trainable, opted_out[, prompt_hash]) rows in seq order: keep each one?
+
+        ``prompt_hash`` is the log store's ``completions.prompt_hash`` (``text_hash``), computed here when absent.
+        """
         self.report["rows_in"] += len(rows)
         verdict: list[str | None] = [self._cheap_rule(*row) for row in rows]
         todo = [i for i, rule in enumerate(verdict) if rule is None]
@@ -148,11 +153,12 @@ class Cleaner:
         return self.keep_mask([(user_id, prompt, completion, trainable, opted_out)])[0]
 
 
-def _row_key(user_id: str, prompt: str, completion: str) -> int:
-    """64 bits of blake2b over the exact texts: a collision among a cycle's rows is ~n^2/2^65."""
-    digest = hashlib.blake2b(digest_size=8)
-    for part in (user_id, prompt, completion):
-        data = part.encode("utf-8", "surrogatepass")
-        digest.update(len(data).to_bytes(8, "big"))  # length-prefixed: no two splits hash alike
-        digest.update(data)
+def text_hash(prompt: str, completion: str) -> str:
+    """The log store's ``prompt_hash``: sha256 of prompt, NUL, completion."""
+    return hashlib.sha256(f"{prompt}\0{completion}".encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _row_key(user_id: str, prompt_hash: str) -> int:
+    """64 bits of blake2b over (user, sha256 of the texts): a collision among a cycle's rows is ~n^2/2^65."""
+    digest = hashlib.blake2b(f"{len(user_id)}:{user_id}:{prompt_hash}".encode("utf-8", "surrogatepass"), digest_size=8)
     return int.from_bytes(digest.digest(), "big")

@@ -9,7 +9,12 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from tasks.cli import DEFAULT_PARAMS_FILE, ParamsOpt, SetOpt, console, fail, params_or_exit
+from tasks.config import DEFAULT_PARAMS_FILE
+
+# The same options as tasks/cli.py's ParamsOpt/SetOpt; importing them from there at import time
+# would be circular when tasks/cli.py runs as `python -m tasks.cli`.
+ParamsOpt = Annotated[Path, typer.Option("--params", help="params.yaml to read.")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override one key: section.key=value (repeatable).")]
 
 
 def ingest_cmd(
@@ -20,6 +25,7 @@ def ingest_cmd(
 ) -> None:
     """Pull the log store since the watermark, clean, write a DVC-versioned Parquet snapshot, advance the watermark."""
     from serving.store import init_schema, make_engine
+    from tasks.cli import console, fail, params_or_exit
     from tasks.ingest.snapshot import IngestError, run_ingest
 
     p = params_or_exit(params, set_)

@@ -56,6 +56,7 @@ class Decided(NamedTuple):
     trainable: bool  # False when the client said the outcome is not for training
     opted_out: bool
     late_accepted: bool | None  # the late feedback's verdict, None when there was none
+    prompt_hash: str  # sha256(prompt + NUL + completion), as the gateway stored it
 
 
 def read_watermark(conn: Connection) -> Watermark:
@@ -84,7 +85,7 @@ def _query(after_seq: int, upto_seq: int | None) -> sa.Select:
             c.c.seq, c.c.id, c.c.created_at, c.c.user_id, c.c.arm, c.c.model_version, c.c.prompt, c.c.completion,
             sa.cast(c.c.token_ids, sa.Text).label("token_ids"), sa.cast(c.c.logprobs, sa.Text).label("logprobs"),
             c.c.temperature, c.c.abstained,
-            f.c.accepted, f.c.accepted_chars, f.c.received_at, f.c.trainable, u.c.opted_out,
+            f.c.accepted, f.c.accepted_chars, f.c.received_at, f.c.trainable, u.c.opted_out, c.c.prompt_hash,
         )
         .select_from(
             c.outerjoin(f, sa.and_(f.c.completion_id == c.c.id, f.c.matched == sa.true()))
@@ -110,7 +111,7 @@ def pull_decided(conn: Connection, params: IngestParams, after_seq: int, now: fl
         for part in result.partitions():
             chunk: list[Decided] = []
             for (seq, cid, created_at, user_id, arm, model_version, prompt, completion, token_ids, logprobs,
-                 temperature, abstained, accepted, accepted_chars, received_at, trainable, opted_out) in part:
+                 temperature, abstained, accepted, accepted_chars, received_at, trainable, opted_out, prompt_hash) in part:
                 if upto_seq is None:
                     if created_at + timeout > now:
                         yield chunk
@@ -123,7 +124,7 @@ def pull_decided(conn: Connection, params: IngestParams, after_seq: int, now: fl
                 chunk.append(Decided(
                     seq, cid, created_at, user_id, arm, model_version, prompt, completion, token_ids, logprobs,
                     temperature, outcome, accepted_chars if outcome == "accepted" else None,
-                    trainable is not False, bool(opted_out), bool(accepted) if late else None,
+                    trainable is not False, bool(opted_out), bool(accepted) if late else None, prompt_hash,
                 ))
             yield chunk
     finally:

@@ -180,7 +180,8 @@ def run_ingest(engine: Engine, params: Params, repo_dir: Path, now: float) -> In
                 stats.add(chunk)
                 late += [{"completion_id": d.completion_id, "accepted": d.late_accepted}
                          for d in chunk if d.late_accepted is not None]
-                mask = cleaner.keep_mask([(d.user_id, d.prompt, d.completion, d.trainable, d.opted_out) for d in chunk])
+                mask = cleaner.keep_mask([(d.user_id, d.prompt, d.completion, d.trainable, d.opted_out, d.prompt_hash)
+                                         for d in chunk])
                 kept = [d for d, keep in zip(chunk, mask) if keep]
                 if kept:
                     if writer is None:
