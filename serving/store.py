@@ -103,6 +103,17 @@ watermarks = sa.Table(
     sa.Column("updated_at", sa.Float, nullable=False),
 )
 
+snapshots = sa.Table(
+    "snapshots",
+    metadata,
+    sa.Column("name", sa.String(128), primary_key=True),  # file name under data/interactions/
+    sa.Column("first_seq", sa.BigInteger, nullable=False),  # completions.seq range the cycle covered
+    sa.Column("last_seq", sa.BigInteger, nullable=False),
+    sa.Column("rows", sa.Integer, nullable=False),
+    sa.Column("sha256", sa.String(64), nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+)
+
 late_feedback = sa.Table(
     "late_feedback",
     metadata,

@@ -162,5 +162,9 @@ from tasks.train.cli import train_cmd  # noqa: E402
 
 app.command("train")(train_cmd)
 
+from tasks.ingest.cli import ingest_cmd  # noqa: E402  (needs the helpers above)
+
+app.command("ingest")(ingest_cmd)
+
 if __name__ == "__main__":
     app()

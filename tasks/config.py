@@ -325,6 +325,22 @@ class IngestParams(Section):
     """Rows with longer completions are dropped."""
     min_rows: int = Field(1, ge=1)
     """A snapshot is written only with at least this many clean rows."""
+    commit_grace_s: float = Field(60.0, ge=0)
+    """A gap in completion sequence numbers followed by a row younger than this may be an insert still
+    committing (PostgreSQL hands out numbers before commit); the cycle stops before such a gap."""
+    chunk_rows: int = Field(10_000, ge=1)
+    """Rows read from the log store and written per Parquet row group at a time (bounds memory)."""
+    secret_detectors: tuple[str, ...] = (
+        "AWSKeyDetector", "AzureStorageKeyDetector", "BasicAuthDetector", "DiscordBotTokenDetector",
+        "GitHubTokenDetector", "GitLabTokenDetector", "JwtTokenDetector", "NpmDetector", "OpenAIDetector",
+        "PrivateKeyDetector", "PypiTokenDetector", "SendGridDetector", "SlackDetector", "SquareOAuthDetector",
+        "StripeDetector", "TwilioKeyDetector",
+    )
+    """detect-secrets plugin classes run on every line of prompt and completion. The default is its
+    specific, high-precision detectors; the entropy and keyword ones flag ordinary code and are slow."""
+    secret_cache_lines: int = Field(500_000, ge=0)
+    """Lines already scanned clean are remembered (up to this many) so the editor context repeated
+    across requests is scanned once."""
 
 
 class PathsParams(Section):

@@ -13,8 +13,11 @@ FIM samples (``data/fim/{train,test}.parquet``), built by ``tasks/ingest/corpus.
     suffix      string   text after the middle (capped at fim.max_suffix_chars)
     middle      string   what the user was about to type
 
-Interaction snapshots (``data/interactions/<snapshot>.parquet``), built by ``tasks/ingest``;
-the reward stage adds ``reward`` and ``advantage``:
+Interaction snapshots (``data/interactions/interactions-<first seq>-<last seq>.parquet``), built by
+``tasks/ingest`` from the completions with ``<first seq> <= completions.seq <= <last seq>`` that
+survived cleaning, in seq order (one row per shown or abstained request; DVC-versioned, never
+rewritten); the reward stage writes a copy with ``reward`` and ``advantage`` added
+(``REWARDED_SCHEMA``):
 
     completion_id       string
     created_at          float64        unix seconds the suggestion was served
@@ -27,7 +30,7 @@ the reward stage adds ``reward`` and ``advantage``:
     logprobs            list<float32>  behaviour log-probs of token_ids at `temperature` (null if unknown)
     temperature         float64
     outcome             string         "accepted" | "rejected" | "abstained"
-    accepted_chars      int32          null unless the client reported it
+    accepted_chars      int32          null unless accepted and the client reported it
     reward              float64        (reward stage)
     advantage           float64        (reward stage)
 """

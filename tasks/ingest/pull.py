@@ -1,0 +1,136 @@
+"""Pull: the completions logged since the committed watermark, each with its decided outcome.
+
+The timeout rule. A suggestion served at ``created_at`` has a deadline ``created_at +
+ingest.feedback_timeout_s``. Feedback received by the deadline decides it (accepted / rejected);
+none by then means rejected; an empty suggestion is "abstained" whatever the client says. A row
+whose deadline is still ahead of ``now`` is not decided yet: the cycle stops before it and the
+next cycle starts there. Feedback received after the deadline is *late*: it never changes the
+outcome (so a re-run computes the same snapshot), it is recorded in ``late_feedback``.
+
+Why the cycle is a contiguous run of sequence numbers, cut at the first undecided row. The
+watermark is one number: every completion with ``seq <= watermark`` has been snapshotted. Rows
+are streamed in ``seq`` order and the cut stops at the first row that is still young, so nothing
+below the watermark is ever left behind. PostgreSQL hands out ``seq`` at insert, not at commit:
+an insert still committing is an invisible gap below rows already visible. A gap followed by a
+row younger than ``ingest.commit_grace_s`` may be such an insert, so the cut also stops there;
+an older gap is a rolled-back insert (nothing will fill it). SQLite commits one writer at a
+time, so its sequence has no such gaps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, NamedTuple
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from serving.store import completions, feedback, users, watermarks
+from tasks.config import IngestParams
+
+WATERMARK = "ingest"  # watermarks.name of this stage
+
+
+@dataclass(frozen=True)
+class Watermark:
+    completion_seq: int  # every completion with seq <= this is in a snapshot (0: none yet)
+    updated_at: float | None  # `now` of the cycle that set it
+
+
+class Decided(NamedTuple):
+    """One completion with its outcome, as the cleaning and snapshot steps see it (a tuple: cheap by the million)."""
+
+    seq: int
+    completion_id: str
+    created_at: float
+    user_id: str
+    arm: str
+    model_version: str
+    prompt: str
+    completion: str
+    token_ids: str | None  # JSON text as stored (parsed a chunk at a time when written)
+    logprobs: str | None
+    temperature: float
+    outcome: str  # "accepted" | "rejected" | "abstained"
+    accepted_chars: int | None
+    trainable: bool  # False when the client said the outcome is not for training
+    opted_out: bool
+    late_accepted: bool | None  # the late feedback's verdict, None when there was none
+    prompt_hash: str  # sha256(prompt + NUL + completion), as the gateway stored it
+
+
+def read_watermark(conn: Connection) -> Watermark:
+    row = conn.execute(
+        sa.select(watermarks.c.completion_seq, watermarks.c.updated_at).where(watermarks.c.name == WATERMARK)
+    ).first()
+    return Watermark(0, None) if row is None else Watermark(int(row.completion_seq), row.updated_at)
+
+
+def outcome_of(abstained: bool, created_at: float, received_at: float | None, accepted: bool | None,
+               timeout_s: float) -> tuple[str, bool]:
+    """(outcome, late): the timeout rule for one completion whose deadline has passed."""
+    if abstained:
+        return "abstained", False
+    if received_at is None:
+        return "rejected", False
+    if received_at <= created_at + timeout_s:
+        return ("accepted" if accepted else "rejected"), False
+    return "rejected", True
+
+
+def _query(after_seq: int, upto_seq: int | None) -> sa.Select:
+    c, f, u = completions, feedback, users
+    stmt = (
+        sa.select(
+            c.c.seq, c.c.id, c.c.created_at, c.c.user_id, c.c.arm, c.c.model_version, c.c.prompt, c.c.completion,
+            sa.cast(c.c.token_ids, sa.Text).label("token_ids"), sa.cast(c.c.logprobs, sa.Text).label("logprobs"),
+            c.c.temperature, c.c.abstained,
+            f.c.accepted, f.c.accepted_chars, f.c.received_at, f.c.trainable, u.c.opted_out, c.c.prompt_hash,
+        )
+        .select_from(
+            c.outerjoin(f, sa.and_(f.c.completion_id == c.c.id, f.c.matched == sa.true()))
+            .outerjoin(u, u.c.user_id == c.c.user_id)
+        )
+        .where(c.c.seq > after_seq)
+        .order_by(c.c.seq)
+    )
+    return stmt if upto_seq is None else stmt.where(c.c.seq <= upto_seq)
+
+
+def pull_decided(conn: Connection, params: IngestParams, after_seq: int, now: float,
+                 upto_seq: int | None = None) -> Iterator[list[Decided]]:
+    """Chunks of decided rows with seq > after_seq, in seq order, up to the cut.
+
+    With ``upto_seq`` (re-running a cycle whose snapshot was written but whose watermark was not
+    advanced) the range is fixed and every row in it is taken: they were all decided then.
+    """
+    timeout, grace = params.feedback_timeout_s, params.commit_grace_s
+    expected = after_seq + 1
+    result = conn.execution_options(yield_per=params.chunk_rows).execute(_query(after_seq, upto_seq))
+    try:
+        for part in result.partitions():
+            chunk: list[Decided] = []
+            for (seq, cid, created_at, user_id, arm, model_version, prompt, completion, token_ids, logprobs,
+                 temperature, abstained, accepted, accepted_chars, received_at, trainable, opted_out, prompt_hash) in part:
+                if upto_seq is None:
+                    if created_at + timeout > now:
+                        yield chunk
+                        return  # undecided: this and everything after wait for the next cycle
+                    if seq != expected and created_at + grace > now:
+                        yield chunk
+                        return  # a gap that may still fill (an insert committing)
+                expected = seq + 1
+                outcome, late = outcome_of(abstained, created_at, received_at, accepted, timeout)
+                chunk.append(Decided(
+                    seq, cid, created_at, user_id, arm, model_version, prompt, completion, token_ids, logprobs,
+                    temperature, outcome, accepted_chars if outcome == "accepted" else None,
+                    trainable is not False, bool(opted_out), bool(accepted) if late else None, prompt_hash,
+                ))
+            yield chunk
+    finally:
+        result.close()
+
+
+def count_after(conn: Connection, seq: int) -> int:
+    """Completions logged after seq (left for later cycles)."""
+    return conn.execute(sa.select(sa.func.count()).select_from(completions).where(completions.c.seq > seq)).scalar_one()

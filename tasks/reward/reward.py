@@ -1,0 +1,133 @@
+"""Reward: outcome -> reward -> advantage, and the cycle's per-arm summary.
+
+Rewards are Cursor Tab RL's (params ``reward``): accepted +0.75, rejected -0.25, nothing shown 0.
+Each logged suggestion is one step of a one-step episode, so its Monte-Carlo return is its reward.
+Advantages (``reward.advantage``), computed over the whole snapshot (the cycle is the batch):
+
+    raw         A = r                          (the one-step return, as in RLinf)
+    batch_mean  A = r - mean(r)                (a constant baseline)
+    batch_norm  A = (r - mean(r)) / std(r)     (whitened, as REINFORCE++ with one sample per prompt;
+                                                all-equal rewards carry no signal -> A = 0)
+
+The rewarded snapshot has ``tasks.schema.REWARDED_SCHEMA``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from serving.simulator import Summary, summarise
+from tasks.config import RewardParams
+from tasks.schema import OUTCOMES, REWARDED_SCHEMA
+
+STD_EPS = 1e-8  # keeps whitening finite; far below any reward spread that carries signal
+
+
+def reward_of(outcome: str, params: RewardParams) -> float:
+    """The reward of one outcome ("accepted" | "rejected" | "abstained")."""
+    if outcome not in OUTCOMES:
+        raise ValueError(f"outcome {outcome!r} is not one of {OUTCOMES}")
+    return float(getattr(params, outcome))
+
+
+def raw(rewards: np.ndarray) -> np.ndarray:
+    return rewards.astype(np.float64)
+
+
+def batch_mean(rewards: np.ndarray) -> np.ndarray:
+    return rewards - rewards.mean() if rewards.size else rewards.astype(np.float64)
+
+
+def batch_norm(rewards: np.ndarray) -> np.ndarray:
+    centred = batch_mean(rewards)
+    std = rewards.std() if rewards.size else 0.0
+    return centred / (std + STD_EPS) if std > STD_EPS else np.zeros_like(centred)
+
+
+ADVANTAGES: dict[str, Callable[[np.ndarray], np.ndarray]] = {"raw": raw, "batch_mean": batch_mean, "batch_norm": batch_norm}
+
+
+def add_rewards(table: pa.Table, params: RewardParams) -> pa.Table:
+    """An interaction snapshot with ``reward`` and ``advantage`` columns (REWARDED_SCHEMA)."""
+    by_outcome = {outcome: reward_of(outcome, params) for outcome in OUTCOMES}
+    outcomes = table.column("outcome").to_pylist()
+    rewards = np.array([by_outcome[o] if o in by_outcome else reward_of(o, params) for o in outcomes], dtype=np.float64)
+    advantages = ADVANTAGES[params.advantage](rewards)
+    return (table.append_column("reward", pa.array(rewards, pa.float64()))
+            .append_column("advantage", pa.array(advantages, pa.float64()))
+            .cast(REWARDED_SCHEMA))
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    path: Path
+    rows: int
+    reward_mean: float
+    advantage_mean: float
+    advantage_std: float
+    summary: dict[str, dict[str, float]]  # per arm and "all" (see arm_summary)
+
+
+def reward_snapshot(snapshot: Path, params: RewardParams, out: Path, arms: dict[str, Summary] | None = None) -> RewardResult:
+    """Read an interaction snapshot, add rewards and advantages, write it to ``out``.
+
+    The summary counts the snapshot's rows, or ``arms`` when given: pass the ingest's
+    ``IngestResult.arms`` to count every decided outcome of the cycle (cleaned-out rows included).
+    """
+    table = add_rewards(pq.read_table(snapshot), params)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, out, compression="zstd")
+    rewards, adv = table.column("reward").to_numpy(), table.column("advantage").to_numpy()
+    summaries = arms if arms is not None else {arm: summarise(*cols) for arm, cols in _by_arm(table).items()}
+    return RewardResult(
+        path=out, rows=table.num_rows,
+        reward_mean=float(rewards.mean()) if rewards.size else 0.0,
+        advantage_mean=float(adv.mean()) if adv.size else 0.0,
+        advantage_std=float(adv.std()) if adv.size else 0.0,
+        summary=cycle_summary(summaries, params),
+    )
+
+
+def _by_arm(table: pa.Table) -> dict[str, tuple[list[str], list[str]]]:
+    groups: dict[str, tuple[list[str], list[str]]] = {"all": ([], [])}
+    for arm, outcome, completion in zip(table.column("arm").to_pylist(), table.column("outcome").to_pylist(),
+                                        table.column("completion").to_pylist()):
+        for key in ("all", arm):
+            groups.setdefault(key, ([], []))
+            groups[key][0].append(outcome)
+            groups[key][1].append(completion)
+    return groups
+
+
+def reward_per_request(s: Summary, params: RewardParams) -> float:
+    """Mean reward over requests: what the policy earns per completion request."""
+    if not s.requests:
+        return 0.0
+    rejected = s.shown - s.accepted
+    abstained = s.requests - s.shown
+    return (s.accepted * params.accepted + rejected * params.rejected + abstained * params.abstained) / s.requests
+
+
+def arm_summary(s: Summary, params: RewardParams) -> dict[str, float]:
+    return {"requests": s.requests, "suggest_rate": s.suggest_rate, "accept_rate": s.accept_rate,
+            "reward_per_request": reward_per_request(s, params)}
+
+
+def cycle_summary(arms: dict[str, Summary], params: RewardParams) -> dict[str, dict[str, float]]:
+    """Per arm (and "all"): requests, suggestion rate, accept rate per shown suggestion, reward per request."""
+    return {arm: arm_summary(s, params) for arm, s in arms.items()}
+
+
+def reward_metrics(result: RewardResult) -> dict[str, float]:
+    """Namespaced numbers for MLflow: ``reward/accept_rate`` (all arms), ``reward/<arm>/accept_rate``, ..."""
+    metrics = {"reward/rows": result.rows, "reward/mean": result.reward_mean, "reward/advantage_std": result.advantage_std}
+    for arm, numbers in result.summary.items():
+        prefix = "reward/" if arm == "all" else f"reward/{arm}/"
+        metrics.update({prefix + key: value for key, value in numbers.items()})
+    return {key: float(value) for key, value in metrics.items()}

@@ -1,0 +1,162 @@
+"""Snapshot: exactly-once under a crash before the watermark, deterministic bytes, DVC, Prefect/MLflow, CLI."""
+
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+import sqlalchemy as sa
+import yaml
+from typer.testing import CliRunner
+
+import tasks.ingest.snapshot as snapshot_mod
+from serving.store import init_schema, make_engine, watermarks
+from tasks.ingest.snapshot import IngestError, file_sha256, run_ingest
+from tasks.schema import INTERACTION_SCHEMA
+from tests.conftest import tiny_params
+from tests.ingest_helpers import add_completions, add_feedback, completion_row, store
+
+
+def _rows(n: int, start: int, t: float) -> list[dict]:
+    return [completion_row(f"r{i:03d}", t, user=f"u{i % 4}", completion="" if i % 5 == 0 else f"y = {i}")
+            for i in range(start, start + n)]
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_crash_between_snapshot_and_watermark_is_exactly_once(tmp_path, backend, monkeypatch):
+    params = tiny_params(tmp_path, ingest={"chunk_rows": 7})  # several row groups
+    with store(backend, tmp_path) as engine:
+        add_completions(engine, _rows(30, 0, 100.0))
+        for i in range(0, 30, 3):
+            add_feedback(engine, f"r{i:03d}", i % 2 == 0, 101.0)
+
+        def crash(*args, **kwargs):
+            raise RuntimeError("injected crash after the snapshot, before the watermark")
+
+        monkeypatch.setattr(snapshot_mod, "advance_watermark", crash)
+        with pytest.raises(RuntimeError, match="injected"):
+            run_ingest(engine, params, tmp_path, 200.0)
+        monkeypatch.undo()
+        written = list((tmp_path / "data" / "interactions").glob("interactions-*.parquet"))
+        assert len(written) == 1
+        crashed_sha = file_sha256(written[0])
+        with engine.connect() as conn:
+            assert conn.execute(sa.select(watermarks)).first() is None  # the old watermark (none)
+
+        # Meanwhile more traffic arrives; the re-run must redo exactly the crashed cycle.
+        add_completions(engine, _rows(10, 30, 150.0))
+        add_feedback(engine, "r001", True, 180.0)  # late for a row of the crashed cycle
+        redo = run_ingest(engine, params, tmp_path, 300.0)
+        assert redo.recovered and redo.snapshot == written[0] and redo.sha256 == crashed_sha
+        assert file_sha256(redo.snapshot) == crashed_sha and redo.watermark == 30 and redo.pending == 10
+        assert pq.read_table(redo.snapshot).schema.equals(INTERACTION_SCHEMA)
+
+        after = run_ingest(engine, params, tmp_path, 300.0)
+        ids = [pq.read_table(s).column("completion_id").to_pylist() for s in (redo.snapshot, after.snapshot)]
+        assert ids[0] + ids[1] == [f"r{i:03d}" for i in range(40)]  # every row once, none twice
+        assert not after.recovered
+
+
+def test_same_rows_give_the_same_bytes(tmp_path):
+    shas = []
+    for run in ("a", "b"):
+        params = tiny_params(tmp_path / run, ingest={"chunk_rows": 4})
+        with store("sqlite", tmp_path / run) as engine:
+            add_completions(engine, _rows(20, 0, 100.0))
+            shas.append(run_ingest(engine, params, tmp_path / run, 200.0).sha256)
+    assert shas[0] == shas[1]
+
+
+def test_a_racing_ingest_cannot_commit_twice(tmp_path, monkeypatch):
+    params = tiny_params(tmp_path)
+    with store("sqlite", tmp_path) as engine:
+        add_completions(engine, _rows(5, 0, 100.0))
+        run_ingest(engine, params, tmp_path, 200.0)
+        add_completions(engine, _rows(5, 5, 150.0))
+        old = snapshot_mod.read_watermark
+
+        def stale(conn):  # another ingest commits right after this one read the watermark
+            seen = old(conn)
+            with engine.begin() as c:
+                c.execute(watermarks.update().values(completion_seq=7))
+            return seen
+
+        monkeypatch.setattr(snapshot_mod, "read_watermark", stale)
+        with pytest.raises(IngestError, match="another ingest"):
+            run_ingest(engine, params, tmp_path, 300.0)
+
+
+def _log_at(url: str, rows: list[dict]) -> None:
+    engine = make_engine(url)
+    init_schema(engine)
+    add_completions(engine, rows)
+    engine.dispose()
+
+
+def _git(repo, *args):
+    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout
+
+
+def test_snapshot_is_versioned_with_dvc_in_a_git_repo(tmp_path):
+    repo = tmp_path / "project"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    _git(repo, "config", "user.name", "tabrl test")
+    _git(repo, "config", "user.email", "test@tabrl.invalid")
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=repo, check=True)
+    subprocess.run([sys.executable, "-m", "dvc", "config", "core.analytics", "false"], cwd=repo, check=True)
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "init")
+    params = tiny_params(tmp_path, paths={"data_dir": "data"})
+    with store("sqlite", tmp_path) as engine:
+        add_completions(engine, _rows(6, 0, 100.0))
+        result = run_ingest(engine, params, repo, 200.0)
+    assert result.dvc == "committed"
+    rel = result.snapshot.relative_to(repo)
+    meta = yaml.safe_load((repo / f"{rel}.dvc").read_text())
+    import hashlib
+    assert meta["outs"][0]["md5"] == hashlib.md5(result.snapshot.read_bytes()).hexdigest()
+    assert f"ingest: snapshot {rel.name}" in _git(repo, "log", "--oneline")
+    assert _git(repo, "status", "--porcelain") == ""  # the Parquet file is DVC's (git-ignored), the .dvc is committed
+    with pytest.raises(subprocess.CalledProcessError):
+        _git(repo, "ls-files", "--error-unmatch", str(rel))
+
+
+def test_outside_a_dvc_repo_versioning_is_skipped_with_a_warning(tmp_path, caplog):
+    params = tiny_params(tmp_path)
+    with store("sqlite", tmp_path) as engine:
+        add_completions(engine, _rows(3, 0, 100.0))
+        result = run_ingest(engine, params, tmp_path, 200.0)
+    assert result.dvc.startswith("skipped") and result.snapshot.is_file() and result.watermark == 3
+    assert "not a DVC repo" in caplog.text
+
+
+def test_prefect_task_logs_namespaced_metrics_to_an_active_mlflow_run(tmp_path):
+    import mlflow
+
+    from tasks.ingest.task import ingest_task
+
+    assert ingest_task.retries == 2
+    params = tiny_params(tmp_path)
+    _log_at(params.paths.database_url, _rows(8, 0, 100.0))  # the task opens params.paths.database_url itself
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+    with mlflow.start_run() as run:
+        result = ingest_task.fn(params, tmp_path, now=200.0)
+    logged = mlflow.get_run(run.info.run_id).data.metrics
+    assert logged["ingest/rows"] == result.rows == 8
+    assert logged["ingest/clean/rows_in"] == 8 and logged["ingest/watermark"] == 8
+    assert ingest_task.fn(params, tmp_path, now=201.0).snapshot is None  # no run active: nothing logged, no error
+
+
+def test_cli_prints_the_report_and_snapshot_path(tmp_path):
+    from tasks.cli import app
+
+    params = tiny_params(tmp_path)
+    params_file = tmp_path / "params.yaml"
+    params_file.write_text(yaml.safe_dump(params.model_dump(mode="json")))
+    _log_at(params.paths.database_url, _rows(4, 0, 100.0))
+    out = CliRunner().invoke(app, ["ingest", "--repo", str(tmp_path), "--now", "200", "--params", str(params_file)])
+    assert out.exit_code == 0, out.output
+    assert "rows_out" in out.output and "interactions-000000000001-000000000004.parquet" in out.output
+    bad = CliRunner().invoke(app, ["ingest", "--params", str(params_file), "--set", "ingest.secret_detectors=[Nope]"])
+    assert bad.exit_code == 2 and "Nope" in bad.output

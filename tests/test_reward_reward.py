@@ -1,0 +1,78 @@
+"""Reward: values from params, the three advantage modes, the rewarded snapshot, the per-arm summary."""
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from serving.simulator import Summary
+from tasks.config import RewardParams
+from tasks.ingest.snapshot import run_ingest
+from tasks.reward.reward import ADVANTAGES, cycle_summary, reward_metrics, reward_of, reward_snapshot
+from tasks.schema import REWARDED_SCHEMA
+from tests.conftest import tiny_params
+from tests.ingest_helpers import add_completions, add_feedback, completion_row, store
+
+
+def test_reward_values_come_from_params():
+    p = RewardParams()
+    assert [reward_of(o, p) for o in ("accepted", "rejected", "abstained")] == [0.75, -0.25, 0.0]
+    assert reward_of("accepted", RewardParams(accepted=2.0)) == 2.0
+    with pytest.raises(ValueError, match="'maybe'"):
+        reward_of("maybe", p)
+
+
+def test_advantage_modes():
+    r = np.array([0.75, -0.25, -0.25, 0.0])
+    assert np.allclose(ADVANTAGES["raw"](r), r)
+    assert np.allclose(ADVANTAGES["batch_mean"](r), r - 0.0625)
+    whitened = ADVANTAGES["batch_norm"](r)
+    assert abs(whitened.mean()) < 1e-12 and abs(whitened.std() - 1.0) < 1e-6
+    assert np.all(ADVANTAGES["batch_norm"](np.full(5, -0.25)) == 0.0)  # no spread, no signal
+    assert ADVANTAGES["batch_norm"](np.array([])).size == 0
+
+
+@pytest.mark.parametrize("mode", ["raw", "batch_mean", "batch_norm"])
+def test_rewarded_snapshot_and_summary(tmp_path, mode):
+    params = tiny_params(tmp_path, reward={"advantage": mode})
+    with store("sqlite", tmp_path) as engine:
+        add_completions(engine, [completion_row("a", 100.0), completion_row("b", 100.0, arm="challenger"),
+                                 completion_row("c", 100.0, arm="challenger", completion=""),
+                                 completion_row("d", 100.0, arm="challenger")])
+        add_feedback(engine, "b", True, 101.0)
+        ingest = run_ingest(engine, params, tmp_path, 200.0)
+    result = reward_snapshot(ingest.snapshot, params.reward, tmp_path / "rewarded.parquet", ingest.arms)
+    table = pq.read_table(result.path)
+    assert table.schema.equals(REWARDED_SCHEMA)
+    rewards = table.column("reward").to_pylist()
+    assert rewards == [-0.25, 0.75, 0.0, -0.25]
+    assert np.allclose(table.column("advantage").to_numpy(), ADVANTAGES[mode](np.array(rewards)))
+    challenger = result.summary["challenger"]
+    assert challenger["requests"] == 3 and challenger["suggest_rate"] == pytest.approx(2 / 3)
+    assert challenger["accept_rate"] == 0.5 and challenger["reward_per_request"] == pytest.approx(0.5 / 3)
+    assert result.summary["all"]["reward_per_request"] == pytest.approx(0.25 / 4)
+    metrics = reward_metrics(result)
+    assert metrics["reward/accept_rate"] == pytest.approx(1 / 3) and "reward/challenger/accept_rate" in metrics
+
+
+def test_cycle_summary_counts_abstentions_as_requests():
+    s = cycle_summary({"x": Summary(requests=10, shown=4, accepted=1, mean_len=3.0)}, RewardParams())["x"]
+    assert s == {"requests": 10, "suggest_rate": 0.4, "accept_rate": 0.25,
+                 "reward_per_request": pytest.approx((0.75 - 3 * 0.25) / 10)}
+
+
+def test_reward_task_logs_to_mlflow(tmp_path):
+    import mlflow
+
+    from tasks.reward.task import reward_task
+
+    assert reward_task.retries == 1
+    params = tiny_params(tmp_path)
+    with store("sqlite", tmp_path) as engine:
+        add_completions(engine, [completion_row("a", 100.0)])
+        add_feedback(engine, "a", True, 101.0)
+        ingest = run_ingest(engine, params, tmp_path, 200.0)
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+    with mlflow.start_run() as run:
+        reward_task.fn(ingest.snapshot, params.reward, tmp_path / "r.parquet")
+    metrics = mlflow.get_run(run.info.run_id).data.metrics
+    assert metrics["reward/accept_rate"] == 1.0 and metrics["reward/reward_per_request"] == 0.75
