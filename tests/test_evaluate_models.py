@@ -95,7 +95,7 @@ def test_llm_judged_self_comparison_is_cached_and_not_better(babbler_dir, fim_sa
         assert cand.metrics["eval/judge_unscored"] == 0 and cand.metrics["eval/suggest_rate"] == 1.0
         assert not result.decision.passed
         assert any("equal is not better" in r for r in result.decision.reasons)
-        assert result.decision.numbers["evidence/min_judge_scored"] == 8
+        assert result.decision.numbers["evidence/candidate_judge_scored"] == 8
         again = evaluate_model(babbler_dir, fim_samples, params)
         assert len(fake.requests) == distinct  # the re-evaluation cost nothing
         assert again.metrics["eval/judge_mean"] == 8.0

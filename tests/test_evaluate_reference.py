@@ -76,7 +76,8 @@ GATE = EvaluateParams(gate_tolerance=0.02, gate_margin=0.005)
     (metrics(0.07, 6.0), metrics(0.10, 5.0), False, "reward_per_request drops"),
     (metrics(0.09, 6.0), metrics(0.10, 5.0), True, "judge_mean improves"),  # reward drop within tolerance
     (metrics(0.20, 6.0, scored=0), metrics(0.10, 5.0), False, "no judge evidence"),
-    (metrics(0.20, 6.0), metrics(0.10, 0.0, scored=0), False, "no judge evidence"),
+    (metrics(0.20, 6.0), metrics(0.10, 0.0, scored=0), True, "judge mean not compared"),  # champion showed nothing
+    (metrics(0.10, 6.0), metrics(0.10, 0.0, scored=0), False, "equal is not better"),  # then reward must improve
 ])
 def test_gate_decisions(cand, champ, passed, why):
     decision = gate(cand, champ, GATE)

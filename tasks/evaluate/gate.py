@@ -6,8 +6,9 @@ It passes only if, against the champion on the same held-out samples and judge,
   (``gate_tolerance`` for reward, 10x that for the 0-10 judge mean), and
 * at least one of them improves by the margin (``gate_margin``, 10x for the judge mean) and by
   more than zero: equal is not better, whatever the margin;
-* and both models have judge evidence (at least one scored suggestion each): no gate passes on
-  no evidence.
+* and the candidate has judge evidence (at least one scored suggestion): no gate passes on no
+  evidence. A champion with no scored suggestion (it showed nothing) has no judge mean to drop
+  from: the judge mean is then not compared, and the improvement must come from reward.
 """
 
 from __future__ import annotations
@@ -33,13 +34,16 @@ def gate(candidate: Mapping[str, float], champion: Mapping[str, float], params: 
     numbers: dict[str, float] = {}
     reasons: list[str] = []
     no_drop, improved = True, False
+    champion_judged = float(champion[SCORED]) > 0
     for name, scale in ((REWARD, 1.0), (JUDGE, JUDGE_SCALE)):
         cand, champ = float(candidate[name]), float(champion[name])
         delta, tolerance, margin = cand - champ, params.gate_tolerance * scale, params.gate_margin * scale
         short = name.removeprefix("eval/")
         numbers.update({f"candidate/{short}": cand, f"champion/{short}": champ, f"delta/{short}": delta,
                         f"tolerance/{short}": tolerance, f"margin/{short}": margin})
-        if delta < -tolerance:
+        if name == JUDGE and not champion_judged:
+            reasons.append("judge mean not compared: the champion has no scored suggestion")
+        elif delta < -tolerance:
             no_drop = False
             reasons.append(f"{short} drops {delta:+.4f} ({cand:.4f} vs {champ:.4f}), beyond tolerance {tolerance:.4f}")
         elif delta > 0 and delta >= margin:
@@ -49,10 +53,11 @@ def gate(candidate: Mapping[str, float], champion: Mapping[str, float], params: 
         else:
             reasons.append(f"{short} changes {delta:+.4f} ({cand:.4f} vs {champ:.4f}): within tolerance, "
                            f"not an improvement by the margin {margin:.4f}")
-    evidence = min(float(candidate[SCORED]), float(champion[SCORED]))
-    numbers["evidence/min_judge_scored"] = evidence
+    evidence = float(candidate[SCORED])
+    numbers["evidence/candidate_judge_scored"] = evidence
+    numbers["evidence/champion_judge_scored"] = float(champion[SCORED])
     if evidence <= 0:
-        reasons.append("no judge evidence: a model has no scored suggestion")
+        reasons.append("no judge evidence: the candidate has no scored suggestion")
     if not improved:
         reasons.append("neither reward per request nor judge mean improves by the margin (equal is not better)")
     passed = no_drop and improved and evidence > 0

@@ -1,0 +1,82 @@
+"""online_rl_cycle: ingest -> reward -> train -> evaluate -> register -> rollout (one MLflow run).
+
+    tabrl cycle                                   # a manual run (Prefect ephemeral mode without a server)
+    prefect deployment run 'online-rl-cycle/online-rl-cycle'   # against `tabrl schedule`
+
+The flow holds no logic but the gate: it skips (and says why) while a challenger is still under
+test (unless forced) or when the snapshot is too small to train on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlflow
+from prefect import flow, get_run_logger
+
+from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
+from tasks.deploy.registry import (CHALLENGER, ensure_champion, get_alias_version, register_candidate,
+                                   resolve_model_dir, start_cycle_run)
+from tasks.deploy.rollout import rollout
+from tasks.evaluate.evaluate import compare_task
+from tasks.ingest.corpus import read_samples
+from tasks.ingest.task import ingest_task
+from tasks.reward.task import reward_task
+from tasks.train.launch import train_task
+
+
+@dataclass
+class CycleReport:
+    status: str  # "deployed" | "gate_failed" | "skipped"
+    reason: str
+    run_id: str | None = None
+    snapshot: str | None = None
+    version: str | None = None  # registered NAME/VERSION when deployed
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def challenger_under_test(params: Params) -> bool:
+    return get_alias_version(params, CHALLENGER) is not None
+
+
+@flow(name="online-rl-cycle", log_prints=True)
+def online_rl_cycle(params_file: str = str(DEFAULT_PARAMS_FILE), overrides: list[str] | None = None,
+                    force: bool = False, repo_dir: str = ".") -> CycleReport:
+    params = load_params(params_file, overrides or [])
+    log = get_run_logger()
+    if challenger_under_test(params) and not force:
+        log.info("skipped: a challenger is still under test (the A/B decision flow promotes or rolls it back; "
+                 "pass force=True to train anyway)")
+        return CycleReport("skipped", "challenger under test")
+    champion = ensure_champion(params.model.base_dir, params)
+    champion_dir = resolve_model_dir(champion.uri, params)
+    run_id = start_cycle_run(params, run_name="online-rl-cycle")
+    report = CycleReport("skipped", "", run_id=run_id)
+    mlflow.set_tracking_uri(params.paths.mlflow_tracking_uri)  # the stages log into the active run
+    with mlflow.start_run(run_id=run_id, log_system_metrics=False):  # ends FAILED if a stage raises
+        ingested = ingest_task(params, Path(repo_dir))
+        report.snapshot = str(ingested.snapshot) if ingested.snapshot else None
+        if ingested.snapshot is None or ingested.rows < params.train.min_rows:
+            report.reason = f"too few rows to train on ({ingested.rows} < train.min_rows={params.train.min_rows})"
+            log.info(f"skipped training: {report.reason}")
+        else:
+            mlflow.set_tag("tabrl.snapshot_sha256", ingested.sha256)
+            rewarded = reward_task(ingested.snapshot, params.reward, ingested.snapshot.with_suffix(".rewarded.parquet"),
+                                   ingested.arms)
+            candidate_dir = Path(params.paths.models_dir) / "candidates" / run_id
+            trained = train_task(str(rewarded.path), str(champion_dir), str(candidate_dir), params)
+            test = read_samples(Path(params.paths.data_dir) / "fim" / "test.parquet")[: params.evaluate.n_samples]
+            comparison = compare_task(str(candidate_dir), str(champion_dir), test, params)
+            report.metrics = dict(comparison.candidate.metrics) | {"train/steps": trained.steps}
+            if not comparison.decision.passed:  # the gate
+                report.status, report.reason = "gate_failed", "; ".join(comparison.decision.reasons)
+                log.info(f"candidate not deployed: {report.reason}")
+            else:
+                version = register_candidate(candidate_dir, params, run_id)
+                rollout(version, str(resolve_model_dir(version.uri, params)), params)
+                report.status, report.version = "deployed", version.label
+                report.reason = "; ".join(comparison.decision.reasons)
+                log.info(f"{version.label} is the challenger at {params.deploy.challenger_share:.0%} of traffic")
+        mlflow.set_tags({"tabrl.cycle_status": report.status, "tabrl.cycle_reason": report.reason[:5000]})
+    return report

@@ -1,0 +1,48 @@
+"""Curves across cycles: online acceptance (users over HTTP) and held-out evaluation, one PNG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless; set at import because pyplot is imported right below
+import matplotlib.pyplot as plt  # noqa: E402
+import mlflow  # noqa: E402
+
+
+def plot_cycles(rows: Sequence, path: Path, tracking_uri: str | None = None) -> Path:
+    """Plot suggestion rate, accept rate and reward per request per cycle; log the PNG to MLflow if asked."""
+    cycles = [r.cycle for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    online = axes[0]
+    online.plot(cycles, [r.suggest_rate for r in rows], "o-", label="suggestion rate")
+    online.plot(cycles, [r.accept_rate for r in rows], "o-", label="accept rate / shown")
+    online.plot(cycles, [r.reward_per_request for r in rows], "o-", label="reward / request")
+    online.set_title("online (simulated users over HTTP, traffic before each cycle)")
+    held = axes[1]
+    for key, label in (("eval_accept_rate", "candidate accept / shown"), ("eval_reward_per_request", "candidate reward / request"),
+                       ("champion_eval_reward_per_request", "champion reward / request")):
+        points = [(r.cycle, getattr(r, key)) for r in rows if getattr(r, key) is not None]
+        if points:
+            held.plot(*zip(*points), "o-", label=label)
+    held.set_title("held-out test files (each cycle's candidate vs champion)")
+    for ax in axes:
+        ax.set_xlabel("cycle")
+        ax.set_xticks(cycles)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    if tracking_uri:
+        mlflow.set_tracking_uri(tracking_uri)
+        mlflow.set_experiment("tabrl")
+        with mlflow.start_run(run_name="online-loop-summary"):
+            mlflow.log_artifact(str(path))
+            for r in rows:
+                mlflow.log_metrics({"online/suggest_rate": r.suggest_rate, "online/accept_rate": r.accept_rate,
+                                    "online/reward_per_request": r.reward_per_request}, step=r.cycle)
+    return path

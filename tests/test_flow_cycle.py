@@ -1,0 +1,81 @@
+"""The whole online_rl_cycle under Prefect's harness: tiny model, gateway on loopback, SQLite,
+MLflow on a temp store, DVC in a temp git repo.
+
+Simulated users of this test accept every shown suggestion and the tiny champion mostly abstains,
+so the traffic teaches the candidate to suggest: a measurable improvement the gate can see.
+"""
+
+import subprocess
+from pathlib import Path
+import sys
+
+import mlflow
+import pytest
+import yaml
+
+from flows.cycle import online_rl_cycle
+from serving.gateway import create_app
+from serving.simulate import run_simulation
+from serving.simulator import make_users
+from serving.store import Arm, init_schema, make_engine, read_arms, replace_arms
+from tasks.deploy.registry import CHALLENGER, CHAMPION, ensure_champion, get_alias_version, resolve_model_dir
+from tasks.ingest.corpus import write_samples
+from tests.conftest import tiny_params
+from tests.serving_util import serve_app
+
+ACCEPT_ALL = [{"name": "easy", "weight": 1.0, "min_accept_chars": 1, "p_accept_wrong": 1.0, "p_ignore_right": 0.0}]
+
+
+def _dvc_repo(path):
+    path.mkdir()
+    for cmd in (["git", "init", "-q"], ["git", "config", "user.name", "t"], ["git", "config", "user.email", "t@x"],
+                [sys.executable, "-m", "dvc", "init", "-q"], [sys.executable, "-m", "dvc", "config", "core.analytics", "false"],
+                ["git", "commit", "-qm", "init"]):
+        subprocess.run(cmd, cwd=path, check=True)
+    return path
+
+
+def test_cycle_registers_and_rolls_out_a_challenger(tmp_path, tiny_model_dir, fim_samples, mlflow_store, prefect_harness,
+                                                    monkeypatch):
+    repo = _dvc_repo(tmp_path / "repo")
+    monkeypatch.chdir(repo)
+    sections = {"simulator": {"personas": ACCEPT_ALL},
+                "serving": {"auth": False, "temperature": 1.0, "max_tokens": 12},
+                "ingest": {"feedback_timeout_s": 0.5},
+                "train": {"lr": 3e-3, "max_approx_kl": 20.0, "epochs": 3, "min_rows": 8, "micro_batch": 8, "grad_accum": 1},
+                "reward": {"advantage": "batch_mean"},
+                "evaluate": {"n_samples": 16, "max_new_tokens": 12, "gate_tolerance": 1.0},
+                "deploy": {"challenger_share": 0.3},
+                "paths": {"data_dir": str(repo / "data")}}  # snapshots inside the DVC repo
+    params = tiny_params(tmp_path, **sections)
+    params_file = tmp_path / "params.yaml"
+    params_file.write_text(yaml.safe_dump(params.model_dump(mode="json")))
+    write_samples([dict(s, split="test") for s in fim_samples[:16]], repo / params.paths.data_dir / "fim" / "test.parquet")
+
+    champion = ensure_champion(tiny_model_dir, params)
+    engine = make_engine(params.paths.database_url)
+    init_schema(engine)
+    replace_arms(engine, [Arm(CHAMPION, champion.label, str(resolve_model_dir(champion.uri, params)), "embedded", 1.0)])
+    with serve_app(create_app(params, engine=engine, auth=False)) as url:
+        run_simulation(url, fim_samples, make_users(4, params.simulator), 48, api_keys=None, concurrency=4, seed=0)
+    import time
+
+    time.sleep(params.ingest.feedback_timeout_s + 0.2)
+
+    report = online_rl_cycle(str(params_file), [], repo_dir=str(repo))
+
+    snapshot = Path(report.snapshot)
+    assert snapshot.is_file() and snapshot.with_name(snapshot.name + ".dvc").is_file(), "versioned with DVC"
+    run = mlflow.get_run(report.run_id)
+    for key in ("ingest/rows", "eval/reward_per_request", "eval/champion/reward_per_request", "train/loss"):
+        assert key in run.data.metrics, key
+    assert run.data.params["train.lr"] == "0.003" and run.data.tags["tabrl.cycle_status"] == report.status
+    assert report.status == "deployed", report.reason
+    version = get_alias_version(params, CHALLENGER)
+    assert version is not None and version.label == report.version and version.version == champion.version + 1
+    arms = {a.name: a for a in read_arms(engine)}
+    assert arms[CHALLENGER].share == pytest.approx(0.3) and arms[CHAMPION].share == pytest.approx(0.7)
+    assert arms[CHALLENGER].model_version == version.label
+
+    again = online_rl_cycle(str(params_file), [], repo_dir=str(repo))  # the challenger is still under test
+    assert again.status == "skipped" and again.reason == "challenger under test"
