@@ -6,6 +6,8 @@ STAMP := $(VENV)/.installed-stamp
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
+# Prefect's ephemeral server may need more than its default 20 s to start on a busy 2-core machine.
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 
 .PHONY: install test demo data base clean help
 

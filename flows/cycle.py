@@ -68,7 +68,8 @@ def online_rl_cycle(params_file: str = str(DEFAULT_PARAMS_FILE), overrides: list
             trained = train_task(str(rewarded.path), str(champion_dir), str(candidate_dir), params)
             test = read_samples(Path(params.paths.data_dir) / "fim" / "test.parquet")[: params.evaluate.n_samples]
             comparison = compare_task(str(candidate_dir), str(champion_dir), test, params)
-            report.metrics = dict(comparison.candidate.metrics) | {"train/steps": trained.steps}
+            champion_metrics = {k.replace("eval/", "eval/champion/", 1): v for k, v in comparison.champion.metrics.items()}
+            report.metrics = dict(comparison.candidate.metrics) | champion_metrics | {"train/steps": trained.steps}
             if not comparison.decision.passed:  # the gate
                 report.status, report.reason = "gate_failed", "; ".join(comparison.decision.reasons)
                 log.info(f"candidate not deployed: {report.reason}")

@@ -54,6 +54,7 @@ class CycleRow:
     eval_accept_rate: float | None
     eval_reward_per_request: float | None
     champion_eval_reward_per_request: float | None
+    serving_eval: dict  # held-out metrics of the model serving after this cycle (empty when not evaluated)
 
 
 def _free_port() -> int:
@@ -67,7 +68,7 @@ def _free_port() -> int:
 def start_gateway(params_file: str, overrides: list[str], port: int, log_path: Path) -> subprocess.Popen:
     """`tabrl serve` in its own process (as in production), returning once /healthz answers."""
     sets = [x for o in overrides for x in ("--set", o)]
-    cmd = [sys.executable, "-m", "tasks.cli", "serve", "--no-auth", "--port", str(port), "--params", params_file, *sets]
+    cmd = [sys.executable, "-m", "tasks", "serve", "--no-auth", "--port", str(port), "--params", params_file, *sets]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 180
@@ -92,8 +93,12 @@ def reward_per_request(summary, params: Params) -> float:
 
 
 def run_online_loop(params_file: str, overrides: list[str], cycles: int, requests: int, n_users: int,
-                    state: Path, seed: int = 0, progress: bool = True) -> list[CycleRow]:
-    """Run `cycles` online cycles from a fresh state dir; returns one row per cycle."""
+                    state: Path, seed: int = 0, ab_test: bool = True) -> list[CycleRow]:
+    """Run `cycles` online cycles from a fresh state dir; returns one row per cycle.
+
+    ab_test=True: a deployed candidate serves as challenger and the A/B decision flow decides (the
+    product). ab_test=False: every deployed candidate is promoted at once (trust the gate), so each
+    cycle's traffic comes from the newest model: what the learning benchmark measures."""
     shutil.rmtree(state, ignore_errors=True)
     state.mkdir(parents=True)
     overrides = [*DEMO_OVERRIDES, f"paths.state_dir={state}", f"paths.database_url=sqlite:///{state}/tabrl.db",
@@ -108,6 +113,7 @@ def run_online_loop(params_file: str, overrides: list[str], cycles: int, request
     replace_arms(engine, [Arm(CHAMPION, champion.label, str(resolve_model_dir(champion.uri, params)), "embedded", 1.0)])
     engine.dispose()
 
+    repo = _snapshot_repo(state / "repo")  # every interaction snapshot is versioned here with DVC
     traffic = read_samples(Path(params.paths.data_dir) / "fim" / "train.parquet")  # never the held-out files
     users = make_users(n_users, params.simulator, prefix=f"sim{seed}")
     port = _free_port()
@@ -120,8 +126,10 @@ def run_online_loop(params_file: str, overrides: list[str], cycles: int, request
             by_arm = run_simulation(f"http://127.0.0.1:{port}", window, users, requests, api_keys=None,
                                     concurrency=4, seed=seed * 1000 + cycle)
             time.sleep(params.ingest.feedback_timeout_s + 0.5)
-            decision = ab_decision(params_file, overrides) if len(by_arm) > 1 else None
-            report = online_rl_cycle(params_file, overrides, repo_dir=".")
+            decision = ab_decision(params_file, overrides) if ab_test and len(by_arm) > 1 else None
+            report = online_rl_cycle(params_file, overrides, repo_dir=str(repo))
+            if not ab_test and report.status == "deployed":
+                _promote_now(params)
             total = _merge(by_arm)
             m = report.metrics
             rows.append(CycleRow(
@@ -134,12 +142,41 @@ def run_online_loop(params_file: str, overrides: list[str], cycles: int, request
                 eval_judge_mean=m.get("eval/judge_mean"), eval_accept_rate=m.get("eval/accept_rate"),
                 eval_reward_per_request=m.get("eval/reward_per_request"),
                 champion_eval_reward_per_request=m.get("eval/champion/reward_per_request"),
+                serving_eval=_serving_eval(report, promoted=not ab_test),
             ))
             print(json.dumps(asdict(rows[-1])), flush=True)
     finally:
         gateway.terminate()
         gateway.wait(timeout=30)
     return rows
+
+
+def _serving_eval(report, promoted: bool) -> dict:
+    """Held-out metrics of whoever serves next: the promoted candidate, else the champion."""
+    m = report.metrics
+    if promoted and report.status == "deployed":
+        return {k: v for k, v in m.items() if k.startswith("eval/") and not k.startswith("eval/champion/")}
+    return {k.replace("eval/champion/", "eval/", 1): v for k, v in m.items() if k.startswith("eval/champion/")}
+
+
+def _snapshot_repo(path: Path) -> Path:
+    """A git + DVC repo of its own for the loop's snapshots (the project's git history is left alone)."""
+    path.mkdir(parents=True)
+    for cmd in (["git", "init", "-q"], ["git", "config", "user.name", "tabrl"], ["git", "config", "user.email", "tabrl@localhost"],
+                [sys.executable, "-m", "dvc", "init", "-q"], [sys.executable, "-m", "dvc", "config", "core.analytics", "false"],
+                ["git", "commit", "-qm", "tabrl interaction snapshots"]):
+        subprocess.run(cmd, cwd=path, check=True)
+    return path
+
+
+def _promote_now(params: Params) -> None:
+    from tasks.deploy.promote import promote
+
+    engine = make_engine(params.paths.database_url)
+    try:
+        promote(engine, params)
+    finally:
+        engine.dispose()
 
 
 def _merge(by_arm):
@@ -160,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--users", type=int, default=24, help="simulated users")
     parser.add_argument("--state", type=Path, default=Path("state/demo"), help="state dir (wiped at start)")
     args = parser.parse_args(argv)
+    # Prefect's ephemeral server gets 20 s to start by default; a busy 2-core laptop can need more.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     rows = run_online_loop(args.params, args.set, args.cycles, args.requests, args.users, args.state)
     print_report(rows, args.state, load_params(args.params, [f"paths.mlflow_tracking_uri=sqlite:///{args.state}/mlflow.db"]))
     return 0

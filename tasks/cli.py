@@ -166,5 +166,7 @@ from tasks.ingest.cli import ingest_cmd  # noqa: E402  (needs the helpers above)
 
 app.command("ingest")(ingest_cmd)
 
-if __name__ == "__main__":
-    app()
+from flows.cli import cycle_cmd, schedule_cmd  # noqa: E402
+
+app.command("cycle")(cycle_cmd)
+app.command("schedule")(schedule_cmd)
