@@ -9,7 +9,7 @@ from __future__ import annotations
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from serving.store import ArmError, make_engine
+from serving.store import ArmError, init_schema, make_engine
 from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
 from tasks.deploy import ab
 from tasks.deploy.promote import DeployChange, log_decision, promote, rollback
@@ -25,6 +25,7 @@ def _transient(task, task_run, state) -> bool:
 def live_stats(params: Params) -> dict[str, ab.ArmStats]:
     engine = make_engine(params.paths.database_url)
     try:
+        init_schema(engine)  # a fresh store (no gateway started yet) has no A/B test: not an error
         return ab.arm_stats(engine, params)
     finally:
         engine.dispose()

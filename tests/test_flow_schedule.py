@@ -1,0 +1,70 @@
+"""`tabrl schedule` against a real `prefect server`: both deployments with their schedules, and a
+manual run (`prefect deployment run`) executed by the served runner."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import yaml
+
+from tests.conftest import tiny_params
+from tests.serving_util import free_port, wait_http
+
+
+def _cli(*args, env, timeout=120):
+    return subprocess.run([sys.executable, "-m", "prefect", *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def prefect_server(tmp_path):
+    port = free_port()
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
+    env.pop("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", None)
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/api/health", 120, proc)
+        yield env
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+        log.close()
+
+
+def test_schedule_serves_both_flows_and_runs_a_manual_run(tmp_path, prefect_server):
+    env = prefect_server
+    params = tiny_params(tmp_path, deploy={"cycle_every_minutes": 90, "decision_every_minutes": 7})
+    params_file = tmp_path / "params.yaml"
+    params_file.write_text(yaml.safe_dump(params.model_dump(mode="json")))
+    log = open(tmp_path / "runner.log", "w")
+    runner = subprocess.Popen([sys.executable, "-m", "tasks", "schedule", "--params", str(params_file)], env=env,
+                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        api = env["PREFECT_API_URL"]
+        deadline, found = time.monotonic() + 120, {}
+        while time.monotonic() < deadline and len(found) < 2:
+            assert runner.poll() is None, (tmp_path / "runner.log").read_text()[-2000:]
+            found = {d["name"]: d for d in httpx.post(f"{api}/deployments/filter", json={}).json()}
+            time.sleep(1)
+        assert set(found) == {"online-rl-cycle", "ab-decision"}
+        intervals = {name: d["schedules"][0]["schedule"]["interval"] for name, d in found.items()}
+        assert intervals == {"online-rl-cycle": 90 * 60, "ab-decision": 7 * 60}
+
+        started = _cli("deployment", "run", "ab-decision/ab-decision", env=env)
+        assert started.returncode == 0, started.stdout + started.stderr
+        deadline, state = time.monotonic() + 180, None
+        while time.monotonic() < deadline and state not in ("COMPLETED", "FAILED", "CRASHED"):
+            runs = httpx.post(f"{api}/flow_runs/filter", json={}).json()
+            state = runs[0]["state"]["type"] if runs else None
+            time.sleep(1)
+        assert state == "COMPLETED", (tmp_path / "runner.log").read_text()[-3000:]
+    finally:
+        os.killpg(runner.pid, signal.SIGTERM)  # the runner before the server, or it hangs (STACK-NOTES)
+        runner.wait(30)
+        log.close()
