@@ -30,6 +30,7 @@ from pathlib import Path
 
 import httpx
 import sqlalchemy as sa
+from fastapi import FastAPI, Request
 
 from serving.store import Arm, completions, feedback
 from tasks.fim import build_prompt
@@ -74,7 +75,6 @@ def _serve_gateway(db_url: str, port: int, auth: bool, overrides: list[str]) -> 
 
 def _serve_backend(model_dir: str, port: int) -> None:
     import uvicorn
-    from fastapi import FastAPI, Request
 
     from serving.backends import EmbeddedBackend
 
