@@ -162,5 +162,9 @@ from tasks.train.cli import train_cmd  # noqa: E402
 
 app.command("train")(train_cmd)
 
+from serving.cli import purge_cmd  # noqa: E402
+
+app.command("purge")(purge_cmd)
+
 if __name__ == "__main__":
     app()
