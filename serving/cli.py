@@ -239,3 +239,26 @@ def simulate_cmd(
         json_out.write_text(json.dumps({arm: {"requests": s.requests, "shown": s.shown, "accepted": s.accepted,
                                               "suggest_rate": s.suggest_rate, "accept_rate": s.accept_rate,
                                               "mean_len": s.mean_len} for arm, s in by_arm.items()}, indent=2) + "\n")
+
+
+def purge_cmd(
+    older_than: Annotated[str, typer.Option("--older-than", help="Delete completions and feedback older than this: NUMBER + s|m|h|d|w, e.g. 30d.")],
+    batch: Annotated[int, typer.Option(help="Rows deleted per transaction.", min=1)] = 1000,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only count what would be deleted.")] = False,
+    params: ParamsOpt = DEFAULT_PARAMS_FILE,
+    set_: SetOpt = None,
+) -> None:
+    """Retention: delete logged completions (with their feedback) and feedback older than --older-than."""
+    from serving.retention import DurationError, parse_duration, purge
+
+    try:
+        seconds = parse_duration(older_than)
+    except DurationError as err:
+        _fail(f"--older-than: {err}")
+    if seconds <= 0:
+        _fail("--older-than must be longer than 0 s")
+    p = _params(params, set_)
+    done = purge(_engine(p), seconds, batch=batch, dry_run=dry_run)
+    verb = "would delete" if dry_run else "deleted"
+    console.print(f"{verb} {done.completions} completions, {done.feedback} feedback, {done.late_feedback} late feedback "
+                  f"older than {older_than}")

@@ -25,17 +25,18 @@ from dataclasses import dataclass
 from typing import Callable
 
 import sqlalchemy as sa
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from sqlalchemy.engine import Engine
 
-from serving.auth import Directory
+from serving.auth import Directory, hash_key
 from serving.backends import Backend, BackendError, make_backend
-from serving.compat import CONTINUE_SCHEMA, CompatError, outcome_from_continue, outcome_from_rlinf, texts_of
-from serving.log import LogWriter, Outcome, Recorded, insert_completion, prompt_hash, record_outcome
+from serving.compat import (CONTINUE_SCHEMA, CompatError, ContinueEvent, RlinfSubmit, outcome_from_continue,
+                            outcome_from_rlinf, texts_of)
+from serving.log import STORE_UNAVAILABLE, LogWriter, Outcome, Recorded, insert_completion, prompt_hash, record_outcome
 from serving.router import Router, UnknownArmError
 from serving.store import Arm, init_schema, make_engine
 from tasks.config import Params
@@ -45,6 +46,8 @@ from tasks.generate import Generation
 log = logging.getLogger("tabrl.gateway")
 
 MAX_STOP_STRINGS = 32
+MAX_RATE_WINDOWS = 100_000  # rate-limit windows kept before finished ones are dropped
+RETRY_AFTER_S = 2  # Retry-After of a 503 while the log store is unavailable
 
 
 class ApiError(Exception):
@@ -93,6 +96,41 @@ class Caller:
     user_id: str
     logged: bool  # False: opted out; served, never stored
     owner_checked: bool  # True with auth: feedback only for the caller's own completions
+    key_hash: str | None = None  # sha256 of the API key (auth on), for the per-key rate limit
+
+
+class BodyLimit:
+    """ASGI middleware: refuse a request body over max_bytes with 413 before anything parses it.
+
+    A declared Content-Length is checked up front; a chunked body is counted as it arrives."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            response = JSONResponse(_error_body(413, f"request body is {int(declared)} bytes; the limit is "
+                                                     f"{self.max_bytes} (serving.max_body_bytes)"), status_code=413)
+            return await response(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise HTTPException(413, f"request body exceeds the limit of {self.max_bytes} bytes (serving.max_body_bytes)")
+            return message
+
+        return await self.app(scope, counted, send)
+
+
+def _error_body(status: int, message: str, param: str | None = None) -> dict:
+    kind = "invalid_request_error" if status < 500 else ("store_unavailable" if status == 503 else "backend_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 class Metrics:
@@ -144,13 +182,13 @@ def create_app(params: Params, engine: Engine | None = None, auth: bool | None =
     the benchmark passes its own to measure the gateway alone.
     """
     s = params.serving
-    engine = engine if engine is not None else make_engine(params.paths.database_url)
+    engine = engine if engine is not None else make_engine(params.paths.database_url, timeout_s=s.db_timeout_s)
     require_auth = s.auth if auth is None else auth
     writer = LogWriter(engine, s.log_batch)
     router = Router(engine, s.experiment_salt, s.config_ttl_s, s.backend_timeout_s, backend_factory)
     directory = Directory(engine, s.config_ttl_s)
     metrics = Metrics()
-    windows: dict[str, tuple[float, int]] = {}  # user -> (minute window start, requests), for the rate limit
+    windows: dict[str, tuple[float, int]] = {}  # "user:ID" / "key:HASH" -> (minute window start, requests)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -164,16 +202,31 @@ def create_app(params: Params, engine: Engine | None = None, auth: bool | None =
             await router.aclose()
 
     app = FastAPI(title="tabrl gateway", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=s.max_body_bytes)
     app.state.engine, app.state.router, app.state.metrics = engine, router, metrics
 
-    def error(request: Request, status: int, message: str, param: str | None = None) -> JSONResponse:
+    def error(request: Request, status: int, message: str, param: str | None = None,
+              headers: dict | None = None) -> JSONResponse:
         metrics.requests.labels(request.url.path, str(status)).inc()
-        kind = "invalid_request_error" if status < 500 else "backend_error"
-        return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status_code=status)
+        return JSONResponse(_error_body(status, message, param), status_code=status, headers=headers)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, err: ApiError) -> JSONResponse:
         return error(request, err.status, err.message, err.param)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, err: HTTPException) -> JSONResponse:
+        return error(request, err.status_code, str(err.detail), headers=err.headers)
+
+    async def _store_unavailable(request: Request, err: Exception) -> JSONResponse:
+        # Only the driver's own message: SQLAlchemy's str(err) carries the statement's parameters (prompts).
+        reason = f"{type(getattr(err, 'orig', None) or err).__name__}: {str(getattr(err, 'orig', None) or '').strip()[:200]}"
+        log.warning("log store unavailable (%s %s): %s", request.method, request.url.path, reason)
+        return error(request, 503, f"the log store is unavailable ({reason}); nothing was recorded, retry after "
+                                   f"{RETRY_AFTER_S} s", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    for kind in STORE_UNAVAILABLE:
+        app.add_exception_handler(kind, _store_unavailable)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
@@ -199,19 +252,33 @@ def create_app(params: Params, engine: Engine | None = None, auth: bool | None =
             user_id = await directory.user_for_key(key.strip())
             if user_id is None:
                 raise ApiError(401, "invalid or revoked API key")
+            key_hash = hash_key(key.strip())
         else:
             user_id = claimed_user or request.headers.get("x-tabrl-user") or "anonymous"
+            key_hash = None
         logged = not header_opt_out and not await directory.opted_out(user_id)
-        return Caller(user_id, logged, owner_checked=require_auth)
+        return Caller(user_id, logged, owner_checked=require_auth, key_hash=key_hash)
 
-    def check_rate(user_id: str) -> None:
+    def check_rate(caller: Caller) -> None:
+        """Fixed one-minute windows per user and per API key; 429 with Retry-After when either is full."""
         now = time.monotonic()
-        start, count = windows.get(user_id, (now, 0))
-        if now - start >= 60:
-            start, count = now, 0
-        if count >= s.rate_limit_per_minute:
-            raise ApiError(429, f"rate limit: at most {s.rate_limit_per_minute} requests per minute per user")
-        windows[user_id] = (start, count + 1)
+        if len(windows) > MAX_RATE_WINDOWS:  # forget finished windows: claimed user ids (auth off) are unbounded
+            for name in [n for n, (start, _) in windows.items() if now - start >= 60]:
+                del windows[name]
+        limits = [(f"user:{caller.user_id}", s.rate_limit_per_minute, "user")]
+        if caller.key_hash is not None:
+            limits.append((f"key:{caller.key_hash}", s.rate_limit_per_key_per_minute, "API key"))
+        counted = []
+        for name, limit, what in limits:
+            start, count = windows.get(name, (now, 0))
+            if now - start >= 60:
+                start, count = now, 0
+            if count >= limit:
+                raise HTTPException(429, f"rate limit: at most {limit} requests per minute per {what}",
+                                    headers={"Retry-After": str(max(1, int(60 - (now - start)) + 1))})
+            counted.append((name, start, count + 1))
+        for name, start, count in counted:
+            windows[name] = (start, count)
 
     def check_size(field: str, text: str, limit: int) -> None:
         if len(text) > limit:
@@ -259,7 +326,7 @@ def create_app(params: Params, engine: Engine | None = None, auth: bool | None =
         max_tokens = min(req.max_tokens or s.max_tokens, s.max_tokens)  # clients ask for more than a FIM line needs
         temperature = s.temperature if req.temperature is None else req.temperature
         top_p = s.top_p if req.top_p is None else req.top_p
-        check_rate(caller.user_id)
+        check_rate(caller)
         try:
             arm, champion = await router.route(caller.user_id, request.headers.get("x-tabrl-arm"))
         except UnknownArmError as err:
@@ -324,7 +391,9 @@ def create_app(params: Params, engine: Engine | None = None, auth: bool | None =
             raise ApiError(422, f"body must be a JSON object, got {type(body).__name__}")
         return body
 
-    @app.post("/api/training/submit")
+    # These two routes parse their bodies by hand (lenient, size-checked first); the schemas are for the docs
+    # and the fuzzer.
+    @app.post("/api/training/submit", openapi_extra=_json_body(RlinfSubmit.model_json_schema()))
     async def rlinf_submit(request: Request):
         body = await json_object(request)
         for name, text in texts_of(body).items():
@@ -336,7 +405,9 @@ def create_app(params: Params, engine: Engine | None = None, auth: bool | None =
             raise ApiError(422, str(err)) from None
         return await record(request, caller, outcome, require_ours=False)
 
-    @app.post("/api/continue/events")
+    @app.post("/api/continue/events", openapi_extra=_json_body({
+        **ContinueData.model_json_schema(by_alias=True), "properties": {
+            **ContinueData.model_json_schema(by_alias=True)["properties"], "data": ContinueEvent.model_json_schema()}}))
     async def continue_events(request: Request):
         envelope = await json_object(request)
         try:
@@ -381,6 +452,10 @@ def create_app(params: Params, engine: Engine | None = None, auth: bool | None =
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _json_body(schema: dict) -> dict:
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 async def _sse(completion_id: str, created: int, arm: Arm, gen: Generation, tabrl: dict):

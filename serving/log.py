@@ -5,7 +5,8 @@ and wait; the thread drains whatever is queued (up to ``serving.log_batch``), ru
 in one transaction and commits once, then wakes each caller with its own result. Under load many
 requests share one fsync; each response still goes out only after its own row is committed.
 If the shared transaction fails, every operation is retried alone so one bad row cannot fail its
-neighbours, and each caller gets its own answer or error.
+neighbours, and each caller gets its own answer or error; when the store itself is unavailable
+(``STORE_UNAVAILABLE``: locked, unreachable) the whole batch fails at once with that error.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from sqlalchemy.engine import Connection, Engine
 from serving.store import completions, feedback
 
 Op = Callable[[Connection], Any]
+
+# Errors that mean the log store cannot be used right now (locked, unreachable, connection lost, pool
+# exhausted), as opposed to one bad operation; the gateway answers them with 503 + Retry-After.
+STORE_UNAVAILABLE = (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.DisconnectionError, sa.exc.TimeoutError)
 
 
 class LogWriter:
@@ -77,6 +82,12 @@ class LogWriter:
         try:
             with self.engine.begin() as conn:
                 results = [op(conn) for op, _, _ in batch]
+        except STORE_UNAVAILABLE as err:
+            # The store itself is down or locked (not one bad row): retrying each row alone would only
+            # wait the timeout once per row. Every caller gets the error (the gateway answers 503).
+            for _, future, loop in batch:
+                loop.call_soon_threadsafe(_resolve, future, None, err)
+            return
         except sa.exc.SQLAlchemyError:
             for item in batch:
                 self._commit_alone(item)

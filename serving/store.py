@@ -124,24 +124,28 @@ late_feedback = sa.Table(
 )
 
 
-def make_engine(url: str) -> Engine:
-    """An engine for the log store; SQLite gets WAL and full fsync, and its directory is created."""
+def make_engine(url: str, timeout_s: float = 30.0) -> Engine:
+    """An engine for the log store; SQLite gets WAL and full fsync, and its directory is created.
+
+    timeout_s bounds the wait for a locked SQLite file (busy timeout) or for a PostgreSQL connection
+    (connect and pool checkout); past it the operation raises instead of waiting on."""
     if url.startswith("sqlite"):
         db_path = sa.engine.make_url(url).database
         if db_path and db_path != ":memory:":
             Path(db_path).parent.mkdir(parents=True, exist_ok=True)
-        engine = sa.create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        engine = sa.create_engine(url, connect_args={"check_same_thread": False, "timeout": timeout_s})
 
         @sa.event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_conn, _record):
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA synchronous=FULL")
-            cur.execute("PRAGMA busy_timeout=30000")
+            cur.execute(f"PRAGMA busy_timeout={int(timeout_s * 1000)}")
             cur.close()
 
         return engine
-    return sa.create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    return sa.create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20, pool_timeout=timeout_s,
+                            connect_args={"connect_timeout": max(1, round(timeout_s))})
 
 
 def init_schema(engine: Engine) -> None:

@@ -170,3 +170,7 @@ from flows.cli import cycle_cmd, schedule_cmd  # noqa: E402
 
 app.command("cycle")(cycle_cmd)
 app.command("schedule")(schedule_cmd)
+
+from serving.cli import purge_cmd  # noqa: E402
+
+app.command("purge")(purge_cmd)

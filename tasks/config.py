@@ -312,6 +312,13 @@ class ServingParams(Section):
     distribution training uses. On CPU add --dtype float32 --enforce-eager."""
     vllm_start_timeout_s: float = Field(420.0, gt=0)
     """A new vLLM server must answer /health within this many seconds, else the rollout is undone."""
+    rate_limit_per_key_per_minute: int = Field(600, ge=1)
+    """Requests per API key per minute before 429 (besides the per-user limit; a user may hold several keys)."""
+    max_body_bytes: int = Field(1_048_576, ge=1024)
+    """Largest request body in bytes (413 beyond), checked before the body is parsed."""
+    db_timeout_s: float = Field(5.0, gt=0)
+    """How long a request waits for a busy or unreachable log store (SQLite lock, PostgreSQL connection) before
+    the gateway answers 503 with Retry-After instead of hanging the editor."""
 
 
 class IngestParams(Section):

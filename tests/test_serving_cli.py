@@ -30,7 +30,7 @@ def served(tmp_path, tiny_model_dir):
     sets = ["--set", f"paths.database_url={db}", "--set", "serving.max_tokens=8", "--set", "serving.config_ttl_s=0"]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "tasks.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "tasks", "serve", "--model", str(tiny_model_dir), "--port", str(port),
                              *sets], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         try:

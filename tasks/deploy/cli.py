@@ -4,8 +4,17 @@ Registered in tasks/cli.py (import `tasks.cli`, not this module, to get the comm
 
 from __future__ import annotations
 
-from tasks.cli import ParamsOpt, SetOpt
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
 from tasks.config import DEFAULT_PARAMS_FILE
+
+# Declared here, not imported from tasks.cli: `python -m tasks.cli` imports this module while tasks.cli
+# is still `__main__`, and importing tasks.cli from here then was circular (the serve test's subprocess).
+ParamsOpt = Annotated[Path, typer.Option("--params", help="params.yaml to read.")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override one key: section.key=value (repeatable).")]
 
 
 def promote_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -> None:
