@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import uuid
 from contextlib import contextmanager
 
 import pytest
-import sqlalchemy as sa
 
 from serving.store import completions, feedback, init_schema, make_engine, users
+from tests.conftest import throwaway_schema
 
 AWS_KEY_LINE = 'aws_access_key_id = "AKIAIOSFODNN7EXAMPLE"'
 PRIVATE_KEY = "-----BEGIN RSA PRIVATE KEY-----\nMIIEpAIBAAKCAQEAu1SU1LfVLPHCozMxH2Mo4lgOEePzNm0tRgeLezV6ffAt0gun\n-----END RSA PRIVATE KEY-----\n"
@@ -64,16 +63,10 @@ def store(kind: str, tmp_path):
     url = os.environ.get("TABRL_TEST_POSTGRES_URL")
     if not url:
         pytest.skip("PostgreSQL log store: set TABRL_TEST_POSTGRES_URL to run it")
-    schema = f"t_{uuid.uuid4().hex[:10]}"
-    admin = sa.create_engine(url)
-    with admin.begin() as conn:
-        conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
-    engine = make_engine(f"{url}?options=-csearch_path%3D{schema}")
-    try:
-        init_schema(engine)
-        yield engine
-    finally:
-        engine.dispose()
-        with admin.begin() as conn:
-            conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
-        admin.dispose()
+    with throwaway_schema(url) as schema_url:
+        engine = make_engine(schema_url)
+        try:
+            init_schema(engine)
+            yield engine
+        finally:
+            engine.dispose()

@@ -6,12 +6,12 @@ import os
 import socket
 import threading
 import time
-import uuid
 from contextlib import contextmanager
 
 import pytest
-import sqlalchemy as sa
 import uvicorn
+
+from tests.conftest import throwaway_schema
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -23,16 +23,8 @@ def store_url(request, tmp_path):
     url = os.environ.get("TABRL_TEST_POSTGRES_URL")
     if not url:
         pytest.skip("PostgreSQL store skipped: set TABRL_TEST_POSTGRES_URL to run it")
-    schema = f"t_{uuid.uuid4().hex[:10]}"
-    admin = sa.create_engine(url)
-    with admin.begin() as conn:
-        conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
-    try:
-        yield f"{url}?options=-csearch_path%3D{schema}"
-    finally:
-        with admin.begin() as conn:
-            conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
-        admin.dispose()
+    with throwaway_schema(url) as schema_url:
+        yield schema_url
 
 
 def free_port() -> int:

@@ -2,7 +2,6 @@
 
 import itertools
 import os
-import uuid
 
 import numpy as np
 import pytest
@@ -24,7 +23,7 @@ from tasks.deploy.registry import (
     start_cycle_run,
     tracking_client,
 )
-from tests.conftest import tiny_params
+from tests.conftest import throwaway_schema, tiny_params
 
 _ids = itertools.count()
 
@@ -37,19 +36,13 @@ def _engines(tmp_path):
     engine.dispose()
     url = os.environ.get("TABRL_TEST_POSTGRES_URL")
     if url:
-        schema = f"t_{uuid.uuid4().hex[:10]}"
-        admin = sa.create_engine(url)
-        with admin.begin() as conn:
-            conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
-        engine = make_engine(f"{url}?options=-csearch_path%3D{schema}")
-        try:
-            init_schema(engine)
-            yield engine
-        finally:
-            engine.dispose()
-            with admin.begin() as conn:
-                conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
-            admin.dispose()
+        with throwaway_schema(url) as schema_url:
+            engine = make_engine(schema_url)
+            try:
+                init_schema(engine)
+                yield engine
+            finally:
+                engine.dispose()
 
 
 def _log(engine, arm, version, created, *, abstained=False, answer=None, answered_at=None):

@@ -1,25 +1,18 @@
 import os
-import uuid
 
 import pytest
 import sqlalchemy as sa
 
 from serving.store import Arm, ArmError, SCHEMA_VERSION, init_schema, make_engine, read_arms, replace_arms, schema_version
+from tests.conftest import throwaway_schema
 
 
 def _engines(tmp_path):
     yield make_engine(f"sqlite:///{tmp_path}/store.db")
     url = os.environ.get("TABRL_TEST_POSTGRES_URL")
     if url:
-        schema = f"t_{uuid.uuid4().hex[:10]}"
-        admin = sa.create_engine(url)
-        with admin.begin() as conn:
-            conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
-        try:
-            yield make_engine(f"{url}?options=-csearch_path%3D{schema}")
-        finally:
-            with admin.begin() as conn:
-                conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
+        with throwaway_schema(url) as schema_url:
+            yield make_engine(schema_url)
 
 
 def test_schema_and_arms_round_trip_on_every_backend(tmp_path):
