@@ -36,7 +36,6 @@ from tasks.ingest.corpus import read_samples
 
 DEMO_OVERRIDES = [
     "serving.auth=false",  # the local demo only: simulated users are identified by the `user` field
-    "ingest.feedback_timeout_s=2",  # simulated users answer at once; silence becomes "rejected" after 2 s
 ]
 
 
