@@ -28,11 +28,12 @@ import httpx
 from flows.ab_decision import ab_decision
 from flows.cycle import online_rl_cycle
 from serving.simulate import run_simulation
-from serving.simulator import make_users
+from serving.simulator import make_users, merge
 from serving.store import Arm, init_schema, make_engine, replace_arms
 from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
 from tasks.deploy.registry import CHAMPION, ensure_champion, resolve_model_dir
 from tasks.ingest.corpus import read_samples
+from tasks.reward.reward import reward_per_request
 
 DEMO_OVERRIDES = [
     "serving.auth=false",  # the local demo only: simulated users are identified by the `user` field
@@ -84,13 +85,6 @@ def start_gateway(params_file: str, overrides: list[str], port: int, log_path: P
     raise RuntimeError(f"gateway not healthy after 180 s; see {log_path}")
 
 
-def reward_per_request(summary, params: Params) -> float:
-    rejected = summary.shown - summary.accepted
-    abstained = summary.requests - summary.shown
-    total = summary.accepted * params.reward.accepted + rejected * params.reward.rejected + abstained * params.reward.abstained
-    return total / summary.requests if summary.requests else 0.0
-
-
 def run_online_loop(params_file: str, overrides: list[str], cycles: int, requests: int, n_users: int,
                     state: Path, seed: int = 0, ab_test: bool = True) -> list[CycleRow]:
     """Run `cycles` online cycles from a fresh state dir; returns one row per cycle.
@@ -129,13 +123,13 @@ def run_online_loop(params_file: str, overrides: list[str], cycles: int, request
             report = online_rl_cycle(params_file, overrides, repo_dir=str(repo))
             if not ab_test and report.status == "deployed":
                 _promote_now(params)
-            total = _merge(by_arm)
+            total = merge(list(by_arm.values()))
             m = report.metrics
             rows.append(CycleRow(
                 cycle=cycle,
                 arms_served=", ".join(f"{arm}:{s.requests}" for arm, s in sorted(by_arm.items())),
                 requests=total.requests, suggest_rate=total.suggest_rate, accept_rate=total.accept_rate,
-                reward_per_request=reward_per_request(total, params),
+                reward_per_request=reward_per_request(total, params.reward),
                 decision=decision.action if decision else "-",
                 cycle_status=report.status,
                 eval_judge_mean=m.get("eval/judge_mean"), eval_accept_rate=m.get("eval/accept_rate"),
@@ -176,15 +170,6 @@ def _promote_now(params: Params) -> None:
         promote(engine, params)
     finally:
         engine.dispose()
-
-
-def _merge(by_arm):
-    from serving.simulator import Summary
-
-    parts = list(by_arm.values())
-    shown = sum(p.shown for p in parts)
-    return Summary(requests=sum(p.requests for p in parts), shown=shown, accepted=sum(p.accepted for p in parts),
-                   mean_len=sum(p.mean_len * p.shown for p in parts) / shown if shown else 0.0)
 
 
 def main(argv: list[str] | None = None) -> int:

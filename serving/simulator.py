@@ -88,6 +88,15 @@ class Summary:
         return self.accepted / self.requests if self.requests else 0.0
 
 
+def merge(parts: Sequence[Summary]) -> Summary:
+    """One summary of several (arms, chunks); mean length weighted by shown suggestions."""
+    shown = sum(p.shown for p in parts)
+    return Summary(
+        requests=sum(p.requests for p in parts), shown=shown, accepted=sum(p.accepted for p in parts),
+        mean_len=sum(p.mean_len * p.shown for p in parts) / shown if shown else 0.0,
+    )
+
+
 def summarise(outcomes: Sequence[str], suggestions: Sequence[str]) -> Summary:
     shown = [s for s, o in zip(suggestions, outcomes) if o != "abstained"]
     return Summary(

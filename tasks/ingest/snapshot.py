@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from serving.simulator import Summary, summarise
+from serving.simulator import Summary, merge, summarise
 from serving.store import completions, feedback, late_feedback, snapshots, watermarks
 from tasks.config import IngestParams, Params
 from tasks.ingest.clean import Cleaner
@@ -115,15 +115,7 @@ class _ArmStats:
             self.by_arm[arm].append(summarise(outcomes, suggestions))
 
     def result(self) -> dict[str, Summary]:
-        return {arm: _merge(parts) for arm, parts in sorted(self.by_arm.items())}
-
-
-def _merge(parts: list[Summary]) -> Summary:
-    shown = sum(p.shown for p in parts)
-    return Summary(
-        requests=sum(p.requests for p in parts), shown=shown, accepted=sum(p.accepted for p in parts),
-        mean_len=sum(p.mean_len * p.shown for p in parts) / shown if shown else 0.0,
-    )
+        return {arm: merge(parts) for arm, parts in sorted(self.by_arm.items())}
 
 
 def _json_lists(texts: list[str | None]) -> list:
