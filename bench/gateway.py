@@ -38,23 +38,9 @@ sys.path.insert(0, str(ROOT))
 
 from serving.store import Arm  # noqa: E402
 from tasks.fim import build_prompt  # noqa: E402
-from tasks.generate import Generation  # noqa: E402
+from tests.harden_util import FastBackend as CannedBackend  # noqa: E402  (a real Backend answering at once)
 
 PROMPT = build_prompt("def add(a, b):\n    ", "\n\nprint(add(1, 2))\n")
-
-
-class CannedBackend:
-    """A real Backend that answers at once: isolates the gateway's own cost."""
-
-    def __init__(self, arm: Arm, timeout_s: float):
-        self.arm = arm
-
-    async def complete(self, prompt, max_tokens, temperature, top_p, stop) -> Generation:
-        return Generation(text="return a + b", token_ids=[11, 12, 13, 14, 15, 16, 17, 0],
-                          logprobs=[-0.1, -0.2, -0.05, -0.3, -0.1, -0.2, -0.1, -0.01], raw_text="return a + b")
-
-    async def aclose(self) -> None:
-        return None
 
 
 def serve(kind: str, db_url: str, port: int) -> None:
