@@ -8,8 +8,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from serving.store import completions, feedback, init_schema, make_engine, users
-from tests.conftest import throwaway_schema
+from serving.store import completions, feedback, users
+from tests.conftest import initialised_engine, throwaway_schema
 
 AWS_KEY_LINE = 'aws_access_key_id = "AKIAIOSFODNN7EXAMPLE"'
 PRIVATE_KEY = "-----BEGIN RSA PRIVATE KEY-----\nMIIEpAIBAAKCAQEAu1SU1LfVLPHCozMxH2Mo4lgOEePzNm0tRgeLezV6ffAt0gun\n-----END RSA PRIVATE KEY-----\n"
@@ -53,20 +53,11 @@ def opt_out(engine, user: str) -> None:
 def store(kind: str, tmp_path):
     """An initialised log store: SQLite in tmp_path, or a fresh PostgreSQL schema (dropped after)."""
     if kind == "sqlite":
-        engine = make_engine(f"sqlite:///{tmp_path}/store.db")
-        init_schema(engine)
-        try:
+        with initialised_engine(f"sqlite:///{tmp_path}/store.db") as engine:
             yield engine
-        finally:
-            engine.dispose()
         return
     url = os.environ.get("TABRL_TEST_POSTGRES_URL")
     if not url:
         pytest.skip("PostgreSQL log store: set TABRL_TEST_POSTGRES_URL to run it")
-    with throwaway_schema(url) as schema_url:
-        engine = make_engine(schema_url)
-        try:
-            init_schema(engine)
-            yield engine
-        finally:
-            engine.dispose()
+    with throwaway_schema(url) as schema_url, initialised_engine(schema_url) as engine:
+        yield engine

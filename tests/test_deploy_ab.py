@@ -23,26 +23,19 @@ from tasks.deploy.registry import (
     start_cycle_run,
     tracking_client,
 )
-from tests.conftest import throwaway_schema, tiny_params
+from tests.conftest import initialised_engine, throwaway_schema, tiny_params
 
 _ids = itertools.count()
 
 
 def _engines(tmp_path):
     """SQLite, then PostgreSQL in a throwaway schema when TABRL_TEST_POSTGRES_URL is set."""
-    engine = make_engine(f"sqlite:///{tmp_path}/store.db")
-    init_schema(engine)
-    yield engine
-    engine.dispose()
+    with initialised_engine(f"sqlite:///{tmp_path}/store.db") as engine:
+        yield engine
     url = os.environ.get("TABRL_TEST_POSTGRES_URL")
     if url:
-        with throwaway_schema(url) as schema_url:
-            engine = make_engine(schema_url)
-            try:
-                init_schema(engine)
-                yield engine
-            finally:
-                engine.dispose()
+        with throwaway_schema(url) as schema_url, initialised_engine(schema_url) as engine:
+            yield engine
 
 
 def _log(engine, arm, version, created, *, abstained=False, answer=None, answered_at=None):
