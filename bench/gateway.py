@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from serving.store import Arm  # noqa: E402
 from tasks.fim import build_prompt  # noqa: E402
+from tasks.procs import free_port  # noqa: E402
 from tests.harden_util import FastBackend as CannedBackend  # noqa: E402  (a real Backend answering at once)
 
 PROMPT = build_prompt("def add(a, b):\n    ", "\n\nprint(add(1, 2))\n")
@@ -161,14 +162,6 @@ def _key(db_url: str) -> str:
     return key
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(args) -> dict:
     stores = {"sqlite": f"sqlite:///{tempfile.mkdtemp(prefix='tabrl-bench-')}/bench.db"}
     schema = None
@@ -179,7 +172,7 @@ def run(args) -> dict:
         stores["postgres"] = f"{args.postgres}?options=-csearch_path%3D{schema}"
     results = {}
     try:
-        port = _free_port()
+        port = free_port()
         bare = _start("bare", "", port)
         try:
             base = latency(f"http://127.0.0.1:{port}", args.requests, {})
@@ -191,7 +184,7 @@ def run(args) -> dict:
         for name, db_url in stores.items():
             key = _key(db_url)
             headers = {"Authorization": f"Bearer {key}"}
-            port = _free_port()
+            port = free_port()
             proc = _start("gateway", db_url, port)
             try:
                 lat = latency(f"http://127.0.0.1:{port}", args.requests, headers)

@@ -23,8 +23,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import httpx
-
 from flows.ab_decision import ab_decision
 from flows.cycle import online_rl_cycle
 from serving.simulate import run_simulation
@@ -33,6 +31,7 @@ from serving.store import Arm, init_schema, make_engine, replace_arms
 from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
 from tasks.deploy.registry import CHAMPION, ensure_champion, resolve_model_dir
 from tasks.ingest.corpus import read_samples
+from tasks.procs import NotUp, free_port, wait_until_up
 from tasks.reward.reward import reward_per_request
 
 DEMO_OVERRIDES = [
@@ -57,32 +56,18 @@ class CycleRow:
     serving_eval: dict  # held-out metrics of the model serving after this cycle (empty when not evaluated)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_gateway(params_file: str, overrides: list[str], port: int, log_path: Path) -> subprocess.Popen:
     """`tabrl serve` in its own process (as in production), returning once /healthz answers."""
     sets = [x for o in overrides for x in ("--set", o)]
     cmd = [sys.executable, "-m", "tasks", "serve", "--no-auth", "--port", str(port), "--params", params_file, *sets]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"gateway exited with {proc.returncode}; see {log_path}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.terminate()
-    raise RuntimeError(f"gateway not healthy after 180 s; see {log_path}")
+    try:
+        wait_until_up(f"http://127.0.0.1:{port}/healthz", proc, 180)
+    except NotUp as err:
+        proc.terminate()
+        raise RuntimeError(f"gateway: {err}; see {log_path}") from err
+    return proc
 
 
 def run_online_loop(params_file: str, overrides: list[str], cycles: int, requests: int, n_users: int,
@@ -109,7 +94,7 @@ def run_online_loop(params_file: str, overrides: list[str], cycles: int, request
     repo = _snapshot_repo(state / "repo")  # every interaction snapshot is versioned here with DVC
     traffic = read_samples(Path(params.paths.data_dir) / "fim" / "train.parquet")  # never the held-out files
     users = make_users(n_users, params.simulator, prefix=f"sim{seed}")
-    port = _free_port()
+    port = free_port()
     gateway = start_gateway(params_file, overrides, port, state / "gateway.log")
     rows: list[CycleRow] = []
     try:

@@ -35,6 +35,7 @@ from fastapi import FastAPI, Request
 from serving.store import Arm, completions, feedback
 from tasks.fim import build_prompt
 from tasks.generate import Generation
+from tasks.procs import NotUp, free_port, wait_until_up
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,31 +102,18 @@ def _serve_backend(model_dir: str, port: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_process(kind: str, port: int, *args: str, ready_path: str = "/v1/models",
                   timeout_s: float = 60.0) -> subprocess.Popen:
     """Start `python -m tests.harden_util KIND` on port and wait until ready_path answers (any status)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     proc = subprocess.Popen([sys.executable, "-m", "tests.harden_util", kind, "--port", str(port), *args], cwd=ROOT,
                             env=env)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{kind} process exited with {proc.returncode} before it answered")
-        try:
-            httpx.get(f"http://127.0.0.1:{port}{ready_path}", timeout=2)
-            return proc
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"{kind} process did not answer on port {port} within {timeout_s}s")
+    try:
+        wait_until_up(f"http://127.0.0.1:{port}{ready_path}", proc, timeout_s, interval_s=0.2, any_status=True)
+    except NotUp as err:
+        proc.kill()
+        raise RuntimeError(f"{kind} process: {err}") from err
+    return proc
 
 
 def stop_process(proc: subprocess.Popen) -> None:

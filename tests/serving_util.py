@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -11,6 +10,7 @@ from contextlib import contextmanager
 import pytest
 import uvicorn
 
+from tasks.procs import free_port
 from tests.conftest import throwaway_schema
 
 
@@ -25,12 +25,6 @@ def store_url(request, tmp_path):
         pytest.skip("PostgreSQL store skipped: set TABRL_TEST_POSTGRES_URL to run it")
     with throwaway_schema(url) as schema_url:
         yield schema_url
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextmanager
@@ -52,18 +46,3 @@ def serve_app(app, timeout_s: float = 20.0):
         thread.join(timeout_s)
 
 
-def wait_http(url: str, timeout_s: float, proc=None) -> None:
-    """Poll url until it answers 200 (or the process dies / time runs out)."""
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise RuntimeError(f"{url} did not answer within {timeout_s}s")

@@ -11,8 +11,8 @@ import httpx
 import pytest
 import yaml
 
+from tasks.procs import free_port, wait_until_up
 from tests.conftest import tiny_params
-from tests.serving_util import free_port, wait_http
 
 
 def _cli(*args, env, timeout=120):
@@ -29,7 +29,7 @@ def prefect_server(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_http(f"http://127.0.0.1:{port}/api/health", 120, proc)
+        wait_until_up(f"http://127.0.0.1:{port}/api/health", proc, 120)
         yield env
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

@@ -16,7 +16,7 @@ from serving.log import prompt_hash
 from serving.store import completions, feedback, make_engine, read_arms
 from tasks.cli import app
 from tasks.ingest.corpus import write_samples
-from tests.serving_util import free_port, wait_http
+from tasks.procs import free_port, wait_until_up
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +34,7 @@ def served(tmp_path, tiny_model_dir):
                              *sets], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         try:
-            wait_http(f"http://127.0.0.1:{port}/healthz", 60, proc)
+            wait_until_up(f"http://127.0.0.1:{port}/healthz", proc, 60)
         except RuntimeError:
             log.flush()
             raise RuntimeError((tmp_path / "serve.log").read_text()[-3000:]) from None

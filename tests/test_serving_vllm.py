@@ -20,8 +20,9 @@ from serving.gateway import create_app
 from serving.store import Arm, completions, init_schema, make_engine, replace_arms
 from tasks.fim import build_prompt
 from tasks.generate import generate, load_model
+from tasks.procs import free_port, wait_until_up
 from tests.conftest import tiny_params
-from tests.serving_util import free_port, serve_app, wait_http
+from tests.serving_util import serve_app
 
 VLLM_PYTHON = os.environ.get("TABRL_TEST_VLLM_PYTHON")
 
@@ -42,7 +43,7 @@ def vllm_url(tiny_model_dir, tmp_path_factory):
             stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             try:
-                wait_http(f"http://127.0.0.1:{port}/v1/models", 420, proc)
+                wait_until_up(f"http://127.0.0.1:{port}/v1/models", proc, 420)
             except RuntimeError as err:
                 sys.stderr.write(log_path.read_text()[-4000:])
                 raise err

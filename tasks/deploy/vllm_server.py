@@ -10,16 +10,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import httpx
-
 from tasks.config import Params
 from tasks.deploy.registry import DeployError
+from tasks.procs import NotUp, free_port, wait_until_up
 
 
 @dataclass(frozen=True)
@@ -34,15 +32,9 @@ def _registry_dir(params: Params) -> Path:
     return Path(params.paths.state_dir) / "vllm"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_vllm(model_dir: str, params: Params) -> VllmServer:
     """Start a vLLM OpenAI server for model_dir and return once /health answers 200."""
-    port = _free_port()
+    port = free_port()
     cmd = [params.serving.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", str(model_dir),
            *params.serving.vllm_args]
@@ -52,19 +44,12 @@ def start_vllm(model_dir: str, params: Params) -> VllmServer:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     server = VllmServer(proc.pid, port, f"http://127.0.0.1:{port}", str(model_dir))
     (log_dir / f"{port}.json").write_text(json.dumps(asdict(server)))
-    deadline = time.monotonic() + params.serving.vllm_start_timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise DeployError(f"vLLM for {model_dir} exited with {proc.returncode}; see {log_dir / f'{port}.log'}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0).status_code == 200:
-                return server
-        except httpx.TransportError:
-            pass  # not listening yet
-        time.sleep(1.0)
-    stop_vllm(proc.pid)
-    raise DeployError(f"vLLM for {model_dir} not healthy after {params.serving.vllm_start_timeout_s:.0f} s; "
-                      f"see {log_dir / f'{port}.log'}")
+    try:
+        wait_until_up(f"http://127.0.0.1:{port}/health", proc, params.serving.vllm_start_timeout_s, interval_s=1.0)
+    except NotUp as err:
+        stop_vllm(proc.pid)
+        raise DeployError(f"vLLM for {model_dir}: {err}; see {log_dir / f'{port}.log'}") from err
+    return server
 
 
 def stop_vllm(pid: int, grace_s: float = 20.0) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import yaml
 from prefect import task
 
 from tasks.config import Params
+from tasks.procs import free_port
 from tasks.train.ppo import RESULT_FILE, SnapshotError, TrainingDiverged, TrainResult, inputs_digest, train
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -77,7 +77,7 @@ def launch_train(snapshot: str | Path, from_dir: str | Path, out_dir: str | Path
 
 def launcher_command(nproc: int, gpus: bool) -> list[str]:
     """The launcher prefix that starts nproc ranks of tasks.train.ppo."""
-    port = str(_free_port())
+    port = str(free_port())
     if gpus:
         return ["deepspeed", "--num_gpus", str(nproc), "--master_port", port, "--module", "tasks.train.ppo"]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
@@ -102,12 +102,6 @@ def _run(cmd: list[str]) -> None:
             if marker in line:
                 raise kind(line.split(marker, 1)[1])
     raise TrainError(f"training job exited with {rc}: {' '.join(cmd[:6])} ...\n" + "\n".join(tail))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _retry_unless_guard(task, task_run, state) -> bool:

@@ -1,0 +1,45 @@
+"""tasks.procs: waiting for a started server says what went wrong when it never comes up."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tasks.procs import NotUp, free_port, wait_until_up
+
+
+def test_up_when_the_server_answers_200():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until_up(f"http://127.0.0.1:{port}/", proc, 30, interval_s=0.1)
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_process_that_dies_is_reported_with_its_exit_code():
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    with pytest.raises(NotUp, match="exited with 3"):
+        wait_until_up(f"http://127.0.0.1:{free_port()}/healthz", proc, 30, interval_s=0.1)
+
+
+def test_nothing_listening_times_out_naming_the_url():
+    url = f"http://127.0.0.1:{free_port()}/healthz"
+    with pytest.raises(NotUp, match=f"{url} did not answer within 1 s"):
+        wait_until_up(url, None, 1.0, interval_s=0.1)
+
+
+def test_any_status_accepts_a_404():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with pytest.raises(NotUp):
+            wait_until_up(f"http://127.0.0.1:{port}/missing", proc, 2, interval_s=0.1)
+        wait_until_up(f"http://127.0.0.1:{port}/missing", proc, 30, interval_s=0.1, any_status=True)
+    finally:
+        proc.kill()
+        proc.wait()
