@@ -4,7 +4,8 @@
     prefect deployment run 'online-rl-cycle/online-rl-cycle'   # against `tabrl schedule`
 
 The flow holds no logic but the gate: it skips (and says why) while a challenger is still under
-test (unless forced) or when the snapshot is too small to train on.
+test (unless forced) or when the snapshot is too small to train on, and keeps the champion when a
+training guard (non-finite loss, approx-KL) stops the update.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from tasks.ingest.corpus import read_samples
 from tasks.ingest.task import ingest_task
 from tasks.reward.task import reward_task
 from tasks.train.launch import train_task
+from tasks.train.ppo import TrainingDiverged
 
 
 @dataclass
 class CycleReport:
-    status: str  # "deployed" | "gate_failed" | "skipped"
+    status: str  # "deployed" | "gate_failed" | "diverged" (a training guard fired) | "skipped"
     reason: str
     run_id: str | None = None
     snapshot: str | None = None
@@ -65,7 +67,13 @@ def online_rl_cycle(params_file: str = str(DEFAULT_PARAMS_FILE), overrides: list
             rewarded = reward_task(ingested.snapshot, params.reward, ingested.snapshot.with_suffix(".rewarded.parquet"),
                                    ingested.arms)
             candidate_dir = Path(params.paths.models_dir) / "candidates" / run_id
-            trained = train_task(str(rewarded.path), str(champion_dir), str(candidate_dir), params)
+            try:
+                trained = train_task(str(rewarded.path), str(champion_dir), str(candidate_dir), params)
+            except TrainingDiverged as err:  # a guard stopped the update: nothing to evaluate, the champion stays
+                report.status, report.reason = "diverged", f"training stopped by a guard: {err}"
+                log.warning(f"candidate not trained: {report.reason}")
+                mlflow.set_tags({"tabrl.cycle_status": report.status, "tabrl.cycle_reason": report.reason[:5000]})
+                return report
             test = read_samples(Path(params.paths.data_dir) / "fim" / "test.parquet")[: params.evaluate.n_samples]
             comparison = compare_task(str(candidate_dir), str(champion_dir), test, params)
             champion_metrics = {k.replace("eval/", "eval/champion/", 1): v for k, v in comparison.champion.metrics.items()}

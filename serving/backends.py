@@ -27,6 +27,10 @@ from tasks.generate import Generation, ModelLoadError, generate, load_model
 
 
 VLLM_MAX_STOP = 4
+# transformers' from_pretrained is not thread-safe: it builds the model under process-wide "empty
+# weights" patches, so two arms loading at once in two worker threads can leave one with meta
+# tensors ("Cannot copy out of meta tensor"). Loads take turns; generation stays per arm.
+_LOAD_LOCK = threading.Lock()
 
 
 class BackendError(RuntimeError):
@@ -53,7 +57,8 @@ class EmbeddedBackend:
     def _load(self) -> None:
         if self._model is None:
             try:
-                self._model, self._tokenizer = load_model(self.model_dir)
+                with _LOAD_LOCK:
+                    self._model, self._tokenizer = load_model(self.model_dir)
             except (ModelLoadError, OSError) as err:
                 raise BackendError(f"cannot load model {self.model_dir}: {err}") from err
 

@@ -79,3 +79,16 @@ def test_cycle_registers_and_rolls_out_a_challenger(tmp_path, tiny_model_dir, fi
 
     again = online_rl_cycle(str(params_file), [], repo_dir=str(repo))  # the challenger is still under test
     assert again.status == "skipped" and again.reason == "challenger under test"
+
+    # More traffic, then a forced cycle whose update trips the approx-KL guard: the champion and the
+    # challenger under test stay as they are, and the run says why.
+    with serve_app(create_app(params, engine=engine, auth=False)) as url:
+        run_simulation(url, fim_samples, make_users(4, params.simulator), 48, api_keys=None, concurrency=4, seed=1)
+    time.sleep(params.ingest.feedback_timeout_s + 0.2)
+    # (raw rewards with abstaining worth 1: every row moves the weights, so step 2's approx-KL is > 0)
+    trip = ["train.max_approx_kl=1e-9", "reward.advantage=raw", "reward.abstained=1.0", "reward.rejected=-1.0"]
+    diverged = online_rl_cycle(str(params_file), trip, force=True, repo_dir=str(repo))
+    assert diverged.status == "diverged" and "approx" in diverged.reason.lower(), diverged.reason
+    assert get_alias_version(params, CHALLENGER).label == version.label
+    assert {a.name: a.model_version for a in read_arms(engine)} == {n: a.model_version for n, a in arms.items()}
+    assert mlflow.get_run(diverged.run_id).data.tags["tabrl.cycle_status"] == "diverged"
