@@ -14,6 +14,8 @@ for training or for the simulated traffic), greedy decoding, simulated users, re
 Online settings run the real gateway, log store and flows (flows/online_loop.py); each gated
 candidate is promoted at once, so the next cycle's traffic comes from the newest model. Writes
 bench/out/learning/results.json and curves.png; prints the per-cycle table and mean ± spread.
+Each finished (setting, seed) is stored under OUT/runs/ and reused by a later invocation with the
+same params and loop size, so a long run can be stopped and resumed (--fresh reruns everything).
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def corpus_data_dir(args) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="defaults vs control, 1 seed, 3 cycles, 160 requests")
+    parser.add_argument("--quick", action="store_true", help="defaults vs control, 1 seed, 3 cycles, 240 requests")
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--set", action="append", default=[], help="override for every setting: section.key=value")
     parser.add_argument("--settings", nargs="+", default=["defaults", "rlinf", "grpo", "control"])
@@ -104,9 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--users", type=int, default=16)
     parser.add_argument("--corpus", type=Path, help="evaluate on FIM samples cut from this code directory instead")
     parser.add_argument("--out", type=Path, default=Path("bench/out/learning"))
+    parser.add_argument("--fresh", action="store_true", help="rerun (setting, seed) pairs already stored under --out")
+    parser.add_argument("--report-only", action="store_true", help="report the stored runs; train nothing")
     args = parser.parse_args(argv)
     if args.quick:
-        args.settings, args.seeds, args.cycles, args.requests = ["defaults", "control"], 1, 3, 160
+        args.settings, args.seeds, args.cycles, args.requests = ["defaults", "control"], 1, 3, 240
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.chdir(ROOT)
 
@@ -120,19 +124,42 @@ def main(argv: list[str] | None = None) -> int:
     test = read_samples(Path(params.paths.data_dir) / "fim" / "test.parquet")[: params.evaluate.n_samples]
     started = time.time()
     base = _pick(evaluate_model(params.model.base_dir, test, params).metrics)
+    key = run_key(params, args)
     curves: dict[str, list[list[dict]]] = {}
     for setting in args.settings:
         for seed in range(args.seeds):
-            if setting == "control":
-                curve = [base] * args.cycles
-            elif setting == "grpo":
-                curve = run_grpo(seed, args, params.model.base_dir, test)
+            stored = args.out / "runs" / f"{setting}-seed{seed}.json"
+            if stored.is_file() and not args.fresh and json.loads(stored.read_text())["key"] == key:
+                curve = json.loads(stored.read_text())["curve"]  # resumed: finished by an earlier invocation
+                print(f"{setting} seed {seed}: stored result reused ({stored})", flush=True)
+            elif args.report_only:
+                print(f"{setting} seed {seed}: no stored result for these params; left out of the report", flush=True)
+                continue
             else:
-                curve = run_online(setting, seed, args)
+                if setting == "control":
+                    curve = [base] * args.cycles
+                elif setting == "grpo":
+                    curve = run_grpo(seed, args, params.model.base_dir, test)
+                else:
+                    curve = run_online(setting, seed, args)
+                stored.parent.mkdir(parents=True, exist_ok=True)
+                stored.write_text(json.dumps({"setting": setting, "seed": seed, "key": key, "curve": curve}))
             curves.setdefault(setting, []).append(curve)
             print(json.dumps({"setting": setting, "seed": seed, "curve": curve}), flush=True)
     report(curves, base, args, time.time() - started)
     return 0
+
+
+def run_key(params, args) -> str:
+    """What a stored (setting, seed) result depends on: the params (less where files go) and the loop's size."""
+    import hashlib
+
+    body = params.model_dump(mode="json")
+    body.pop("paths")
+    body["evaluate"]["judge"].pop("cache_path")
+    body["model"]["base_dir"] = hashlib.sha256((Path(params.model.base_dir) / "model.safetensors").read_bytes()).hexdigest()
+    body["loop"] = [args.cycles, args.requests, args.users, str(args.corpus)]
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _mean_spread(values: list[float]) -> str:
