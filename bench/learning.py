@@ -62,7 +62,7 @@ def run_grpo(seed, args, base_dir, test) -> list[dict]:
     from tasks.train.launch import launch_train
 
     out = args.out / f"grpo-seed{seed}"
-    params = load_params(args.params, [*args.set, f"train.seed={seed}", "train.algorithm=grpo"])
+    params = load_params(args.params, [*args.set, f"train.seed={seed}", f"simulator.seed={seed}", "train.algorithm=grpo"])
     prompts = read_samples(Path(params.paths.data_dir) / "fim" / "train.parquet")
     current, curve = str(base_dir), []
     for cycle in range(1, args.cycles + 1):
@@ -123,7 +123,16 @@ def main(argv: list[str] | None = None) -> int:
     params = load_params(args.params, args.set)
     test = read_samples(Path(params.paths.data_dir) / "fim" / "test.parquet")[: params.evaluate.n_samples]
     started = time.time()
-    base = _pick(evaluate_model(params.model.base_dir, test, params).metrics)
+    bases: dict[int, dict] = {}
+
+    def base_at(seed: int) -> dict:
+        """The base model scored by seed's simulated users (each setting's seed draws its own users)."""
+        if seed not in bases:
+            seeded = load_params(args.params, [*args.set, f"simulator.seed={seed}"])
+            bases[seed] = _pick(evaluate_model(seeded.model.base_dir, test, seeded).metrics)
+        return bases[seed]
+
+    base = base_at(0)
     key = run_key(params, args)
     curves: dict[str, list[list[dict]]] = {}
     for setting in args.settings:
@@ -137,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             else:
                 if setting == "control":
-                    curve = [base] * args.cycles
+                    curve = [base_at(seed)] * args.cycles
                 elif setting == "grpo":
                     curve = run_grpo(seed, args, params.model.base_dir, test)
                 else:
@@ -158,7 +167,7 @@ def run_key(params, args) -> str:
     body.pop("paths")
     body["evaluate"]["judge"].pop("cache_path")
     body["model"]["base_dir"] = hashlib.sha256((Path(params.model.base_dir) / "model.safetensors").read_bytes()).hexdigest()
-    body["loop"] = [args.cycles, args.requests, args.users, str(args.corpus)]
+    body["loop"] = [args.cycles, args.requests, args.users, str(args.corpus), "control scored by each seed's users"]
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -74,6 +74,9 @@ def online_rl_cycle(params_file: str = str(DEFAULT_PARAMS_FILE), overrides: list
                 log.warning(f"candidate not trained: {report.reason}")
                 mlflow.set_tags({"tabrl.cycle_status": report.status, "tabrl.cycle_reason": report.reason[:5000]})
                 return report
+            if trained.stopped_early:
+                log.info(f"update ended early: {trained.stopped_early}")
+                mlflow.set_tag("tabrl.train_stopped_early", trained.stopped_early[:5000])
             test = read_samples(Path(params.paths.data_dir) / "fim" / "test.parquet")[: params.evaluate.n_samples]
             comparison = compare_task(str(candidate_dir), str(champion_dir), test, params)
             champion_metrics = {k.replace("eval/", "eval/champion/", 1): v for k, v in comparison.champion.metrics.items()}

@@ -187,7 +187,10 @@ class TrainParams(Section):
     is_cap: float = Field(2.0, ge=1)
     """C of the truncated importance weight min(pi_recomputed / pi_behaviour, C)."""
     max_approx_kl: float = Field(1.0, gt=0)
-    """The job stops (no checkpoint) when approx-KL of a step exceeds this."""
+    """Divergence guard: the job fails (no checkpoint) when approx-KL of a step exceeds this."""
+    target_kl: float = Field(0.5, gt=0)
+    """PPO's early stop: when approx-KL of a step (to the starting weights) exceeds this, the update ends
+    before that step and the checkpoint so far is kept. Set it above max_approx_kl to turn it off."""
     zero_stage: Literal[0, 1, 2, 3] = 2
     """DeepSpeed ZeRO stage on GPUs."""
     engine: Literal["auto", "deepspeed", "torch"] = "auto"

@@ -42,7 +42,7 @@ def test_cycle_registers_and_rolls_out_a_challenger(tmp_path, tiny_model_dir, fi
     sections = {"simulator": {"personas": ACCEPT_ALL},
                 "serving": {"auth": False, "temperature": 1.0, "max_tokens": 12},
                 "ingest": {"feedback_timeout_s": 0.5},
-                "train": {"lr": 3e-3, "max_approx_kl": 20.0, "epochs": 3, "min_rows": 8, "micro_batch": 8, "grad_accum": 1},
+                "train": {"lr": 3e-3, "max_approx_kl": 20.0, "target_kl": 20.0, "epochs": 3, "min_rows": 8, "micro_batch": 8, "grad_accum": 1},
                 "reward": {"advantage": "batch_mean"},
                 "evaluate": {"n_samples": 16, "max_new_tokens": 12, "gate_tolerance": 1.0},
                 "deploy": {"challenger_share": 0.3},

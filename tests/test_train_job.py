@@ -18,7 +18,7 @@ from tasks.generate import generate, load_model, prompt_limit
 from tasks.schema import REWARDED_SCHEMA
 from tasks.train.launch import launch_train
 from tasks.train.loss import ppo_loss
-from tasks.train.ppo import (CompletionPolicy, TrainingDiverged, build_examples, pack, read_snapshot, token_logp,
+from tasks.train.ppo import (RESULT_FILE, CompletionPolicy, TrainingDiverged, build_examples, pack, read_snapshot, token_logp,
                              train)
 from tests.conftest import tiny_params
 
@@ -51,7 +51,8 @@ def snapshot(tmp_path_factory, tiny_model_dir, fim_samples) -> Path:
 
 
 def _params(tmp, **train):
-    base = {"lr": 1e-3, "epochs": 1, "micro_batch": 8, "grad_accum": 1, "grad_clip": 1e6, "max_approx_kl": 10.0}
+    base = {"lr": 1e-3, "epochs": 1, "micro_batch": 8, "grad_accum": 1, "grad_clip": 1e6, "max_approx_kl": 10.0,
+            "target_kl": 10.0}
     return tiny_params(tmp, train=base | train, serving={"max_tokens": MAX_NEW, "temperature": TEMPERATURE})
 
 
@@ -159,3 +160,15 @@ def test_approx_kl_guard(tiny_model_dir, snapshot, tmp_path):
     with pytest.raises(TrainingDiverged, match="approx-KL .* exceeds train.max_approx_kl"):
         train(snapshot, tiny_model_dir, tmp_path / "out", _params(tmp_path, micro_batch=4, lr=5e-2, max_approx_kl=1e-6))
     assert not (tmp_path / "out").exists()
+
+
+def test_target_kl_stops_the_update_early_and_keeps_the_checkpoint(tiny_model_dir, snapshot, tmp_path):
+    """Past train.target_kl (below the divergence guard) the update ends before that step, weights kept."""
+    full = train(snapshot, tiny_model_dir, tmp_path / "full", _params(tmp_path, micro_batch=4, lr=5e-2))
+    early = train(snapshot, tiny_model_dir, tmp_path / "early", _params(tmp_path, micro_batch=4, lr=5e-2, target_kl=1e-6))
+    assert full.stopped_early == "" and full.steps > 1
+    assert "exceeds train.target_kl=1e-06" in early.stopped_early and 1 <= early.steps < full.steps
+    assert json.loads((tmp_path / "early" / RESULT_FILE).read_text())["stopped_early"] == early.stopped_early
+    start, _ = load_model(tiny_model_dir)
+    stopped, _ = load_model(tmp_path / "early")
+    assert any(not torch.equal(a, b) for a, b in zip(start.state_dict().values(), stopped.state_dict().values()))

@@ -21,7 +21,8 @@
    only on completion positions; the loss is a token mean over the whole step, so accumulation
    and ranks give the update of one big batch.
 4. guards (all ranks agree): a non-finite loss or grad norm, or approx-KL above
-   train.max_approx_kl, stops the job with `TrainingDiverged` and no checkpoint.
+   train.max_approx_kl, stops the job with `TrainingDiverged` and no checkpoint; approx-KL above
+   the smaller train.target_kl ends the update early (PPO's early stop) and keeps the checkpoint.
 5. rank 0 writes the fp32 weights + tokenizer + train_result.json to a temp dir, then renames it.
 """
 
@@ -94,6 +95,7 @@ class TrainResult:
     tokens_per_s: float  # real tokens (prompt + completion) per second of the update loop, all ranks
     final: dict[str, float] = field(default_factory=dict)  # last step's train/... metrics
     inputs_sha256: str = ""  # snapshot + starting checkpoint + train params: same inputs, same result
+    stopped_early: str = ""  # why the update stopped before its last step (train.target_kl), "" when it ran to the end
 
 
 # ---------------------------------------------------------------- data
@@ -474,9 +476,11 @@ def train(snapshot: str | Path, from_dir: str | Path, out_dir: str | Path, param
     client = _mlflow_client(mlflow_run_id) if rank == 0 else None
     bar = tqdm(total=total_steps, desc=f"train ({engine.name}, {world} rank{'s' if world > 1 else ''})", unit="step",
                disable=rank != 0)
-    tokens_seen, step, final = 0, 0, {}
+    tokens_seen, step, final, stopped_early = 0, 0, {}, ""
     loop_started = time.time()
     for epoch_plan in plans:
+        if stopped_early:
+            break
         for plan in epoch_plan:
             # per-rank sums: loss, approx-KL*tokens, clipfrac*tokens, entropy*tokens, is_weight*tokens, tokens, non-finite
             sums = [0.0] * 7
@@ -516,6 +520,10 @@ def train(snapshot: str | Path, from_dir: str | Path, out_dir: str | Path, param
             if kl > tp.max_approx_kl:
                 raise TrainingDiverged(f"approx-KL {kl:.4g} at step {step} exceeds train.max_approx_kl="
                                        f"{tp.max_approx_kl}; lower train.lr or raise the limit; no checkpoint written")
+            if kl > tp.target_kl:  # PPO's early stop: this step would leave the trust region; keep the weights so far
+                stopped_early = (f"approx-KL {kl:.4g} at step {step} of {total_steps} exceeds train.target_kl="
+                                 f"{tp.target_kl}; the update stopped there")
+                break
             lr = lr_at(step, total_steps, tp)
             grad_norm = engine.step(lr)
             if not math.isfinite(grad_norm):
@@ -529,6 +537,8 @@ def train(snapshot: str | Path, from_dir: str | Path, out_dir: str | Path, param
             bar.set_postfix(loss=f"{g[0]:.4f}", kl=f"{kl:.2e}")
             step += 1
     bar.close()
+    if stopped_early and rank == 0:
+        print(f"early stop: {stopped_early}", flush=True)
     seconds = time.time() - started
     tokens_all = _all_reduce([float(tokens_seen)], device, world)[0]
     loop_seconds = max(time.time() - loop_started, 1e-9)
@@ -537,7 +547,7 @@ def train(snapshot: str | Path, from_dir: str | Path, out_dir: str | Path, param
         out_dir=str(out), algorithm=tp.algorithm, engine=engine.name, world_size=world, rows=len(rows),
         rows_used=len(examples), completion_tokens=sum(e.n_completion for e in examples), steps=step,
         seconds=round(seconds, 2), tokens_per_s=round(tokens_all / loop_seconds, 1), final=final,
-        inputs_sha256=inputs_digest(snapshot, from_dir, params),
+        inputs_sha256=inputs_digest(snapshot, from_dir, params), stopped_early=stopped_early,
     )
     if rank == 0:
         save_checkpoint(lm, tokenizer, state, out, result)
