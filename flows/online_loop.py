@@ -81,7 +81,7 @@ def run_online_loop(params_file: str, overrides: list[str], cycles: int, request
     state.mkdir(parents=True)
     overrides = [*DEMO_OVERRIDES, f"paths.state_dir={state}", f"paths.database_url=sqlite:///{state}/tabrl.db",
                  f"paths.mlflow_tracking_uri=sqlite:///{state}/mlflow.db", f"paths.models_dir={state}/models",
-                 f"simulator.seed={seed}", f"train.seed={seed}", *overrides]
+                 f"simulator.seed={seed}", f"train.seed={seed}", f"serving.seed={seed}", *overrides]
     params = load_params(params_file, overrides)
     os.environ["MLFLOW_TRACKING_URI"] = params.paths.mlflow_tracking_uri
 

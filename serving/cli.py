@@ -68,6 +68,10 @@ def serve_cmd(
     elif model is not None:
         console.print(f"The store already has arms; --model {model} ignored (change arms with `tabrl arms`).")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if p.serving.seed is None:  # torch's default seed is the same in every fresh process: draw one
+        import torch
+
+        console.print(f"Embedded arms sample with seed {torch.seed()} (set serving.seed to fix it)")
     app = create_app(p, engine=engine, auth=False if no_auth else None)
     uvicorn.run(app, host=host or p.serving.host, port=port or p.serving.port, log_level="warning")
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import sqlalchemy as sa
+import torch
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -193,6 +194,9 @@ def create_app(params: Params, engine: Engine | None = None, auth: bool | None =
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         init_schema(engine)
+        if s.seed is not None:  # (`tabrl serve` seeds from the OS when it is None)
+            torch.manual_seed(s.seed)
+            log.info("embedded arms sample with serving.seed=%d", s.seed)
         writer.start()
         log.info("gateway up: auth=%s, store=%s", require_auth, engine.url.render_as_string(hide_password=True))
         try:

@@ -288,6 +288,9 @@ class ServingParams(Section):
     """Default sampling temperature (training scores log-probs at the same temperature)."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Default nucleus sampling cut."""
+    seed: int | None = None
+    """Seed of the embedded arms' sampling, set once when the gateway starts; None draws one from the OS
+    (torch's own default seed is the same in every fresh process, so restarts would replay one stream)."""
     max_tokens: int = Field(48, ge=1)
     """Default and largest completion length."""
     max_prompt_chars: int = Field(32_000, ge=1)

@@ -264,3 +264,18 @@ def test_no_auth_mode_uses_the_user_field_and_rate_limit(store_url, tmp_path, ti
         users = sorted(conn.execute(sa.select(completions.c.user_id)).scalars())
     assert users == ["carol", "carol", "dave"]
     engine.dispose()
+
+
+def test_serving_seed_makes_sampling_repeatable(tmp_path, tiny_model_dir):
+    """Two gateways started with the same serving.seed sample the same completions for the same requests."""
+    runs = []
+    for i in range(2):
+        _, engine, app = _start(f"sqlite:///{tmp_path}/seed{i}.db", tmp_path / f"g{i}", tiny_model_dir, auth=False,
+                                seed=1234, temperature=1.0)
+        with serve_app(app) as url:
+            body = {"prompt": FIM, "user": "u1", "max_tokens": 8}
+            runs.append([httpx.post(url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
+                         for _ in range(4)])
+        engine.dispose()
+    assert runs[0] == runs[1]
+    assert len(set(runs[0])) > 1, "temperature 1.0 should not give one completion four times"
