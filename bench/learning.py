@@ -199,17 +199,33 @@ def report(curves, base, args, seconds) -> None:
     console.print(table)
     final = {setting: {k: statistics.mean([s[-1][k] for s in seeds if s[-1]] or [float("nan")]) for k in KEYS}
              for setting, seeds in curves.items()}
-    if "defaults" in final and "control" in final:
-        d, c = final["defaults"], final["control"]
+    summary = []
+    for setting in (s for s in final if s != "control" and "control" in final):
+        d, c = final[setting], final["control"]
         rel = (d["accept_rate"] / c["accept_rate"] - 1) if c["accept_rate"] else float("inf")
-        console.print(f"defaults vs control after {args.cycles} cycles: accept/shown {d['accept_rate']:.3f} vs "
-                      f"{c['accept_rate']:.3f} ({rel:+.0%}), suggestion rate {d['suggest_rate']:.3f} vs "
-                      f"{c['suggest_rate']:.3f}, reward/request {d['reward_per_request']:.3f} vs {c['reward_per_request']:.3f}")
+        summary.append(f"{setting} vs control after {args.cycles} cycles (mean of {len(curves[setting])} seeds): accept/shown "
+                       f"{d['accept_rate']:.3f} vs {c['accept_rate']:.3f} ({rel:+.0%}), suggestion rate "
+                       f"{d['suggest_rate']:.3f} vs {c['suggest_rate']:.3f}, reward/request "
+                       f"{d['reward_per_request']:.3f} vs {c['reward_per_request']:.3f}, judge mean "
+                       f"{d['judge_mean']:.3f} vs {c['judge_mean']:.3f}")
+        console.print(summary[-1])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "base": base,
                                                       "curves": curves, "final": final, "seconds": seconds}, indent=2))
     _plot(curves, base, args.out / "curves.png")
-    console.print(f"wrote {args.out / 'results.json'} and {args.out / 'curves.png'} ({seconds / 60:.1f} min)")
+    (args.out / "results.md").write_text(_markdown(curves, base) + "".join(f"\n{line}\n" for line in summary))
+    console.print(f"wrote {args.out / 'results.json'}, results.md and curves.png ({seconds / 60:.1f} min)")
+
+
+def _markdown(curves, base) -> str:
+    """The per-cycle table as Markdown (mean ± spread over seeds), for bench/RESULTS.md."""
+    lines = ["| setting | seeds | cycle | " + " | ".join(KEYS) + " |", "| --- | ---: | ---: |" + " ---: |" * len(KEYS),
+             "| base (seed 0's users) | - | 0 | " + " | ".join(f"{base[k]:.3f}" for k in KEYS) + " |"]
+    for setting, seeds in curves.items():
+        for cycle in range(len(seeds[0])):
+            cells = [_mean_spread([s[cycle][k] if s[cycle] else None for s in seeds]) for k in KEYS]
+            lines.append(f"| {setting} | {len(seeds)} | {cycle + 1} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _plot(curves, base, path: Path) -> None:
