@@ -42,14 +42,14 @@ def _pick(metrics: dict) -> dict:
     return {k: metrics.get(f"eval/{k}") for k in KEYS}
 
 
-def run_online(setting, seed, args) -> list[dict]:
+def run_online(setting, seed, args, base: dict) -> list[dict]:
     from flows.online_loop import run_online_loop
 
     rows = run_online_loop(args.params, [*ONLINE[setting], *args.set], args.cycles, args.requests, args.users,
                            args.out / f"{setting}-seed{seed}", seed=seed, ab_test=False)
-    curve, last = [], None
+    curve, last = [], base
     for row in rows:
-        last = _pick(row.serving_eval) if row.serving_eval else last  # a skipped cycle keeps the model
+        last = _pick(row.serving_eval) if row.serving_eval else last  # a skipped or diverged cycle keeps the model
         curve.append(last)
     return curve
 
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                 elif setting == "grpo":
                     curve = run_grpo(seed, args, params.model.base_dir, test)
                 else:
-                    curve = run_online(setting, seed, args)
+                    curve = run_online(setting, seed, args, base_at(seed))
                 stored.parent.mkdir(parents=True, exist_ok=True)
                 stored.write_text(json.dumps({"setting": setting, "seed": seed, "key": key, "curve": curve}))
             curves.setdefault(setting, []).append(curve)
