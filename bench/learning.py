@@ -8,8 +8,8 @@ Settings, all from the same base model, evaluated on the same held-out test file
 for training or for the simulated traffic), greedy decoding, simulated users, reference judge:
   defaults  params.yaml (Cursor's rewards +0.75 / -0.25 / 0)
   rlinf     RLinf's online setting: accepted 1, rejected 0, raw advantage
-  grpo      offline GRPO: G = train.group_size samples per FIM train prompt, scored by the simulated
-            user's rule, normalised within the group, same loss; no traffic
+  grpo      offline GRPO (lr 1e-4, see GRPO): G = train.group_size samples per FIM train prompt,
+            scored by the simulated user's rule, normalised within the group, same loss; no traffic
   control   no training: the base model (the same at every cycle)
 Online settings run the real gateway, log store and flows (flows/online_loop.py); each gated
 candidate is promoted at once, so the next cycle's traffic comes from the newest model. Writes
@@ -35,6 +35,9 @@ ONLINE = {
     "defaults": [],
     "rlinf": ["reward.accepted=1.0", "reward.rejected=0.0", "reward.abstained=0.0", "reward.advantage=raw"],
 }
+# Group-normalised advantages are about 1 in size, 2-4x the raw Cursor rewards: a third of the lr keeps
+# the step comparable (at the defaults' lr 3e-4 the first GRPO update jumped to approx-KL 3.8 in one step).
+GRPO = ["train.algorithm=grpo", "train.lr=1e-4"]
 KEYS = ("suggest_rate", "accept_rate", "reward_per_request", "judge_mean", "exact_match", "mean_len")
 
 
@@ -54,28 +57,35 @@ def run_online(setting, seed, args, base: dict) -> list[dict]:
     return curve
 
 
-def run_grpo(seed, args, base_dir, test) -> list[dict]:
+def run_grpo(seed, args, base_dir, test, base: dict) -> list[dict]:
     from tasks.config import load_params
     from tasks.evaluate.evaluate import compare
     from tasks.ingest.corpus import read_samples
     from tasks.train.grpo import grpo_snapshot
     from tasks.train.launch import launch_train
+    from tasks.train.ppo import TrainingDiverged
 
     out = args.out / f"grpo-seed{seed}"
-    params = load_params(args.params, [*args.set, f"train.seed={seed}", f"simulator.seed={seed}", "train.algorithm=grpo"])
+    params = load_params(args.params, [*args.set, *GRPO, f"train.seed={seed}", f"simulator.seed={seed}"])
     prompts = read_samples(Path(params.paths.data_dir) / "fim" / "train.parquet")
-    current, curve = str(base_dir), []
+    current, curve, last = str(base_dir), [], base
     for cycle in range(1, args.cycles + 1):
         start = ((cycle - 1) * params.train.grpo_prompts + seed * 997) % len(prompts)
         batch = (prompts * 2)[start:start + params.train.grpo_prompts]
         snapshot = out / f"cycle{cycle}.parquet"
         grpo_snapshot(current, batch, params, snapshot)
         candidate = out / f"model{cycle}"
-        launch_train(snapshot, current, candidate, params)
+        try:
+            launch_train(snapshot, current, candidate, params)
+        except TrainingDiverged as err:  # as in the online cycle: no candidate, the current model stays
+            print(f"grpo seed {seed} cycle {cycle}: {err}", flush=True)
+            curve.append(last)
+            continue
         result = compare(str(candidate), current, test, params)
         chosen = result.candidate if result.decision.passed else result.champion
         current = str(candidate) if result.decision.passed else current
-        curve.append(_pick(chosen.metrics))
+        last = _pick(chosen.metrics)
+        curve.append(last)
     return curve
 
 
@@ -147,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 if setting == "control":
                     curve = [base_at(seed)] * args.cycles
                 elif setting == "grpo":
-                    curve = run_grpo(seed, args, params.model.base_dir, test)
+                    curve = run_grpo(seed, args, params.model.base_dir, test, base_at(seed))
                 else:
                     curve = run_online(setting, seed, args, base_at(seed))
                 stored.parent.mkdir(parents=True, exist_ok=True)
