@@ -166,7 +166,16 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"setting": setting, "seed": seed, "curve": curve}), flush=True)
     # cycle 0 of every curve: the base model scored by the same seeds' users (as the control is)
     base = {k: statistics.mean(base_at(seed)[k] for seed in range(args.seeds)) for k in KEYS}
+    for entry in [base, *(e for seeds in curves.values() for curve in seeds for e in curve if e)]:
+        entry["reward_per_request"] = product_reward(entry, params.reward)
     report(curves, base, args, time.time() - started)
+
+
+def product_reward(entry: dict, reward) -> float:
+    """Reward per request under params.yaml's (Cursor) rewards, whatever rewards the setting trained on
+    (rlinf's evaluation reports its own 1 / 0 units): from the suggestion and per-shown accept rates."""
+    shown, accepted = entry["suggest_rate"], entry["suggest_rate"] * entry["accept_rate"]
+    return accepted * reward.accepted + (shown - accepted) * reward.rejected + (1 - shown) * reward.abstained
     return 0
 
 
