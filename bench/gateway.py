@@ -24,13 +24,11 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 
 import httpx
-import sqlalchemy as sa
 from fastapi import FastAPI, Request
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 from serving.store import Arm  # noqa: E402
 from tasks.fim import build_prompt  # noqa: E402
 from tasks.procs import free_port  # noqa: E402
+from tests.harden_util import bench_stores  # noqa: E402
 from tests.harden_util import FastBackend as CannedBackend  # noqa: E402  (a real Backend answering at once)
 
 PROMPT = build_prompt("def add(a, b):\n    ", "\n\nprint(add(1, 2))\n")
@@ -163,15 +162,8 @@ def _key(db_url: str) -> str:
 
 
 def run(args) -> dict:
-    stores = {"sqlite": f"sqlite:///{tempfile.mkdtemp(prefix='tabrl-bench-')}/bench.db"}
-    schema = None
-    if args.postgres:
-        schema = f"bench_{uuid.uuid4().hex[:8]}"
-        with sa.create_engine(args.postgres).begin() as conn:
-            conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
-        stores["postgres"] = f"{args.postgres}?options=-csearch_path%3D{schema}"
     results = {}
-    try:
+    with bench_stores(args.postgres, "bench") as stores:
         port = free_port()
         bare = _start("bare", "", port)
         try:
@@ -197,10 +189,6 @@ def run(args) -> dict:
                              "added_p50_ms": _pct(lat, 50) - results["bare"]["p50_ms"],
                              "added_p99_ms": _pct(lat, 99) - results["bare"]["p99_ms"],
                              "logged_events_per_s": rate, "store_events_per_s": store_rate}
-    finally:
-        if schema:
-            with sa.create_engine(args.postgres).begin() as conn:
-                conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
     return results
 
 

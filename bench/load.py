@@ -18,16 +18,13 @@ import argparse
 import json
 import os
 import sys
-import tempfile
-import uuid
 from pathlib import Path
 
-import sqlalchemy as sa
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.harden_util import run_load  # noqa: E402
+from tests.harden_util import bench_stores, run_load  # noqa: E402
 
 
 def main() -> None:
@@ -37,23 +34,12 @@ def main() -> None:
     parser.add_argument("--feedback-rate", type=float, default=0.7, help="share of completions that get feedback")
     parser.add_argument("--postgres", default=os.environ.get("TABRL_TEST_POSTGRES_URL"), help="also load this PostgreSQL")
     args = parser.parse_args()
-    stores = {"sqlite": f"sqlite:///{tempfile.mkdtemp(prefix='tabrl-load-')}/load.db"}
-    schema = None
-    if args.postgres:
-        schema = f"load_{uuid.uuid4().hex[:8]}"
-        with sa.create_engine(args.postgres).begin() as conn:
-            conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
-        stores["postgres"] = f"{args.postgres}?options=-csearch_path%3D{schema}"
     results, failed = {}, False
-    try:
+    with bench_stores(args.postgres, "load") as stores:
         for name, url in stores.items():
             summary, problems = run_load(url, args.users, args.requests, args.feedback_rate)
             results[name] = {**summary, "problems": problems}
             failed |= bool(problems)
-    finally:
-        if schema:
-            with sa.create_engine(args.postgres).begin() as conn:
-                conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
     print(f"\nLoad: {args.users} editors, {args.requests} completions, feedback rate {args.feedback_rate} "
           f"(loopback, {os.cpu_count()} cores, auth on, fast backend)")
     print(f"{'store':<10}{'compl/s':>9}{'events/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'errors':>8}{'acked c/f':>13}"

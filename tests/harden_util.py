@@ -23,8 +23,10 @@ import statistics
 import subprocess
 import sys
 import time
+import tempfile
 import uuid
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +38,7 @@ from serving.store import Arm, completions, feedback
 from tasks.fim import build_prompt
 from tasks.generate import Generation
 from tasks.procs import NotUp, free_port, wait_until_up
+from tests.conftest import throwaway_schema
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,6 +103,17 @@ def _serve_backend(model_dir: str, port: int) -> None:
             "logprobs": {"token_logprobs": gen.logprobs}}]}
 
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+@contextmanager
+def bench_stores(postgres_url: str | None, prefix: str):
+    """{"sqlite": a fresh file} plus {"postgres": a throwaway schema} when postgres_url is given (dropped after)."""
+    stores = {"sqlite": f"sqlite:///{tempfile.mkdtemp(prefix=f'tabrl-{prefix}-')}/{prefix}.db"}
+    if not postgres_url:
+        yield stores
+        return
+    with throwaway_schema(postgres_url) as schema_url:
+        yield stores | {"postgres": schema_url}
 
 
 def start_process(kind: str, port: int, *args: str, ready_path: str = "/v1/models",
