@@ -72,23 +72,23 @@ def online_rl_cycle(params_file: str = str(DEFAULT_PARAMS_FILE), overrides: list
             except TrainingDiverged as err:  # a guard stopped the update: nothing to evaluate, the champion stays
                 report.status, report.reason = "diverged", f"training stopped by a guard: {err}"
                 log.warning(f"candidate not trained: {report.reason}")
-                mlflow.set_tags({"tabrl.cycle_status": report.status, "tabrl.cycle_reason": report.reason[:5000]})
-                return report
-            if trained.stopped_early:
-                log.info(f"update ended early: {trained.stopped_early}")
-                mlflow.set_tag("tabrl.train_stopped_early", trained.stopped_early[:5000])
-            test = read_samples(Path(params.paths.data_dir) / "fim" / "test.parquet")[: params.evaluate.n_samples]
-            comparison = compare_task(str(candidate_dir), str(champion_dir), test, params)
-            champion_metrics = {k.replace("eval/", "eval/champion/", 1): v for k, v in comparison.champion.metrics.items()}
-            report.metrics = dict(comparison.candidate.metrics) | champion_metrics | {"train/steps": trained.steps}
-            if not comparison.decision.passed:  # the gate
-                report.status, report.reason = "gate_failed", "; ".join(comparison.decision.reasons)
-                log.info(f"candidate not deployed: {report.reason}")
             else:
-                version = register_candidate(candidate_dir, params, run_id)
-                rollout(version, str(resolve_model_dir(version.uri, params)), params)
-                report.status, report.version = "deployed", version.label
-                report.reason = "; ".join(comparison.decision.reasons)
-                log.info(f"{version.label} is the challenger at {params.deploy.challenger_share:.0%} of traffic")
+                if trained.stopped_early:
+                    log.info(f"update ended early: {trained.stopped_early}")
+                    mlflow.set_tag("tabrl.train_stopped_early", trained.stopped_early[:5000])
+                test = read_samples(Path(params.paths.data_dir) / "fim" / "test.parquet")[: params.evaluate.n_samples]
+                comparison = compare_task(str(candidate_dir), str(champion_dir), test, params)
+                champion_metrics = {k.replace("eval/", "eval/champion/", 1): v
+                                    for k, v in comparison.champion.metrics.items()}
+                report.metrics = dict(comparison.candidate.metrics) | champion_metrics | {"train/steps": trained.steps}
+                if not comparison.decision.passed:  # the gate
+                    report.status, report.reason = "gate_failed", "; ".join(comparison.decision.reasons)
+                    log.info(f"candidate not deployed: {report.reason}")
+                else:
+                    version = register_candidate(candidate_dir, params, run_id)
+                    rollout(version, str(resolve_model_dir(version.uri, params)), params)
+                    report.status, report.version = "deployed", version.label
+                    report.reason = "; ".join(comparison.decision.reasons)
+                    log.info(f"{version.label} is the challenger at {params.deploy.challenger_share:.0%} of traffic")
         mlflow.set_tags({"tabrl.cycle_status": report.status, "tabrl.cycle_reason": report.reason[:5000]})
     return report
