@@ -35,14 +35,16 @@ base: install  ## corpus + FIM samples + the tabrl-tiny base model through DVC
 	@echo ">> dvc repro (corpus -> fim -> base; stages whose params and code are unchanged are skipped)"
 	$(BIN)/dvc repro
 
-# The demo's A/B test decides within a cycle or two (the product defaults wait for 200 shown per arm).
-DEMO_ARGS ?= --cycles 3 --requests 240 --users 24 --set deploy.min_samples=40 --set deploy.max_samples=120
+# The demo's A/B test decides within a cycle or two (the product defaults wait for 200 shown per arm);
+# its evaluations type 500 held-out requests per model (the product default is 1000) to end in ~15 min.
+DEMO_ARGS ?= --cycles 3 --requests 240 --users 24 --set deploy.min_samples=40 --set deploy.max_samples=120 \
+	--set evaluate.n_requests=500 --set evaluate.n_samples=100
 
 demo: base  ## data + base model, its held-out acceptance, then online RL cycles with A/B decisions
-	@echo ">> held-out simulated acceptance of the base model"
-	$(BIN)/tabrl acceptance --json state/base_acceptance.json
+	@echo ">> held-out acceptance of the base model: simulated users type test files"
+	$(BIN)/tabrl acceptance --set evaluate.n_requests=500 --json state/base_acceptance.json
 	@echo ">> online loop: gateway + simulated users over HTTP + RL cycles + A/B decisions (state/demo)"
 	$(BIN)/python -m flows.online_loop $(DEMO_ARGS)
 
-clean:  ## remove built data, models and local state (not .venv)
-	rm -rf data/corpus data/fim models/tabrl-tiny state
+clean:  ## remove built data, candidate models and local state (not .venv, not the shipped base in models/tabrl-tiny)
+	rm -rf data/corpus data/fim models/tabrl-tiny.partial models/candidates state

@@ -1,11 +1,17 @@
 """Does acceptance rise on held-out code? K online cycles per setting and seed, against a control.
 
-    python bench/learning.py --quick          # defaults vs control, 1 seed, 3 cycles (<= 15 min on 2 cores)
-    python bench/learning.py                  # defaults, rlinf, grpo, control; 3 seeds
-    python bench/learning.py --corpus DIR     # held-out samples cut from another code directory
+    python bench/learning.py --quick          # defaults vs control, 1 seed, 3 cycles
+    python bench/learning.py                  # defaults, rlinf, grpo, control; 3 seeds x 5 cycles
+    python bench/learning.py --corpus DIR     # held-out regions and samples from another code directory
 
-Settings, all from the same base model, evaluated on the same held-out test files (files never used
-for training or for the simulated traffic), greedy decoding, simulated users, reference judge:
+Traffic and evaluation are editor-like (tasks/editor.py): simulated users type regions of files and
+the model is asked at every pause. Online traffic types train files; every evaluation types
+held-out test files (evaluate.n_requests requests, greedy). After the last cycle the model each
+(setting, seed) ends with is typed through the held-out regions once more and its typing sessions
+are kept: every final metric gets a 95 % interval (bootstrap over seeds, then sessions,
+tasks/intervals.py) and each setting's difference from the control says whether it excludes 0.
+
+Settings, all from the same base model, greedy decoding, simulated users, reference judge:
   defaults  params.yaml (Cursor's rewards +0.75 / -0.25 / 0)
   rlinf     RLinf's online setting: accepted 1, rejected 0, raw advantage
   grpo      offline GRPO (lr 1e-4, see GRPO): G = train.group_size samples per FIM train prompt,
@@ -13,7 +19,8 @@ for training or for the simulated traffic), greedy decoding, simulated users, re
   control   no training: the base model (the same at every cycle)
 Online settings run the real gateway, log store and flows (flows/online_loop.py); each gated
 candidate is promoted at once, so the next cycle's traffic comes from the newest model. Writes
-bench/out/learning/results.json and curves.png; prints the per-cycle table and mean ± spread.
+bench/out/learning/results.json, results.md and curves.png (mean per cycle, band = spread over
+seeds; the final cycle with its bootstrap interval); prints the per-cycle and final tables.
 Each finished (setting, seed) is stored under OUT/runs/ and reused by a later invocation with the
 same params and loop size, so a long run can be stopped and resumed (--fresh reruns everything).
 """
@@ -38,27 +45,41 @@ ONLINE = {
 # Group-normalised advantages are about 1 in size, 2-4x the raw Cursor rewards: a third of the lr keeps
 # the step comparable (at the defaults' lr 3e-4 the first GRPO update jumped to approx-KL 3.8 in one step).
 GRPO = ["train.algorithm=grpo", "train.lr=1e-4"]
-KEYS = ("suggest_rate", "accept_rate", "reward_per_request", "judge_mean", "exact_match", "mean_len")
+TYPING = ("suggest_rate", "accept_rate", "right_rate", "chars_saved", "reward_per_request")
+KEYS = (*TYPING, "judge_mean")
 
 
 def _pick(metrics: dict) -> dict:
-    return {k: metrics.get(f"eval/{k}") for k in KEYS}
+    """Held-out editor-traffic metrics and the judge mean (FIM spans) of one evaluation."""
+    return {k: metrics.get(f"eval/typing/{k}") for k in TYPING} | {"judge_mean": metrics.get("eval/judge_mean")}
 
 
-def run_online(setting, seed, args, base: dict) -> list[dict]:
-    from flows.online_loop import run_online_loop
+def final_sessions(model_dir, seed: int, args) -> list:
+    """The model typed once more through the held-out regions by seed's users: per-session counts."""
+    from tasks.acceptance import typing_acceptance
+    from tasks.config import load_params
+    from tasks.editor import read_regions, regions_path
 
-    rows = run_online_loop(args.params, [*ONLINE[setting], *args.set], args.cycles, args.requests, args.users,
-                           args.out / f"{setting}-seed{seed}", seed=seed, ab_test=False)
+    params = load_params(args.params, [*args.set, f"simulator.seed={seed}"])
+    run = typing_acceptance(model_dir, read_regions(regions_path(params.paths.data_dir, "test")), params)
+    return [list(s) for s in run.sessions]
+
+
+def run_online(setting, seed, args, base: dict) -> tuple[list[dict], list]:
+    from flows.online_loop import champion_dir, run_online_loop
+
+    rows, params = run_online_loop(args.params, [*ONLINE[setting], *args.set], args.cycles, args.requests, args.users,
+                                   args.out / f"{setting}-seed{seed}", seed=seed, ab_test=False)
     curve, last = [], base
     for row in rows:
         last = _pick(row.serving_eval) if row.serving_eval else last  # a skipped or diverged cycle keeps the model
         curve.append(last)
-    return curve
+    return curve, final_sessions(champion_dir(params), seed, args)
 
 
-def run_grpo(seed, args, base_dir, test, base: dict) -> list[dict]:
+def run_grpo(seed, args, base_dir, test, base: dict) -> tuple[list[dict], list]:
     from tasks.config import load_params
+    from tasks.editor import read_regions, regions_path
     from tasks.evaluate.evaluate import compare
     from tasks.ingest.corpus import read_samples
     from tasks.train.grpo import grpo_snapshot
@@ -68,6 +89,7 @@ def run_grpo(seed, args, base_dir, test, base: dict) -> list[dict]:
     out = args.out / f"grpo-seed{seed}"
     params = load_params(args.params, [*args.set, *GRPO, f"train.seed={seed}", f"simulator.seed={seed}"])
     prompts = read_samples(Path(params.paths.data_dir) / "fim" / "train.parquet")
+    regions = read_regions(regions_path(params.paths.data_dir, "test"))
     current, curve, last = str(base_dir), [], base
     for cycle in range(1, args.cycles + 1):
         start = ((cycle - 1) * params.train.grpo_prompts + seed * 997) % len(prompts)
@@ -81,26 +103,30 @@ def run_grpo(seed, args, base_dir, test, base: dict) -> list[dict]:
             print(f"grpo seed {seed} cycle {cycle}: {err}", flush=True)
             curve.append(last)
             continue
-        result = compare(str(candidate), current, test, params)
+        result = compare(str(candidate), current, test, regions, params)
         chosen = result.candidate if result.decision.passed else result.champion
         current = str(candidate) if result.decision.passed else current
         last = _pick(chosen.metrics)
         curve.append(last)
-    return curve
+    return curve, final_sessions(current, seed, args)
 
 
 def corpus_data_dir(args) -> Path:
-    """A data dir whose held-out test samples come from --corpus (all its files), traffic from the usual train split."""
+    """A data dir whose held-out regions and samples come from --corpus (all its files); traffic from the usual train split."""
     import shutil
 
     from tasks.config import load_params
+    from tasks.editor import pick_regions, regions_path, write_regions
     from tasks.ingest.corpus import iter_source_files, sample_spans, write_samples
 
     params = load_params(args.params, args.set)
     out = (args.out / "corpus-data").resolve()
     files = list(iter_source_files(args.corpus, params.data))
     write_samples(sample_spans(files, "test", params.evaluate.n_samples, params.fim, params.fim.seed), out / "fim" / "test.parquet")
-    shutil.copy(Path(params.paths.data_dir) / "fim" / "train.parquet", out / "fim" / "train.parquet")
+    write_regions(pick_regions(files, params.traffic.eval_regions, params.traffic, params.fim.seed, "test"),
+                  regions_path(out, "test"), params.traffic)
+    for name in ("train.parquet", "typing_train.parquet"):
+        shutil.copy(Path(params.paths.data_dir) / "fim" / name, out / "fim" / name)
     return out
 
 
@@ -111,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], help="override for every setting: section.key=value")
     parser.add_argument("--settings", nargs="+", default=["defaults", "rlinf", "grpo", "control"])
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--cycles", type=int, default=4)
+    parser.add_argument("--cycles", type=int, default=5)
     parser.add_argument("--requests", type=int, default=240, help="simulated requests per online cycle")
     parser.add_argument("--users", type=int, default=16)
     parser.add_argument("--corpus", type=Path, help="evaluate on FIM samples cut from this code directory instead")
@@ -125,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(ROOT)
 
     from tasks.config import load_params
+    from tasks.editor import read_regions, regions_path
     from tasks.evaluate.evaluate import evaluate_model
     from tasks.ingest.corpus import read_samples
 
@@ -132,43 +159,49 @@ def main(argv: list[str] | None = None) -> int:
         args.set = [*args.set, f"paths.data_dir={corpus_data_dir(args)}"]
     params = load_params(args.params, args.set)
     test = read_samples(Path(params.paths.data_dir) / "fim" / "test.parquet")[: params.evaluate.n_samples]
+    regions = read_regions(regions_path(params.paths.data_dir, "test"))
     started = time.time()
-    bases: dict[int, dict] = {}
+    bases: dict[int, tuple[dict, list]] = {}
 
-    def base_at(seed: int) -> dict:
+    def base_at(seed: int) -> tuple[dict, list]:
         """The base model scored by seed's simulated users (each setting's seed draws its own users)."""
         if seed not in bases:
             seeded = load_params(args.params, [*args.set, f"simulator.seed={seed}"])
-            bases[seed] = _pick(evaluate_model(seeded.model.base_dir, test, seeded).metrics)
+            result = evaluate_model(seeded.model.base_dir, test, regions, seeded)
+            bases[seed] = (_pick(result.metrics), [list(s) for s in result.typing.sessions])
         return bases[seed]
 
     key = run_key(params, args)
     curves: dict[str, list[list[dict]]] = {}
+    finals: dict[str, list[list]] = {}  # setting -> per seed: the final model's typing sessions
     for setting in args.settings:
         for seed in range(args.seeds):
             stored = args.out / "runs" / f"{setting}-seed{seed}.json"
             if stored.is_file() and not args.fresh and json.loads(stored.read_text())["key"] == key:
-                curve = json.loads(stored.read_text())["curve"]  # resumed: finished by an earlier invocation
+                saved = json.loads(stored.read_text())  # resumed: finished by an earlier invocation
+                curve, sessions = saved["curve"], saved["sessions"]
                 print(f"{setting} seed {seed}: stored result reused ({stored})", flush=True)
             elif args.report_only:
                 print(f"{setting} seed {seed}: no stored result for these params; left out of the report", flush=True)
                 continue
             else:
                 if setting == "control":
-                    curve = [base_at(seed)] * args.cycles
+                    curve, sessions = [base_at(seed)[0]] * args.cycles, base_at(seed)[1]
                 elif setting == "grpo":
-                    curve = run_grpo(seed, args, params.model.base_dir, test, base_at(seed))
+                    curve, sessions = run_grpo(seed, args, params.model.base_dir, test, base_at(seed)[0])
                 else:
-                    curve = run_online(setting, seed, args, base_at(seed))
+                    curve, sessions = run_online(setting, seed, args, base_at(seed)[0])
                 stored.parent.mkdir(parents=True, exist_ok=True)
-                stored.write_text(json.dumps({"setting": setting, "seed": seed, "key": key, "curve": curve}))
+                stored.write_text(json.dumps({"setting": setting, "seed": seed, "key": key, "curve": curve,
+                                              "sessions": sessions}))
             curves.setdefault(setting, []).append(curve)
+            finals.setdefault(setting, []).append(sessions)
             print(json.dumps({"setting": setting, "seed": seed, "curve": curve}), flush=True)
     # cycle 0 of every curve: the base model scored by the same seeds' users (as the control is)
-    base = {k: statistics.mean(base_at(seed)[k] for seed in range(args.seeds)) for k in KEYS}
+    base = {k: statistics.mean(base_at(seed)[0][k] for seed in range(args.seeds)) for k in KEYS}
     for entry in [base, *(e for seeds in curves.values() for curve in seeds for e in curve if e)]:
         entry["reward_per_request"] = product_reward(entry, params.reward)
-    report(curves, base, args, time.time() - started)
+    report(curves, finals, base, args, params.reward, time.time() - started)
 
 
 def product_reward(entry: dict, reward) -> float:
@@ -176,7 +209,6 @@ def product_reward(entry: dict, reward) -> float:
     (rlinf's evaluation reports its own 1 / 0 units): from the suggestion and per-shown accept rates."""
     shown, accepted = entry["suggest_rate"], entry["suggest_rate"] * entry["accept_rate"]
     return accepted * reward.accepted + (shown - accepted) * reward.rejected + (1 - shown) * reward.abstained
-    return 0
 
 
 def run_key(params, args) -> str:
@@ -187,7 +219,7 @@ def run_key(params, args) -> str:
     body.pop("paths")
     body["evaluate"]["judge"].pop("cache_path")
     body["model"]["base_dir"] = hashlib.sha256((Path(params.model.base_dir) / "model.safetensors").read_bytes()).hexdigest()
-    body["loop"] = [args.cycles, args.requests, args.users, str(args.corpus), "control scored by each seed's users"]
+    body["loop"] = [args.cycles, args.requests, args.users, str(args.corpus), "editor traffic, final sessions kept"]
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -200,14 +232,41 @@ def _mean_spread(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {statistics.pstdev(values):.3f}"
 
 
-def report(curves, base, args, seconds) -> None:
-    from rich.console import Console
+def final_table(finals: dict[str, list[list]], reward) -> tuple[list[str], dict]:
+    """Markdown rows: each setting's final metrics with 95 % intervals, and its difference from the control."""
+    from tasks.intervals import difference, interval, metric_fns
+
+    fns = metric_fns(reward)
+    lines = ["| setting | seeds | sessions | " + " | ".join(TYPING) + " |", "| --- | ---: | ---: |" + " ---: |" * len(TYPING)]
+    numbers: dict = {}
+    for setting, per_seed in finals.items():
+        cis = {k: interval(per_seed, fns[k]) for k in TYPING}
+        numbers[setting] = {k: [c.value, c.low, c.high] for k, c in cis.items()}
+        lines.append(f"| {setting} | {len(per_seed)} | {sum(map(len, per_seed))} | "
+                     + " | ".join(f"{c.value:.4f} [{c.low:.4f}, {c.high:.4f}]" for c in cis.values()) + " |")
+    if "control" in finals:
+        lines += ["", "| setting vs control | " + " | ".join(TYPING) + " | accept/shown, relative |",
+                  "| --- |" + " ---: |" * (len(TYPING) + 1)]
+        for setting in (s for s in finals if s != "control"):
+            diffs = {k: difference(finals[setting], finals["control"], fns[k]) for k in TYPING}
+            rel = difference(finals[setting], finals["control"], fns["accept_rate"], relative=True)
+            numbers[f"{setting} - control"] = {k: [d.value, d.low, d.high, d.excludes_zero] for k, d in diffs.items()}
+            numbers[f"{setting} / control - 1, accept_rate"] = [rel.value, rel.low, rel.high, rel.excludes_zero]
+            cell = lambda d: f"{d.value:+.4f} [{d.low:+.4f}, {d.high:+.4f}]{' *' if d.excludes_zero else ''}"  # noqa: E731
+            lines.append(f"| {setting} | " + " | ".join(cell(d) for d in diffs.values())
+                         + f" | {rel.value:+.1%} [{rel.low:+.1%}, {rel.high:+.1%}]{' *' if rel.excludes_zero else ''} |")
+        lines.append("\n`*`: the 95 % interval excludes 0.")
+    return lines, numbers
+
+
+def report(curves, finals, base, args, reward, seconds) -> None:
     from rich.table import Table
 
-    console = Console(width=170)
-    table = Table(title=f"held-out metrics per cycle (mean ± spread over seeds); base model: "
+    from tasks.console import console, print_table
+
+    table = Table(title=f"held-out editor traffic per cycle (mean ± spread over seeds); base model: "
                         f"accept/shown {base['accept_rate']:.3f}, suggest {base['suggest_rate']:.3f}, "
-                        f"reward/req {base['reward_per_request']:.3f}")
+                        f"chars saved {base['chars_saved']:.3f}")
     table.add_column("setting")
     table.add_column("cycle", justify="right")
     for key in KEYS:
@@ -216,24 +275,16 @@ def report(curves, base, args, seconds) -> None:
         for cycle in range(args.cycles):
             cells = [_mean_spread([s[cycle][k] if s[cycle] else None for s in seeds]) for k in KEYS]
             table.add_row(setting, str(cycle + 1), *cells)
-    console.print(table)
-    final = {setting: {k: statistics.mean([s[-1][k] for s in seeds if s[-1]] or [float("nan")]) for k in KEYS}
-             for setting, seeds in curves.items()}
-    summary = []
-    for setting in (s for s in final if s != "control" and "control" in final):
-        d, c = final[setting], final["control"]
-        rel = (d["accept_rate"] / c["accept_rate"] - 1) if c["accept_rate"] else float("inf")
-        summary.append(f"{setting} vs control after {args.cycles} cycles (mean of {len(curves[setting])} seeds): accept/shown "
-                       f"{d['accept_rate']:.3f} vs {c['accept_rate']:.3f} ({rel:+.0%}), suggestion rate "
-                       f"{d['suggest_rate']:.3f} vs {c['suggest_rate']:.3f}, reward/request "
-                       f"{d['reward_per_request']:.3f} vs {c['reward_per_request']:.3f}, judge mean "
-                       f"{d['judge_mean']:.3f} vs {c['judge_mean']:.3f}")
-        console.print(summary[-1])
+    print_table(table)
+    lines, final = final_table(finals, reward)
+    console.print(f"After {args.cycles} cycles, the final model of each seed typed through the held-out regions "
+                  "(value [95 % interval], bootstrap over seeds and typing sessions):")
+    console.print("\n".join(lines), highlight=False)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "base": base,
                                                       "curves": curves, "final": final, "seconds": seconds}, indent=2))
-    _plot(curves, base, args.out / "curves.png")
-    (args.out / "results.md").write_text(_markdown(curves, base) + "".join(f"\n{line}\n" for line in summary))
+    _plot(curves, final, base, args.out / "curves.png")
+    (args.out / "results.md").write_text(_markdown(curves, base) + "\n" + "\n".join(lines) + "\n")
     console.print(f"wrote {args.out / 'results.json'}, results.md and curves.png ({seconds / 60:.1f} min)")
 
 
@@ -248,21 +299,30 @@ def _markdown(curves, base) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plot(curves, base, path: Path) -> None:
+def _plot(curves, final, base, path: Path) -> None:
+    """Mean per cycle with the seeds' spread as a band; at the last cycle, the bootstrap 95 % interval."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for ax, key in zip(axes, ("accept_rate", "suggest_rate", "reward_per_request")):
-        for setting, seeds in curves.items():
-            cycles = range(0, len(seeds[0]) + 1)
-            means = [base[key]] + [statistics.mean([s[i][key] for s in seeds if s[i]] or [float("nan")])
-                                   for i in range(len(seeds[0]))]
-            ax.plot(list(cycles), means, "o-", label=setting)
+    keys = ("accept_rate", "right_rate", "suggest_rate", "chars_saved")
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.6 * len(keys), 4))
+    for ax, key in zip(axes, keys):
+        for i, (setting, seeds) in enumerate(curves.items()):
+            n = len(seeds[0])
+            per_cycle = [[base[key]]] + [[s[c][key] for s in seeds if s[c]] for c in range(n)]
+            means = [statistics.mean(v) if v else float("nan") for v in per_cycle]
+            lows = [min(v) if v else float("nan") for v in per_cycle]
+            highs = [max(v) if v else float("nan") for v in per_cycle]
+            line = ax.plot(range(n + 1), means, "o-", label=setting)[0]
+            ax.fill_between(range(n + 1), lows, highs, color=line.get_color(), alpha=0.15)
+            if setting in final:
+                value, low, high = final[setting][key]
+                ax.errorbar([n + 0.15 + 0.1 * i], [value], yerr=[[value - low], [high - value]], fmt="s",
+                            color=line.get_color(), capsize=3)
         ax.set_title(key)
-        ax.set_xlabel("cycle (0 = base)")
+        ax.set_xlabel("cycle (0 = base; square = final, 95 % CI)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

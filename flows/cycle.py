@@ -20,6 +20,7 @@ from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
 from tasks.deploy.registry import (CHALLENGER, ensure_champion, get_alias_version, register_candidate,
                                    resolve_model_dir, start_cycle_run)
 from tasks.deploy.rollout import rollout
+from tasks.editor import read_regions, regions_path
 from tasks.evaluate.evaluate import compare_task
 from tasks.ingest.corpus import read_samples
 from tasks.ingest.task import ingest_task
@@ -77,7 +78,8 @@ def online_rl_cycle(params_file: str = str(DEFAULT_PARAMS_FILE), overrides: list
                     log.info(f"update ended early: {trained.stopped_early}")
                     mlflow.set_tag("tabrl.train_stopped_early", trained.stopped_early[:5000])
                 test = read_samples(Path(params.paths.data_dir) / "fim" / "test.parquet")[: params.evaluate.n_samples]
-                comparison = compare_task(str(candidate_dir), str(champion_dir), test, params)
+                regions = read_regions(regions_path(params.paths.data_dir, "test"))
+                comparison = compare_task(str(candidate_dir), str(champion_dir), test, regions, params)
                 champion_metrics = {k.replace("eval/", "eval/champion/", 1): v
                                     for k, v in comparison.champion.metrics.items()}
                 report.metrics = dict(comparison.candidate.metrics) | champion_metrics | {"train/steps": trained.steps}

@@ -3,7 +3,8 @@
     python -m flows.online_loop --cycles 3 --requests 240       # what `make demo` runs
 
 Order of work, each cycle:
-  1. simulated users (train-split FIM samples) use the gateway over HTTP: request, Tab or silence;
+  1. simulated users type regions of train-split files through the gateway over HTTP (editor
+     traffic, tasks/editor.py): a request at every pause, Tab or type on;
   2. wait out the feedback timeout, so every shown suggestion has an outcome;
   3. if a challenger is live: the A/B decision flow promotes it, rolls it back, or keeps collecting;
   4. online_rl_cycle: ingest -> reward -> train -> evaluate (held-out test files) -> register -> rollout.
@@ -26,11 +27,11 @@ from pathlib import Path
 from flows.ab_decision import ab_decision
 from flows.cycle import online_rl_cycle
 from serving.simulate import run_simulation
-from serving.simulator import make_users, merge
+from serving.simulator import make_users
 from serving.store import Arm, init_schema, make_engine, replace_arms
 from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
 from tasks.deploy.registry import CHAMPION, ensure_champion, resolve_model_dir
-from tasks.ingest.corpus import read_samples
+from tasks.editor import merge_typing, read_regions, regions_path
 from tasks.procs import NotUp, free_port, wait_until_up
 from tasks.reward.reward import reward_per_request
 
@@ -46,11 +47,14 @@ class CycleRow:
     requests: int
     suggest_rate: float  # online, all arms
     accept_rate: float  # online, per shown suggestion
+    right_rate: float  # online, per shown suggestion, noise-free rule
+    chars_saved: float  # online, right-and-accepted characters per typed character
     reward_per_request: float  # online
     decision: str  # A/B decision taken after the traffic (or "-")
     cycle_status: str  # deployed | gate_failed | skipped
-    eval_judge_mean: float | None  # held-out, the cycle's candidate
-    eval_accept_rate: float | None
+    eval_judge_mean: float | None  # held-out FIM spans, the cycle's candidate
+    eval_accept_rate: float | None  # held-out editor traffic (test files), the cycle's candidate
+    eval_chars_saved: float | None
     eval_reward_per_request: float | None
     champion_eval_reward_per_request: float | None
     serving_eval: dict  # held-out metrics of the model serving after this cycle (empty when not evaluated)
@@ -71,8 +75,9 @@ def start_gateway(params_file: str, overrides: list[str], port: int, log_path: P
 
 
 def run_online_loop(params_file: str, overrides: list[str], cycles: int, requests: int, n_users: int,
-                    state: Path, seed: int = 0, ab_test: bool = True) -> list[CycleRow]:
-    """Run `cycles` online cycles from a fresh state dir; returns one row per cycle.
+                    state: Path, seed: int = 0, ab_test: bool = True) -> tuple[list[CycleRow], Params]:
+    """Run `cycles` online cycles from a fresh state dir; returns one row per cycle and the loop's params
+    (its state paths: ``champion_dir(params)`` is the model serving at the end).
 
     ab_test=True: a deployed candidate serves as challenger and the A/B decision flow decides (the
     product). ab_test=False: every deployed candidate is promoted at once (trust the gate), so each
@@ -92,41 +97,51 @@ def run_online_loop(params_file: str, overrides: list[str], cycles: int, request
     engine.dispose()
 
     repo = _snapshot_repo(state / "repo")  # every interaction snapshot is versioned here with DVC
-    traffic = read_samples(Path(params.paths.data_dir) / "fim" / "train.parquet")  # never the held-out files
+    traffic = read_regions(regions_path(params.paths.data_dir, "train"))  # never the held-out files
+    per_cycle = max(n_users, requests // 4)  # regions offered per cycle: more than the users will type
     users = make_users(n_users, params.simulator, prefix=f"sim{seed}")
     port = free_port()
     gateway = start_gateway(params_file, overrides, port, state / "gateway.log")
     rows: list[CycleRow] = []
     try:
         for cycle in range(1, cycles + 1):
-            offset = (cycle - 1) * requests
-            window = [traffic[(offset + i) % len(traffic)] for i in range(requests)]
+            offset = (cycle - 1) * per_cycle
+            window = [traffic[(offset + i) % len(traffic)] for i in range(per_cycle)]
             by_arm = run_simulation(f"http://127.0.0.1:{port}", window, users, requests, api_keys=None,
-                                    concurrency=4, seed=seed * 1000 + cycle)
+                                    concurrency=4, seed=seed * 1000 + cycle, traffic=params.traffic)
             time.sleep(params.ingest.feedback_timeout_s + 0.5)
             decision = ab_decision(params_file, overrides) if ab_test and len(by_arm) > 1 else None
             report = online_rl_cycle(params_file, overrides, repo_dir=str(repo))
             if not ab_test and report.status == "deployed":
                 _promote_now(params)
-            total = merge(list(by_arm.values()))
+            total = merge_typing(list(by_arm.values()))
             m = report.metrics
             rows.append(CycleRow(
                 cycle=cycle,
                 arms_served=", ".join(f"{arm}:{s.requests}" for arm, s in sorted(by_arm.items())),
                 requests=total.requests, suggest_rate=total.suggest_rate, accept_rate=total.accept_rate,
+                right_rate=total.right_rate, chars_saved=total.chars_saved,
                 reward_per_request=reward_per_request(total, params.reward),
                 decision=decision.action if decision else "-",
                 cycle_status=report.status,
-                eval_judge_mean=m.get("eval/judge_mean"), eval_accept_rate=m.get("eval/accept_rate"),
-                eval_reward_per_request=m.get("eval/reward_per_request"),
-                champion_eval_reward_per_request=m.get("eval/champion/reward_per_request"),
+                eval_judge_mean=m.get("eval/judge_mean"), eval_accept_rate=m.get("eval/typing/accept_rate"),
+                eval_chars_saved=m.get("eval/typing/chars_saved"),
+                eval_reward_per_request=m.get("eval/typing/reward_per_request"),
+                champion_eval_reward_per_request=m.get("eval/champion/typing/reward_per_request"),
                 serving_eval=_serving_eval(report, promoted=not ab_test),
             ))
             print(json.dumps(asdict(rows[-1])), flush=True)
     finally:
         gateway.terminate()
         gateway.wait(timeout=30)
-    return rows
+    return rows, params
+
+
+def champion_dir(params: Params) -> Path:
+    """The checkpoint the champion alias points at now."""
+    from tasks.deploy.registry import get_alias_version
+
+    return resolve_model_dir(get_alias_version(params, CHAMPION).uri, params)
 
 
 def _serving_eval(report, promoted: bool) -> dict:
@@ -168,35 +183,68 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # Prefect's ephemeral server gets 20 s to start by default; a busy 2-core laptop can need more.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-    rows = run_online_loop(args.params, args.set, args.cycles, args.requests, args.users, args.state)
-    print_report(rows, args.state, load_params(args.params, [f"paths.mlflow_tracking_uri=sqlite:///{args.state}/mlflow.db"]))
+    rows, params = run_online_loop(args.params, args.set, args.cycles, args.requests, args.users, args.state)
+    print_report(rows, args.state, params)
+    print_story(Path(params.model.base_dir), champion_dir(params), args.state, params)
     return 0
 
 
 def print_report(rows: list[CycleRow], state: Path, params: Params) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     from flows.plots import plot_cycles
+    from tasks.console import console, print_table
 
-    table = Table(title="tabrl online RL cycles (online = simulated users over HTTP; eval = held-out test files)")
-    for col in ("cycle", "arms (requests)", "online suggest", "online accept/shown", "online reward/req",
-                "A/B decision", "cycle", "eval judge", "eval accept/shown", "eval reward/req (champion)"):
+    table = Table(title="tabrl online RL cycles (online = simulated users typing train files over HTTP; "
+                        "eval = held-out test files)")
+    for col in ("cycle", "arms (requests)", "online suggest", "online accept/shown", "online right/shown",
+                "online chars saved", "A/B decision", "cycle", "eval judge", "eval accept/shown", "eval chars saved",
+                "eval reward/req (champion)"):
         table.add_column(col, justify="right")
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     for r in rows:
-        table.add_row(str(r.cycle), r.arms_served, fmt(r.suggest_rate), fmt(r.accept_rate), fmt(r.reward_per_request),
-                      r.decision, r.cycle_status, fmt(r.eval_judge_mean), fmt(r.eval_accept_rate),
+        table.add_row(str(r.cycle), r.arms_served, fmt(r.suggest_rate), fmt(r.accept_rate), fmt(r.right_rate),
+                      fmt(r.chars_saved), r.decision, r.cycle_status, fmt(r.eval_judge_mean), fmt(r.eval_accept_rate),
+                      fmt(r.eval_chars_saved),
                       f"{fmt(r.eval_reward_per_request)} ({fmt(r.champion_eval_reward_per_request)})")
-    console = Console(width=160)
-    console.print(table)
+    print_table(table)
     plot = plot_cycles(rows, state / "cycles.png", params.paths.mlflow_tracking_uri)
     (state / "cycles.json").write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
     console.print(f"Plot: {plot}   Table: {state / 'cycles.json'}")
+
+
+def print_story(base_dir: Path, final_dir: Path, state: Path, params: Params) -> dict:
+    """The base vs the final champion on held-out editor traffic, with 95 % intervals: what a user feels."""
+    from rich.table import Table
+
+    from tasks.acceptance import noise_floor, typing_acceptance
+    from tasks.console import console, print_table
+    from tasks.editor import read_regions, regions_path
+    from tasks.intervals import difference, interval, metric_fns
+
+    regions = read_regions(regions_path(params.paths.data_dir, "test"))
+    runs = {"base": typing_acceptance(base_dir, regions, params)}
+    runs["final"] = runs["base"] if final_dir.resolve() == base_dir.resolve() else typing_acceptance(final_dir, regions, params)
+    fns = metric_fns(params.reward)
+    table = Table(title=f"Held-out editor traffic, base vs final champion ({params.evaluate.n_requests} requests each, "
+                        "95 % bootstrap intervals over typing sessions)")
+    for col in ("metric", "base", "final champion", "change", "change excludes 0"):
+        table.add_column(col, justify="right")
+    story = {}
+    for name in ("suggest_rate", "accept_rate", "right_rate", "chars_saved", "reward_per_request"):
+        a, b = interval([runs["base"].sessions], fns[name]), interval([runs["final"].sessions], fns[name])
+        d = difference([runs["final"].sessions], [runs["base"].sessions], fns[name])
+        story[name] = {"base": [a.value, a.low, a.high], "final": [b.value, b.low, b.high], "change": [d.value, d.low, d.high]}
+        table.add_row(name, str(a), str(b), f"{d.value:+.4f} [{d.low:+.4f}, {d.high:+.4f}]", "yes" if d.excludes_zero else "no")
+    print_table(table)
+    console.print(f"final champion: {final_dir}; noise floor of accept/shown (never-right model): "
+                  f"{noise_floor(params.simulator):.4f}", highlight=False)
+    (state / "story.json").write_text(json.dumps(story, indent=2) + "\n")
     console.print(f"MLflow UI:  mlflow ui --backend-store-uri {params.paths.mlflow_tracking_uri} --workers 1  "
                   "(then http://127.0.0.1:5000)")
     console.print("Prefect UI: prefect server start --host 127.0.0.1, then `tabrl schedule` (http://127.0.0.1:4200); "
                   "this run used Prefect's ephemeral mode")
+    return story
 
 
 if __name__ == "__main__":

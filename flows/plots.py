@@ -19,15 +19,18 @@ def plot_cycles(rows: Sequence, path: Path, tracking_uri: str | None = None) -> 
     online = axes[0]
     online.plot(cycles, [r.suggest_rate for r in rows], "o-", label="suggestion rate")
     online.plot(cycles, [r.accept_rate for r in rows], "o-", label="accept rate / shown")
+    online.plot(cycles, [r.right_rate for r in rows], "o--", label="right / shown (no noise)")
+    online.plot(cycles, [r.chars_saved for r in rows], "o-", label="characters saved")
     online.plot(cycles, [r.reward_per_request for r in rows], "o-", label="reward / request")
-    online.set_title("online (simulated users over HTTP, traffic before each cycle)")
+    online.set_title("online (simulated users typing over HTTP, traffic before each cycle)")
     held = axes[1]
-    for key, label in (("eval_accept_rate", "candidate accept / shown"), ("eval_reward_per_request", "candidate reward / request"),
+    for key, label in (("eval_accept_rate", "candidate accept / shown"), ("eval_chars_saved", "candidate characters saved"),
+                       ("eval_reward_per_request", "candidate reward / request"),
                        ("champion_eval_reward_per_request", "champion reward / request")):
         points = [(r.cycle, getattr(r, key)) for r in rows if getattr(r, key) is not None]
         if points:
             held.plot(*zip(*points), "o-", label=label)
-    held.set_title("held-out test files (each cycle's candidate vs champion)")
+    held.set_title("held-out editor traffic (each cycle's candidate vs champion)")
     for ax in axes:
         ax.set_xlabel("cycle")
         ax.set_xticks(cycles)
@@ -44,5 +47,6 @@ def plot_cycles(rows: Sequence, path: Path, tracking_uri: str | None = None) -> 
             mlflow.log_artifact(str(path))
             for r in rows:
                 mlflow.log_metrics({"online/suggest_rate": r.suggest_rate, "online/accept_rate": r.accept_rate,
+                                    "online/right_rate": r.right_rate, "online/chars_saved": r.chars_saved,
                                     "online/reward_per_request": r.reward_per_request}, step=r.cycle)
     return path

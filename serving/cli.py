@@ -8,12 +8,11 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from tasks.config import DEFAULT_PARAMS_FILE
+from tasks.console import console, print_table
 
-console = Console()
 
 # Typer options are declared here (not imported from tasks.cli) so that tasks/cli.py can import this module.
 ParamsOpt = Annotated[Path, typer.Option("--params", help="params.yaml to read.")]
@@ -154,7 +153,7 @@ def arms_cmd(
         table.add_column(col)
     for a in read_arms(engine):
         table.add_row(a.name, f"{a.share:g}", a.backend, a.model_version, a.model_uri)
-    console.print(table)
+    print_table(table)
 
 
 def import_continue_cmd(
@@ -197,26 +196,26 @@ def simulate_cmd(
     users: Annotated[int, typer.Option(help="Simulated users (personas drawn by weight).", min=1)] = 8,
     requests: Annotated[int, typer.Option(help="Completion requests in all.", min=1)] = 64,
     url: Annotated[Optional[str], typer.Option(help="Gateway base URL (default: http://serving.host:serving.port).")] = None,
-    samples: Annotated[Path, typer.Option(help="FIM samples the users replay (held-out).")] = Path("data/fim/test.parquet"),
+    regions: Annotated[Path, typer.Option(help="Regions the users type (written by the `fim` stage; held-out by default).")] = Path("data/fim/typing_test.parquet"),
     concurrency: Annotated[int, typer.Option(help="Requests in flight at once.", min=1)] = 4,
     no_auth: Annotated[bool, typer.Option("--no-auth", help="The gateway runs without keys: send users in the `user` field.")] = False,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the per-arm numbers here.")] = None,
     params: ParamsOpt = DEFAULT_PARAMS_FILE,
     set_: SetOpt = None,
 ) -> None:
-    """Drive the gateway over HTTP like editors: request, think, Tab or silence; per-arm summary."""
+    """Simulated users type real code through the gateway like editors: request at each pause, Tab or type on."""
     import httpx
     from tqdm import tqdm
 
     from serving.auth import add_key
     from serving.simulate import SimulationError, run_simulation
     from serving.simulator import make_users
-    from tasks.ingest.corpus import CorpusError, read_samples
+    from tasks.editor import read_regions
 
     p = _params(params, set_)
     try:
-        rows = read_samples(samples)
-    except CorpusError as err:
+        typed_regions = read_regions(regions)
+    except FileNotFoundError as err:
         _fail(str(err))
     sim_users = make_users(users, p.simulator)
     keys = None
@@ -227,22 +226,21 @@ def simulate_cmd(
     base_url = url or f"http://{p.serving.host}:{p.serving.port}"
     with tqdm(total=requests, desc="simulated requests", unit="req") as bar:
         try:
-            by_arm = run_simulation(base_url, rows, sim_users, requests, keys, concurrency, p.simulator.seed,
-                                    progress=lambda: bar.update(1))
+            by_arm = run_simulation(base_url, typed_regions, sim_users, requests, keys, concurrency, p.simulator.seed,
+                                    p.traffic, progress=lambda: bar.update(1))
         except (SimulationError, httpx.HTTPError) as err:
             _fail(f"simulation against {base_url} failed: {err}", 1)
-    table = Table(title=f"Simulated users over HTTP: {base_url}")
-    for col in ("arm", "requests", "suggestion rate", "accept / shown", "accept / request", "mean length (chars)"):
+    table = Table(title=f"Simulated users typing over HTTP: {base_url}")
+    for col in ("arm", "requests", "suggestion rate", "accept / shown", "right / shown (no noise)",
+                "chars saved", "mean length (chars)"):
         table.add_column(col, justify="right")
     for arm, s in by_arm.items():
-        table.add_row(arm, str(s.requests), f"{s.suggest_rate:.3f}", f"{s.accept_rate:.3f}", f"{s.accept_per_request:.3f}",
-                      f"{s.mean_len:.1f}")
-    console.print(table)
+        table.add_row(arm, str(s.requests), f"{s.suggest_rate:.3f}", f"{s.accept_rate:.3f}", f"{s.right_rate:.3f}",
+                      f"{s.chars_saved:.3f}", f"{s.mean_len:.1f}")
+    print_table(table)
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps({arm: {"requests": s.requests, "shown": s.shown, "accepted": s.accepted,
-                                              "suggest_rate": s.suggest_rate, "accept_rate": s.accept_rate,
-                                              "mean_len": s.mean_len} for arm, s in by_arm.items()}, indent=2) + "\n")
+        json_out.write_text(json.dumps({arm: s.as_dict() for arm, s in by_arm.items()}, indent=2) + "\n")
 
 
 def purge_cmd(

@@ -1,18 +1,29 @@
-"""Held-out simulated acceptance of one model, in process: the number `make demo` prints first.
+"""Held-out simulated acceptance of one model, in process: the numbers `make demo` prints first.
 
-Generates for held-out FIM test samples (greedy, batched) and replays them to simulated users.
+Two kinds of held-out traffic, both from test files only:
+  * editor traffic (``tasks/editor.py``): simulated users type regions of test files and the model
+    is asked at every pause, greedy and batched across sessions (``type_regions``); the headline.
+  * span FIM samples (rest of line, a line, a few lines) replayed to simulated users
+    (``complete_samples``), kept for the judge and the RLinf / code-fim-v2 comparison.
+
+``headroom`` asks what a checkpoint could earn at all, on the model-free request set (every pause
+of the held-out regions, no Tab taken): greedy right rate, right rate when sampled at the serving
+temperature, pass@k, and the noise floor (the accept/shown a never-right model gets from persona
+noise alone).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from tqdm import tqdm
 
-from serving.simulator import Summary, make_users, replay, summarise
-from tasks.config import Params
+from serving.simulator import SimUser, Summary, is_right, make_users, replay, summarise
+from tasks.config import Params, SimulatorParams
+from tasks.editor import Region, Turn, TypingSummary, pause_requests, run_sessions, summarise_turns
 from tasks.fim import build_prompt
 from tasks.generate import generate, load_model
 
@@ -22,6 +33,15 @@ class AcceptanceResult:
     summary: Summary
     suggestions: list[str]
     outcomes: list[str]
+
+
+@dataclass(frozen=True)
+class TypingRun:
+    """One model typed through held-out regions: the summary and every turn (for intervals)."""
+
+    summary: TypingSummary
+    turns: list[Turn]
+    sessions: list[tuple[int, int, int, int, int, int]]  # per session: requests, shown, accepted, right, saved, typed
 
 
 def complete_samples(model, tokenizer, samples: Sequence[dict], max_new_tokens: int, batch_size: int,
@@ -37,9 +57,95 @@ def complete_samples(model, tokenizer, samples: Sequence[dict], max_new_tokens: 
 
 
 def acceptance(model_dir: str | Path, samples: Sequence[dict], params: Params, n_users: int = 16) -> AcceptanceResult:
+    """Span FIM samples replayed to simulated users (greedy)."""
     model, tokenizer = load_model(model_dir)
     samples = list(samples)[: params.evaluate.n_samples]
     suggestions = complete_samples(model, tokenizer, samples, params.evaluate.max_new_tokens, params.evaluate.batch_size)
     users = make_users(n_users, params.simulator)
     outcomes = replay(samples, suggestions, users, params.simulator.seed)
     return AcceptanceResult(summarise(outcomes, suggestions), suggestions, outcomes)
+
+
+def session_stats(turns: Sequence[Turn], typed: dict[str, int]) -> list[tuple[int, int, int, int, int, int]]:
+    """Per typed session (region): requests, shown, accepted, right, saved chars, typed chars."""
+    out = []
+    for region_id, group in itertools.groupby(turns, key=lambda t: t.request["sample_id"].split("@")[0]):
+        ts = list(group)
+        shown = [t for t in ts if t.outcome != "abstained"]
+        out.append((len(ts), len(shown), sum(t.outcome == "accepted" for t in ts), sum(t.right for t in shown),
+                    sum(t.saved_chars for t in ts), typed[region_id]))
+    return out
+
+
+def type_regions(model, tokenizer, regions: Sequence[Region], params: Params, users: Sequence[SimUser] | None = None,
+                 temperature: float = 0.0, desc: str = "type held-out regions") -> TypingRun:
+    """Simulated users type the regions; the model is asked at every pause (evaluate.n_requests in all)."""
+    users = list(users) if users is not None else make_users(params.evaluate.sim_users, params.simulator)
+    batch = itertools.count()
+
+    def suggest(requests: list[dict]) -> list[str]:
+        prompts = [build_prompt(r["prefix"], r["suffix"]) for r in requests]
+        gens = generate(model, tokenizer, prompts, params.evaluate.max_new_tokens, temperature=temperature,
+                        seed=params.simulator.seed * 100_003 + next(batch))
+        return [g.text for g in gens]
+
+    with tqdm(total=params.evaluate.n_requests, desc=desc, unit="req") as bar:
+        turns, typed = run_sessions(regions, users, suggest, params.evaluate.n_requests, params.evaluate.batch_size,
+                                    params.simulator.seed, params.traffic, progress=bar.update)
+    return TypingRun(summarise_turns(turns, typed), turns, session_stats(turns, typed))
+
+
+def typing_acceptance(model_dir: str | Path, regions: Sequence[Region], params: Params) -> TypingRun:
+    model, tokenizer = load_model(model_dir)
+    return type_regions(model, tokenizer, regions, params, desc=f"type with {Path(model_dir).name}")
+
+
+def noise_floor(simulator: SimulatorParams) -> float:
+    """Accept/shown of a model that is never right: the personas' p_accept_wrong, weighted by share."""
+    total = sum(p.weight for p in simulator.personas)
+    return sum(p.weight * p.p_accept_wrong for p in simulator.personas) / total
+
+
+@dataclass(frozen=True)
+class Headroom:
+    requests: int
+    greedy_shown: float  # suggestion rate, greedy
+    greedy_right: float  # right per request, greedy (pass@1)
+    greedy_right_per_shown: float
+    sampled_right: float  # right per request, one sample at the serving temperature
+    pass_at_k: float  # at least one of k samples right, per request
+    k: int
+    temperature: float
+    noise_floor: float
+    min_accept_chars: int
+
+    def as_dict(self) -> dict:
+        return dict(vars(self))
+
+
+def headroom(model_dir: str | Path, regions: Sequence[Region], params: Params, n_requests: int, k: int = 8,
+             min_accept_chars: int = 4) -> Headroom:
+    """Right rates of a checkpoint on the first n_requests model-free held-out requests (noise-free rule)."""
+    model, tokenizer = load_model(model_dir)
+    requests = list(itertools.islice((q for r in regions for q in pause_requests(r, params.traffic)), n_requests))
+    if not requests:
+        raise ValueError("the regions produced no request")
+    truths = [q["middle"] for q in requests]
+    greedy = complete_samples(model, tokenizer, requests, params.evaluate.max_new_tokens, params.evaluate.batch_size,
+                              desc="headroom: greedy")
+    repeated = [q for q in requests for _ in range(k)]
+    sampled = complete_samples(model, tokenizer, repeated, params.evaluate.max_new_tokens,
+                               params.evaluate.batch_size, temperature=params.serving.temperature,
+                               seed=params.simulator.seed, desc=f"headroom: {k} samples at T={params.serving.temperature}")
+    right = lambda text, truth: bool(text.strip()) and is_right(text, truth, min_accept_chars)  # noqa: E731
+    greedy_right = [right(g, t) for g, t in zip(greedy, truths)]
+    sample_right = [[right(sampled[i * k + j], t) for j in range(k)] for i, t in enumerate(truths)]
+    shown = sum(bool(g.strip()) for g in greedy)
+    n = len(requests)
+    return Headroom(
+        requests=n, greedy_shown=shown / n, greedy_right=sum(greedy_right) / n,
+        greedy_right_per_shown=sum(greedy_right) / shown if shown else 0.0,
+        sampled_right=sum(rs[0] for rs in sample_right) / n, pass_at_k=sum(any(rs) for rs in sample_right) / n,
+        k=k, temperature=params.serving.temperature, noise_floor=noise_floor(params.simulator),
+        min_accept_chars=min_accept_chars,
+    )

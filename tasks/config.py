@@ -96,6 +96,11 @@ class ModelParams(Section):
     """Peak learning rate of pre-training (linear warm-up, cosine decay)."""
     pretrain_samples_per_file: int = Field(40, ge=1)
     """FIM spans drawn per train file for pre-training (more spans, more variety)."""
+    pretrain_editor_share: float = Field(0.75, ge=0, le=1)
+    """Share of pre-training samples cut where an editor asks (typing-session pauses, tasks/editor.py);
+    the rest are classic line spans (fim.span_weights)."""
+    checkpoint_every: int = Field(250, ge=1)
+    """Pre-training saves a resumable checkpoint every this many steps (a killed build resumes there)."""
     tokenizer_max_files: int = Field(2000, ge=1)
     """Train files the tokenizer is fitted on."""
     seed: int = 0
@@ -142,6 +147,42 @@ class SimulatorParams(Section):
         names = [p.name for p in self.personas]
         if not names or len(set(names)) != len(names):
             raise ValueError(f"personas need at least one entry and unique names, got {names}")
+        return self
+
+
+class TrafficParams(Section):
+    """Editor-like traffic (tasks/editor.py): typing sessions over regions of real files."""
+
+    region_lines: int = Field(3, ge=1)
+    """A session types 1..region_lines whole lines."""
+    min_line_nonblank: int = Field(6, ge=1)
+    """A region starts at a line with at least this many non-blank characters."""
+    min_region_nonblank: int = Field(8, ge=1)
+    """Regions with fewer non-blank characters are skipped."""
+    max_region_chars: int = Field(400, ge=1)
+    """Regions longer than this are skipped (a very long line is rarely typed in one go)."""
+    pause_after: str = ".(=,:["
+    """The editor asks after each of these characters (and at word boundaries and new lines)."""
+    p_midword_pause: float = Field(0.08, ge=0, le=1)
+    """Chance of a pause before any other character (mid-word pauses, like Continue's debounce)."""
+    max_prefix_chars: int = Field(600, ge=1)
+    """Characters of the file before the cursor sent as the prefix (about 170 tabrl-tiny tokens: prompts
+    stay inside the 256-token context it was pre-trained on)."""
+    max_suffix_chars: int = Field(200, ge=0)
+    """Characters of the file after the region sent as the suffix."""
+    min_stop_nonblank: int = Field(4, ge=1)
+    """Pre-training: a 'token' middle covers at least this many non-blank characters (the personas' usual K)."""
+    stop_weights: dict[Literal["token", "line", "region"], float] = {"token": 0.4, "line": 0.45, "region": 0.15}
+    """Pre-training: where an editor-like middle ends (token end, line end, region end), by weight."""
+    train_regions: int = Field(4000, ge=1)
+    """Regions of train files the online loop's simulated users type (drawn in order, round-robin)."""
+    eval_regions: int = Field(600, ge=1)
+    """Regions of test files held out for evaluation (enough for evaluate.n_requests)."""
+
+    @model_validator(mode="after")
+    def _weights(self) -> "TrafficParams":
+        if not self.stop_weights or any(w < 0 for w in self.stop_weights.values()) or not sum(self.stop_weights.values()):
+            raise ValueError(f"stop_weights need a positive weight, got {self.stop_weights}")
         return self
 
 
@@ -230,6 +271,11 @@ class JudgeParams(Section):
 
 
 class EvaluateParams(Section):
+    n_requests: int = Field(1000, ge=1)
+    """Editor-traffic requests per evaluated model: simulated users type held-out regions (the headline numbers)."""
+    chars_saved_tolerance: float = Field(0.005, ge=0)
+    """The gate refuses a candidate whose characters saved (per typed character, editor traffic) drop by
+    more than this, however its accept rate or reward moved (no reward hacking by showing less)."""
     n_samples: int = Field(200, ge=1)
     """Held-out FIM test samples scored per evaluation."""
     max_new_tokens: int = Field(48, ge=1)
@@ -261,6 +307,10 @@ class DeployParams(Section):
     """Schedule of the online RL cycle (interval)."""
     cycle_cron: str | None = None
     """A cron expression for the cycle; overrides the interval when set."""
+    chars_tolerance: float = Field(0.05, ge=0, lt=1)
+    """A challenger is never promoted when its accepted characters per request fall more than this
+    fraction below the champion's, whatever its reward or accept rate: showing less to be accepted
+    more while users type more themselves is reward hacking; such a challenger is rolled back."""
     max_samples: int | None = Field(5000, ge=1)
     """Requests per arm after which a still undecided A/B test ends in a rollback (the champion stays and
     the next cycle may start; a challenger that abstains too often to reach min_samples ends here too);
@@ -374,6 +424,7 @@ class Params(Section):
     fim: FimParams = FimParams()
     model: ModelParams = ModelParams()
     simulator: SimulatorParams = SimulatorParams()
+    traffic: TrafficParams = TrafficParams()
     reward: RewardParams = RewardParams()
     train: TrainParams = TrainParams()
     evaluate: EvaluateParams = EvaluateParams()

@@ -17,6 +17,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from tasks.config import Params, load_params  # noqa: E402
 from tasks.ingest.corpus import SourceFile, sample_spans, split_files, stdlib_root  # noqa: E402
 
+# CLI output must read the same at any terminal width (issue 13): every test runs in a narrow
+# terminal, the worst case, whatever the machine's COLUMNS; `COLUMNS=300 pytest` must pass too.
+CLI_COLUMNS = os.environ.get("TABRL_TEST_COLUMNS", "40")
+
+
+@pytest.fixture(autouse=True)
+def _narrow_terminal(monkeypatch):
+    monkeypatch.setenv("COLUMNS", CLI_COLUMNS)
+    monkeypatch.setenv("LINES", "25")
+
+
 TINY_MODEL = {
     "vocab_size": 600, "hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1,
     "intermediate_size": 128, "max_position": 512, "pretrain_steps": 30, "pretrain_batch": 8,
@@ -32,7 +43,7 @@ def tiny_params(tmp: Path | None = None, **sections) -> Params:
         "data": {"source": str(stdlib_root() / TINY_CORPUS), "test_fraction": 0.3},
         "fim": {"n_train": 60, "n_test": 30},
         "model": TINY_MODEL,
-        "evaluate": {"n_samples": 16, "max_new_tokens": 12, "batch_size": 8},
+        "evaluate": {"n_samples": 16, "n_requests": 16, "max_new_tokens": 12, "batch_size": 8},
     }
     if tmp is not None:
         tree["paths"] = {"database_url": f"sqlite:///{tmp}/tabrl.db", "mlflow_tracking_uri": f"sqlite:///{tmp}/mlflow.db",
@@ -63,7 +74,25 @@ def tiny_model_dir(tmp_path_factory, stdlib_files) -> Path:
 
     params = tiny_params()
     out = tmp_path_factory.mktemp("models") / "tiny"
-    build_base(stdlib_files, params.model, params.fim, out)
+    build_base(stdlib_files, params.model, params.fim, params.traffic, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def babbler_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model unable to stop or emit whitespace: it always shows a (wrong) suggestion."""
+    import torch
+
+    from tasks.generate import load_model, stop_token_ids
+
+    model, tokenizer = load_model(tiny_model_dir)
+    head = model.get_output_embeddings().weight  # tied to the input embeddings in tabrl-tiny
+    silent = set(stop_token_ids(tokenizer)) | {i for i in range(head.shape[0]) if not tokenizer.decode([i]).strip()}
+    with torch.no_grad():
+        head[sorted(silent)] = 0.0  # logit 0, below the best of the others
+    out = tmp_path_factory.mktemp("models") / "babbler"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
     return out
 
 
@@ -71,6 +100,14 @@ def tiny_model_dir(tmp_path_factory, stdlib_files) -> Path:
 def fim_samples(stdlib_files) -> list[dict]:
     params = tiny_params()
     return sample_spans(stdlib_files, "eval", 24, params.fim, seed=1)
+
+
+@pytest.fixture(scope="session")
+def typing_regions(stdlib_files) -> list:
+    """Regions of real files that simulated users type (editor traffic, tasks/editor.py)."""
+    from tasks.editor import pick_regions
+
+    return pick_regions(stdlib_files, 24, tiny_params().traffic, seed=1, tag="eval")
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -66,3 +68,41 @@ def test_long_prompts_are_cut_from_the_oldest_context(tiny_model_dir):
     ids = encode_prompt(tok, prompt, prompt_limit(model, 4))
     assert len(ids) == model.config.max_position_embeddings - 4
     assert ids[0] == tok.convert_tokens_to_ids(FIM_PREFIX) and ids[-1] == tok.convert_tokens_to_ids(FIM_MIDDLE)
+
+
+class _Killed(Exception):
+    """Stands for the process being killed right after a checkpoint was written."""
+
+
+def test_an_interrupted_build_resumes_from_its_checkpoint_and_ends_as_an_uninterrupted_one(stdlib_files, tmp_path,
+                                                                                           monkeypatch):
+    from safetensors.torch import load_file
+
+    import tasks.train.base as base
+    from tests.conftest import tiny_params
+
+    params = tiny_params()
+    model = params.model.model_copy(update={"pretrain_steps": 6, "checkpoint_every": 3})
+    files = stdlib_files[:40]
+    straight = base.build_base(files, model, params.fim, params.traffic, tmp_path / "straight")
+    assert not (tmp_path / "straight.partial").exists()  # a finished build leaves no checkpoint behind
+
+    real_pretrain = base.pretrain
+
+    def killed_after_first_checkpoint(*args, **kwargs):
+        def die(step):
+            raise _Killed(step)
+        return real_pretrain(*args, **{**kwargs, "snapshot": die})
+
+    monkeypatch.setattr(base, "pretrain", killed_after_first_checkpoint)
+    try:
+        base.build_base(files, model, params.fim, params.traffic, tmp_path / "resumed", snapshots=True)
+    except _Killed as killed:
+        assert killed.args == (3,)
+    monkeypatch.setattr(base, "pretrain", real_pretrain)
+    assert (tmp_path / "resumed.partial" / "trainer.pt").is_file() and not (tmp_path / "resumed").exists()
+    resumed = base.build_base(files, model, params.fim, params.traffic, tmp_path / "resumed")
+    assert resumed["loss_last10_mean"] == pytest.approx(straight["loss_last10_mean"], rel=1e-5)
+    a = load_file(tmp_path / "straight" / "model.safetensors")
+    b = load_file(tmp_path / "resumed" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)

@@ -21,7 +21,8 @@ def _sets(params_dict):
 def test_pipeline_commands_end_to_end(tmp_path):
     tiny = tiny_params()
     sets = _sets({"data": {"source": tiny.data.source, "test_fraction": 0.3}, "fim": {"n_train": 40, "n_test": 20},
-                  "model": TINY_MODEL | {"pretrain_steps": 5}, "evaluate": {"n_samples": 8, "max_new_tokens": 8}})
+                  "model": TINY_MODEL | {"pretrain_steps": 5}, "evaluate": {"n_samples": 8, "n_requests": 8, "max_new_tokens": 8},
+                  "traffic": {"train_regions": 30, "eval_regions": 10}})
     none = ["--params", str(tmp_path / "none.yaml")]
     assert runner.invoke(app, ["corpus", *none]).exit_code == 2  # missing params file: exit 2 with a sentence
     (tmp_path / "params.yaml").write_text("{}\n")
@@ -34,12 +35,21 @@ def test_pipeline_commands_end_to_end(tmp_path):
     r = runner.invoke(app, ["build-base", "--corpus", corpus, "--out", str(tmp_path / "model"), *common])
     assert r.exit_code == 0, r.output
     out = tmp_path / "acc.json"
-    r = runner.invoke(app, ["acceptance", "--model", str(tmp_path / "model"), "--test", str(tmp_path / "fim" / "test.parquet"),
+    r = runner.invoke(app, ["acceptance", "--model", str(tmp_path / "model"), "--regions",
+                            str(tmp_path / "fim" / "typing_test.parquet"), "--json", str(out), *common])
+    assert r.exit_code == 0, r.output
+    assert "Held-out editor traffic" in r.output and "chars_saved" in r.output and "noise floor" in r.output
+    numbers = json.loads(out.read_text())
+    assert numbers["requests"] >= 8 and 0 <= numbers["suggest_rate"] <= 1 and numbers["noise_floor"] == 0.0225
+    low, high = numbers["intervals"]["suggest_rate"]
+    assert low <= numbers["suggest_rate"] <= high
+    out = tmp_path / "headroom.json"
+    r = runner.invoke(app, ["headroom", "--model", str(tmp_path / "model"), "--regions",
+                            str(tmp_path / "fim" / "typing_test.parquet"), "--requests", "6", "--k", "2",
                             "--json", str(out), *common])
     assert r.exit_code == 0, r.output
-    assert "Held-out simulated acceptance" in r.output
-    numbers = json.loads(out.read_text())
-    assert numbers["samples"] == 8 and 0 <= numbers["suggest_rate"] <= 1
+    room = json.loads(out.read_text())
+    assert room["requests"] == 6 and room["k"] == 2 and 0 <= room["greedy_right"] <= room["greedy_shown"] <= 1
 
 
 def test_bad_params_exit_2_with_the_key(tmp_path):
@@ -53,5 +63,5 @@ def test_bad_params_exit_2_with_the_key(tmp_path):
 def test_missing_model_is_a_clear_error(tmp_path):
     (tmp_path / "p.yaml").write_text("{}\n")
     r = runner.invoke(app, ["acceptance", "--params", str(tmp_path / "p.yaml"), "--model", str(tmp_path / "nomodel"),
-                            "--test", str(tmp_path / "none.parquet")])
+                            "--regions", str(tmp_path / "none.parquet")])
     assert r.exit_code == 2 and "not found" in r.output

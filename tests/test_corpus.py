@@ -62,7 +62,7 @@ def test_corpus_and_fim_files_round_trip(tmp_path):
     counts = write_corpus(params.data, tmp_path / "corpus")
     files = read_corpus(tmp_path / "corpus" / "files.parquet")
     assert counts == {"train_files": len(files["train"]), "test_files": len(files["test"])}
-    stats = write_fim(params.data, params.fim, files, tmp_path / "fim")
+    stats = write_fim(params.data, params.fim, params.traffic, files, tmp_path / "fim")
     assert stats["train_samples"] == 60 and len(read_samples(tmp_path / "fim" / "test.parquet")) == 30
     assert json.loads((tmp_path / "fim" / "stats.json").read_text()) == stats
 

@@ -82,6 +82,8 @@ def test_arm_stats_apply_the_feedback_timeout_and_count_since_the_challenger_wen
         r = params.reward
         assert champ.reward_per_request == pytest.approx((r.accepted + 5 * r.rejected + r.abstained) / 7)
         assert (chall.requests, chall.accepted, chall.model_version) == (1, 1, "m/2")
+        # accepted characters: the feedback gave none, so the accepted suggestion's own length ("x = 1")
+        assert champ.accepted_chars == 5 and champ.chars_per_request == pytest.approx(5 / 7)
         # The same store looked at a minute earlier: more rows are still pending.
         earlier = arm_stats(engine, params, now=t0 + 25)[CHAMPION]
         assert (earlier.requests, earlier.pending, earlier.timed_out, earlier.accepted) == (5, 1, 2, 1)
@@ -124,6 +126,21 @@ def test_decision_rule_minimum_samples_promote_rollback_and_continue():
     assert d.action == "rollback" and "inconclusive" in d.reason
     # A challenger that abstains too often to show min_samples suggestions ends at max_samples too.
     assert decide(*_pair((500, 500, 0), (40, 40, 920), params), params).action == "rollback"
+
+
+def test_showing_less_while_users_type_more_is_rolled_back_not_promoted():
+    """Copilot's lesson: the challenger shows only short sure things. Its reward per request and accept
+    rate are significantly higher, but users get fewer accepted characters per request."""
+    params = tiny_params(deploy={"min_samples": 100, "alpha": 0.05, "max_samples": None, "chars_tolerance": 0.05})
+    champion = stats_from_counts(CHAMPION, "m/1", 300, 700, 0, params.reward, accepted_chars=300 * 30)
+    hacker = stats_from_counts(CHALLENGER, "m/2", 200, 100, 700, params.reward, accepted_chars=200 * 6)
+    assert hacker.reward_per_request > champion.reward_per_request and hacker.accept_rate > champion.accept_rate
+    assert hacker.chars_per_request == pytest.approx(1.2) and champion.chars_per_request == pytest.approx(9.0)
+    d = decide(champion, hacker, params)
+    assert d.action == "rollback" and d.reason.startswith("reward hacking"), d.reason
+    # The same challenger keeping users' characters (within the tolerance) is promoted.
+    honest = stats_from_counts(CHALLENGER, "m/2", 200, 100, 700, params.reward, accepted_chars=int(9.0 * 1000 * 0.96))
+    assert decide(champion, honest, params).action == "promote"
 
 
 def test_accept_rate_route_needs_reward_not_lower():

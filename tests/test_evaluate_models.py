@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from tasks.cli import app
 from tasks.evaluate.evaluate import METRICS, compare, evaluate_model
+from tasks.editor import write_regions
 from tasks.ingest.corpus import write_samples
 from tests.conftest import tiny_params
 from tests.test_evaluate_judge import KEY_ENV, FakeJudge
@@ -24,9 +25,9 @@ def mlflow_run(tmp_path):
     mlflow.set_tracking_uri(None)
 
 
-def test_tiny_model_against_itself_passes_no_gate_and_logs_to_mlflow(tiny_model_dir, fim_samples, tmp_path, mlflow_run):
+def test_tiny_model_against_itself_passes_no_gate_and_logs_to_mlflow(tiny_model_dir, fim_samples, typing_regions, tmp_path, mlflow_run):
     params = tiny_params(tmp_path, evaluate={"n_samples": 8, "max_new_tokens": 8})
-    result = compare(tiny_model_dir, tiny_model_dir, fim_samples, params)
+    result = compare(tiny_model_dir, tiny_model_dir, fim_samples, typing_regions, params)
     cand, champ = result.candidate, result.champion
     assert set(cand.metrics) == set(METRICS)
     assert len(cand.rows) == params.evaluate.n_samples == 8
@@ -44,6 +45,11 @@ def test_tiny_model_against_itself_passes_no_gate_and_logs_to_mlflow(tiny_model_
     rewards = {"accepted": 0.75, "rejected": -0.25, "abstained": 0.0}
     assert m["eval/reward_per_request"] == pytest.approx(sum(rewards[r["outcome"]] for r in cand.rows) / 8)
     assert m["eval/latency_ms"] > 0
+    typed = cand.typing  # editor traffic: at least evaluate.n_requests, the summary is the turns' own
+    assert m["eval/typing/requests"] == len(typed.turns) == params.evaluate.n_requests
+    assert m["eval/typing/chars_saved"] == pytest.approx(
+        sum(t.saved_chars for t in typed.turns) / sum(s[5] for s in typed.sessions))
+    assert 0 <= m["eval/typing/right_rate"] <= 1 and sum(s[0] for s in typed.sessions) == len(typed.turns)
 
     client = mlflow.tracking.MlflowClient()
     logged = client.get_run(mlflow_run.info.run_id).data
@@ -58,25 +64,7 @@ def test_tiny_model_against_itself_passes_no_gate_and_logs_to_mlflow(tiny_model_
     assert len(table["data"]) == 16 and "judge_score" in table["columns"] and "model" in table["columns"]
 
 
-@pytest.fixture(scope="module")
-def babbler_dir(tiny_model_dir, tmp_path_factory):
-    """The tiny model unable to stop or emit whitespace: it always shows a (wrong) suggestion."""
-    import torch
-
-    from tasks.generate import load_model, stop_token_ids
-
-    model, tokenizer = load_model(tiny_model_dir)
-    head = model.get_output_embeddings().weight  # tied to the input embeddings in tabrl-tiny
-    silent = set(stop_token_ids(tokenizer)) | {i for i in range(head.shape[0]) if not tokenizer.decode([i]).strip()}
-    with torch.no_grad():
-        head[sorted(silent)] = 0.0  # logit 0, below the best of the others
-    out = tmp_path_factory.mktemp("models") / "babbler"
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
-
-
-def test_llm_judged_self_comparison_is_cached_and_not_better(babbler_dir, fim_samples, tmp_path, monkeypatch):
+def test_llm_judged_self_comparison_is_cached_and_not_better(babbler_dir, fim_samples, typing_regions, tmp_path, monkeypatch):
     monkeypatch.setenv(KEY_ENV, "sk-test")
     fake = FakeJudge()
     fake.thread.start()
@@ -84,7 +72,7 @@ def test_llm_judged_self_comparison_is_cached_and_not_better(babbler_dir, fim_sa
         params = tiny_params(tmp_path, evaluate={"n_samples": 8, "max_new_tokens": 8, "judge": {
             "kind": "llm", "base_url": fake.url, "model": "judge-test", "api_key_env": KEY_ENV,
             "cache_path": str(tmp_path / "judge.sqlite"), "max_retries": 0}})
-        result = compare(babbler_dir, babbler_dir, fim_samples, params)
+        result = compare(babbler_dir, babbler_dir, fim_samples, typing_regions, params)
         cand = result.candidate
         assert all(r["completion"].strip() for r in cand.rows)  # every request shows a suggestion
         distinct = len({(s["prefix"], s["suffix"]) for s in fim_samples[:8]})
@@ -96,7 +84,7 @@ def test_llm_judged_self_comparison_is_cached_and_not_better(babbler_dir, fim_sa
         assert not result.decision.passed
         assert any("equal is not better" in r for r in result.decision.reasons)
         assert result.decision.numbers["evidence/candidate_judge_scored"] == 8
-        again = evaluate_model(babbler_dir, fim_samples, params)
+        again = evaluate_model(babbler_dir, fim_samples, typing_regions, params)
         assert len(fake.requests) == distinct  # the re-evaluation cost nothing
         assert again.metrics["eval/judge_mean"] == 8.0
     finally:
@@ -104,21 +92,25 @@ def test_llm_judged_self_comparison_is_cached_and_not_better(babbler_dir, fim_sa
         fake.server.server_close()
 
 
-def test_cli_prints_side_by_side_table_and_gate(babbler_dir, tiny_model_dir, fim_samples, tmp_path):
+def test_cli_prints_side_by_side_table_and_gate(babbler_dir, tiny_model_dir, fim_samples, typing_regions, tmp_path):
     test = tmp_path / "test.parquet"
     write_samples(fim_samples, test)
+    regions = write_regions(typing_regions, tmp_path / "typing.parquet", tiny_params().traffic)
     out = tmp_path / "eval.json"
-    sets = ["evaluate.n_samples=6", "evaluate.max_new_tokens=8", "evaluate.batch_size=6"]
+    sets = ["evaluate.n_samples=6", "evaluate.n_requests=12", "evaluate.max_new_tokens=8", "evaluate.batch_size=6"]
     args = ["evaluate", "--model", str(babbler_dir), "--against", str(tiny_model_dir), "--test", str(test),
+            "--regions", str(regions),
             "--json", str(out), "--params", "params.yaml"] + [x for s in sets for x in ("--set", s)]
     result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
-    assert "eval/reward_per_request" in result.output and "champion" in result.output
+    assert "eval/typing/chars_saved" in result.output and "champion" in result.output
     assert "gate: FAIL" in result.output and "reward_per_request drops" in result.output
     saved = json.loads(out.read_text())
     assert saved["gate"]["passed"] is False
     assert saved["candidate"]["eval/suggest_rate"] == 1.0 and saved["champion"]["eval/suggest_rate"] == 0.0
     assert saved["candidate"]["eval/reward_per_request"] < 0 == saved["champion"]["eval/reward_per_request"]
+    assert saved["candidate"]["eval/typing/reward_per_request"] < 0 == saved["champion"]["eval/typing/reward_per_request"]
+    assert saved["candidate"]["eval/typing/requests"] == 12
 
     missing = CliRunner().invoke(app, ["evaluate", "--model", str(tmp_path / "nope"), "--test", str(test)])
     assert missing.exit_code == 2 and "not a model directory" in missing.output

@@ -59,8 +59,9 @@ def test_abstentions_are_not_judged_and_helpers_are_sane():
     assert not parses("def (:") and not parses("x = '\0'\x00") and parses("x = '\\d'")
 
 
-def metrics(reward: float, judge: float, scored: float = 100.0) -> dict[str, float]:
-    return {"eval/reward_per_request": reward, "eval/judge_mean": judge, "eval/judge_scored": scored}
+def metrics(reward: float, judge: float, scored: float = 100.0, chars: float = 0.10) -> dict[str, float]:
+    return {"eval/typing/reward_per_request": reward, "eval/judge_mean": judge, "eval/judge_scored": scored,
+            "eval/typing/chars_saved": chars}
 
 
 GATE = EvaluateParams(gate_tolerance=0.02, gate_margin=0.005)
@@ -84,8 +85,8 @@ def test_gate_decisions(cand, champ, passed, why):
     assert decision.passed is passed
     assert any(why in reason for reason in decision.reasons), decision.reasons
     assert decision.reasons[-1].startswith("PASS" if passed else "FAIL")
-    assert decision.numbers["delta/reward_per_request"] == pytest.approx(cand["eval/reward_per_request"]
-                                                                         - champ["eval/reward_per_request"])
+    assert decision.numbers["delta/reward_per_request"] == pytest.approx(cand["eval/typing/reward_per_request"]
+                                                                         - champ["eval/typing/reward_per_request"])
     assert decision.numbers["tolerance/judge_mean"] == pytest.approx(0.2)
 
 
@@ -93,3 +94,16 @@ def test_equal_is_not_better_even_with_zero_margin():
     zero = EvaluateParams(gate_tolerance=0.0, gate_margin=0.0)
     assert not gate(metrics(0.1, 5.0), metrics(0.1, 5.0), zero).passed
     assert gate(metrics(0.1001, 5.0), metrics(0.1, 5.0), zero).passed
+
+
+def test_showing_less_to_raise_accept_rate_while_saving_fewer_characters_is_refused():
+    """Reward hacking (Copilot's lesson): reward per request and the judge both improve because the
+    candidate shows only its surest, shortest suggestions, but users save fewer characters."""
+    hacked = metrics(0.15, 6.0, chars=0.05)
+    champion = metrics(0.10, 5.0, chars=0.10)
+    decision = gate(hacked, champion, GATE)
+    assert not decision.passed
+    assert any(r.startswith("chars_saved drops") for r in decision.reasons), decision.reasons
+    assert decision.numbers["delta/chars_saved"] == pytest.approx(-0.05)
+    # Within the tolerance it is not a drop; the same candidate saving as much passes.
+    assert gate(metrics(0.15, 6.0, chars=0.097), champion, GATE).passed

@@ -1,8 +1,11 @@
 """The whole online_rl_cycle under Prefect's harness: tiny model, gateway on loopback, SQLite,
 MLflow on a temp store, DVC in a temp git repo.
 
-Simulated users of this test accept every shown suggestion and the tiny champion mostly abstains,
-so the traffic teaches the candidate to suggest: a measurable improvement the gate can see.
+Simulated users of this test accept every shown suggestion and the tiny champion greedily abstains
+(end of text is its likeliest first token, at about 4 %), so the traffic teaches the candidate to
+suggest: a measurable improvement the gate can see. Suggestions are one token long, in serving and
+in the evaluation: a longer one would end with an end-of-text token that every accepted suggestion
+rewards, and the candidate would greedily show a blank then stop (a blank counts as no suggestion).
 """
 
 import subprocess
@@ -19,6 +22,7 @@ from serving.simulate import run_simulation
 from serving.simulator import make_users
 from serving.store import Arm, init_schema, make_engine, read_arms, replace_arms
 from tasks.deploy.registry import CHALLENGER, CHAMPION, ensure_champion, get_alias_version, resolve_model_dir
+from tasks.editor import regions_path, write_regions
 from tasks.ingest.corpus import write_samples
 from tests.conftest import tiny_params
 from tests.serving_util import serve_app
@@ -35,29 +39,31 @@ def _dvc_repo(path):
     return path
 
 
-def test_cycle_registers_and_rolls_out_a_challenger(tmp_path, tiny_model_dir, fim_samples, mlflow_store, prefect_harness,
+def test_cycle_registers_and_rolls_out_a_challenger(tmp_path, tiny_model_dir, fim_samples, typing_regions, mlflow_store, prefect_harness,
                                                     monkeypatch):
     repo = _dvc_repo(tmp_path / "repo")
     monkeypatch.chdir(repo)
     sections = {"simulator": {"personas": ACCEPT_ALL},
-                "serving": {"auth": False, "temperature": 1.0, "max_tokens": 12},
+                "serving": {"auth": False, "temperature": 1.0, "max_tokens": 1},
                 "ingest": {"feedback_timeout_s": 0.5},
-                "train": {"lr": 3e-3, "max_approx_kl": 20.0, "target_kl": 20.0, "epochs": 3, "min_rows": 8, "micro_batch": 8, "grad_accum": 1},
-                "reward": {"advantage": "batch_mean"},
-                "evaluate": {"n_samples": 16, "max_new_tokens": 12, "gate_tolerance": 1.0},
+                "train": {"lr": 1e-2, "max_approx_kl": 20.0, "target_kl": 20.0, "epochs": 4, "min_rows": 8, "micro_batch": 8, "grad_accum": 1},
+                "reward": {"advantage": "raw"},  # every shown suggestion is accepted: raw rewards push away from abstaining
+                "evaluate": {"n_samples": 16, "n_requests": 32, "max_new_tokens": 1, "gate_tolerance": 1.0},
                 "deploy": {"challenger_share": 0.3},
                 "paths": {"data_dir": str(repo / "data")}}  # snapshots inside the DVC repo
     params = tiny_params(tmp_path, **sections)
     params_file = tmp_path / "params.yaml"
     params_file.write_text(yaml.safe_dump(params.model_dump(mode="json")))
     write_samples([dict(s, split="test") for s in fim_samples[:16]], repo / params.paths.data_dir / "fim" / "test.parquet")
+    write_regions(typing_regions, regions_path(repo / params.paths.data_dir, "test"), params.traffic)
 
     champion = ensure_champion(tiny_model_dir, params)
     engine = make_engine(params.paths.database_url)
     init_schema(engine)
     replace_arms(engine, [Arm(CHAMPION, champion.label, str(resolve_model_dir(champion.uri, params)), "embedded", 1.0)])
     with serve_app(create_app(params, engine=engine, auth=False)) as url:
-        run_simulation(url, fim_samples, make_users(4, params.simulator), 48, api_keys=None, concurrency=4, seed=0)
+        run_simulation(url, typing_regions, make_users(4, params.simulator), 48, api_keys=None, concurrency=4, seed=0,
+                       traffic=params.traffic)
     import time
 
     time.sleep(params.ingest.feedback_timeout_s + 0.2)
@@ -69,7 +75,7 @@ def test_cycle_registers_and_rolls_out_a_challenger(tmp_path, tiny_model_dir, fi
     run = mlflow.get_run(report.run_id)
     for key in ("ingest/rows", "eval/reward_per_request", "eval/champion/reward_per_request", "train/loss"):
         assert key in run.data.metrics, key
-    assert run.data.params["train.lr"] == "0.003" and run.data.tags["tabrl.cycle_status"] == report.status
+    assert run.data.params["train.lr"] == "0.01" and run.data.tags["tabrl.cycle_status"] == report.status
     assert report.status == "deployed", report.reason
     version = get_alias_version(params, CHALLENGER)
     assert version is not None and version.label == report.version and version.version == champion.version + 1
@@ -83,7 +89,8 @@ def test_cycle_registers_and_rolls_out_a_challenger(tmp_path, tiny_model_dir, fi
     # More traffic, then a forced cycle whose update trips the approx-KL guard: the champion and the
     # challenger under test stay as they are, and the run says why.
     with serve_app(create_app(params, engine=engine, auth=False)) as url:
-        run_simulation(url, fim_samples, make_users(4, params.simulator), 48, api_keys=None, concurrency=4, seed=1)
+        run_simulation(url, typing_regions[::-1], make_users(4, params.simulator), 48, api_keys=None, concurrency=4,
+                       seed=1, traffic=params.traffic)
     time.sleep(params.ingest.feedback_timeout_s + 0.2)
     # (raw rewards with abstaining worth 1: every row moves the weights, so step 2's approx-KL is > 0)
     trip = ["train.max_approx_kl=1e-9", "reward.advantage=raw", "reward.abstained=1.0", "reward.rejected=-1.0"]

@@ -31,7 +31,6 @@ from tests.conftest import tiny_params
 from tests.harden_util import (ROOT, drive_editors, editor_prompt, fast_backend_factory, free_port, make_keys, seed_arms,
                                start_process, stop_process, store_problems)
 from tests.serving_util import serve_app, store_url  # noqa: F401  (fixture)
-from tests.test_evaluate_models import babbler_dir  # noqa: F401  (fixture: a model that always suggests)
 from tests.test_train_job import snapshot  # noqa: F401  (fixture)
 
 FAST = Arm(CHAMPION, "fast/1", "fast", "embedded", 1.0)
@@ -241,30 +240,31 @@ def dead_url():
     return f"http://127.0.0.1:{free_port()}/v1"  # bound once, closed: connection refused
 
 
-def test_judge_down_fails_the_evaluation_loudly(tmp_path, babbler_dir, fim_samples, dead_url, monkeypatch):  # noqa: F811
+def test_judge_down_fails_the_evaluation_loudly(tmp_path, babbler_dir, fim_samples, typing_regions, dead_url, monkeypatch):
     monkeypatch.setenv("TABRL_JUDGE_API_KEY", "sk-test")
     judge = {"kind": "llm", "base_url": dead_url, "max_retries": 0, "timeout_s": 2,
              "cache_path": str(tmp_path / "judge.sqlite"), "on_failure": "fail"}
     params = tiny_params(tmp_path, evaluate={"n_samples": 4, "max_new_tokens": 6, "judge": judge})
     with pytest.raises(JudgeUnavailable, match="unavailable"):
-        compare(babbler_dir, babbler_dir, fim_samples, params)
+        compare(babbler_dir, babbler_dir, fim_samples, typing_regions, params)
 
 
 def test_judge_down_falls_back_to_the_reference_judge_and_never_passes_on_no_evidence(
-        tmp_path, babbler_dir, fim_samples, dead_url, monkeypatch):  # noqa: F811
+        tmp_path, babbler_dir, fim_samples, typing_regions, dead_url, monkeypatch):
     monkeypatch.setenv("TABRL_JUDGE_API_KEY", "sk-test")
     judge = {"kind": "llm", "base_url": dead_url, "max_retries": 0, "timeout_s": 2,
              "cache_path": str(tmp_path / "judge.sqlite"), "on_failure": "reference"}
     params = tiny_params(tmp_path, evaluate={"n_samples": 4, "max_new_tokens": 6, "judge": judge})
-    done = compare(babbler_dir, babbler_dir, fim_samples, params)
+    done = compare(babbler_dir, babbler_dir, fim_samples, typing_regions, params)
     assert done.candidate.judge.startswith("reference (fallback: ") and done.champion.judge == done.candidate.judge
     assert done.candidate.metrics["eval/judge_scored"] > 0  # the reference judge scored what the LLM judge could not
     assert not done.decision.passed  # the same model is never "better", whichever judge scored it
     # No evidence at all (every completion empty: nothing judged) never passes, however the numbers look.
     from tasks.evaluate.gate import gate
 
-    empty = {k: 0.0 for k in ("eval/reward_per_request", "eval/judge_mean", "eval/judge_scored")}
-    better = {**empty, "eval/reward_per_request": 0.5, "eval/judge_mean": 9.0}
+    empty = {k: 0.0 for k in ("eval/typing/reward_per_request", "eval/judge_mean", "eval/judge_scored",
+                              "eval/typing/chars_saved")}
+    better = {**empty, "eval/typing/reward_per_request": 0.5, "eval/judge_mean": 9.0, "eval/typing/chars_saved": 0.5}
     assert not gate(better, empty, params.evaluate).passed
 
 

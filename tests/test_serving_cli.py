@@ -15,8 +15,9 @@ from typer.testing import CliRunner
 from serving.log import prompt_hash
 from serving.store import completions, feedback, make_engine, read_arms
 from tasks.cli import app
-from tasks.ingest.corpus import write_samples
+from tasks.editor import write_regions
 from tasks.procs import free_port, wait_until_up
+from tests.conftest import tiny_params
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,20 +46,21 @@ def served(tmp_path, tiny_model_dir):
         log.close()
 
 
-def test_serve_and_simulate_over_http(served, tmp_path, fim_samples):
+def test_serve_and_simulate_over_http(served, tmp_path, typing_regions):
     url, sets, db = served
-    samples = write_samples(fim_samples, tmp_path / "test.parquet")
-    result = runner.invoke(app, ["simulate", "--users", "4", "--requests", "12", "--url", url, "--samples", str(samples),
+    regions = write_regions(typing_regions, tmp_path / "typing.parquet", tiny_params().traffic)
+    result = runner.invoke(app, ["simulate", "--users", "4", "--requests", "12", "--url", url, "--regions", str(regions),
                                  "--concurrency", "3", "--json", str(tmp_path / "sim.json"), *sets])
     assert result.exit_code == 0, result.output
     assert "champion" in result.output and "suggestion" in result.output
     summary = json.loads((tmp_path / "sim.json").read_text())
-    assert list(summary) == ["champion"] and summary["champion"]["requests"] == 12
+    n_requests = summary["champion"]["requests"]
+    assert list(summary) == ["champion"] and n_requests == 12
     engine = make_engine(db)
     with engine.connect() as conn:
         rows = conn.execute(sa.select(completions.c.user_id, completions.c.id)).all()
         n_feedback = conn.execute(sa.select(sa.func.count()).select_from(feedback)).scalar()
-    assert len(rows) == 12 and len({r.user_id for r in rows}) == 4
+    assert len(rows) == n_requests and len({r.user_id for r in rows}) == 4
     assert n_feedback == summary["champion"]["accepted"]  # Tab sends feedback; silence sends none
 
     # Arms: bad specs exit 2 naming the problem; a good change is picked up by the running gateway.
@@ -68,7 +70,7 @@ def test_serve_and_simulate_over_http(served, tmp_path, fim_samples):
     good = runner.invoke(app, ["arms", "--arm", f"name=champion,uri={model_uri},share=0.5,version=tiny/1",
                                "--arm", f"name=challenger,uri={model_uri},share=0.5,version=tiny/2", *sets])
     assert good.exit_code == 0 and "challenger" in good.output
-    again = runner.invoke(app, ["simulate", "--users", "8", "--requests", "16", "--url", url, "--samples", str(samples),
+    again = runner.invoke(app, ["simulate", "--users", "8", "--requests", "16", "--url", url, "--regions", str(regions),
                                 "--json", str(tmp_path / "sim2.json"), *sets])
     assert again.exit_code == 0, again.output
     assert sorted(json.loads((tmp_path / "sim2.json").read_text())) == ["challenger", "champion"]

@@ -12,7 +12,8 @@ written, i.e. since the challenger went live):
 
 Metrics: suggestion rate = shown / requests; accept rate = accepted / shown; reward per request =
 mean of `reward.accepted` / `reward.rejected` / `reward.abstained` over requests (the quantity the
-policy is trained to raise; it prices abstaining against a rejection).
+policy is trained to raise; it prices abstaining against a rejection); characters per request =
+accepted characters (the feedback's `accepted_chars`, else the suggestion's length) / requests.
 
 Decision rule (`decide`), each test two-sided at `deploy.alpha`:
 
@@ -24,6 +25,9 @@ Decision rule (`decide`), each test two-sided at `deploy.alpha`:
    below the champion's is never promoted on acceptance alone.
 4. Otherwise continue, until both arms have `deploy.max_samples` requests: then roll back
    (inconclusive; the champion stays and the next cycle may start).
+5. No reward hacking: a challenger that 2. or 3. would promote is rolled back instead when its
+   characters per request are more than `deploy.chars_tolerance` (relative) below the champion's:
+   it raised reward or accept rate by showing less while users type more themselves.
 
 The decision flow looks at the data every few minutes; repeated looks raise the false-positive rate
 above alpha (no sequential correction is made). `min_samples` keeps the earliest, noisiest looks out.
@@ -63,6 +67,8 @@ class ArmStats:
     accept_rate: float  # per shown suggestion
     reward_per_request: float
     reward_std: float  # sample standard deviation of the per-request reward
+    accepted_chars: int = 0  # characters of accepted suggestions
+    chars_per_request: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -74,7 +80,7 @@ class Decision:
 
 def stats_from_counts(
     arm: str, model_version: str, accepted: int, rejected: int, abstained: int, reward: RewardParams,
-    *, timed_out: int = 0, pending: int = 0,
+    *, timed_out: int = 0, pending: int = 0, accepted_chars: int = 0,
 ) -> ArmStats:
     """Rates and the reward mean/std of one arm from its outcome counts."""
     shown = accepted + rejected
@@ -91,6 +97,7 @@ def stats_from_counts(
         timed_out=timed_out, abstained=abstained, pending=pending,
         suggest_rate=shown / n if n else 0.0, accept_rate=accepted / shown if shown else 0.0,
         reward_per_request=mean, reward_std=std,
+        accepted_chars=accepted_chars, chars_per_request=accepted_chars / n if n else 0.0,
     )
 
 
@@ -126,6 +133,9 @@ def arm_stats(
         sa.select(
             c.c.arm, c.c.model_version, sa.func.count().label("rows"), count(c.c.abstained).label("abstained"),
             count(accepted).label("accepted"), count(pending).label("pending"), count(timed_out).label("timed_out"),
+            sa.func.coalesce(sa.func.sum(sa.case(
+                (accepted, sa.func.coalesce(f.c.accepted_chars, sa.func.length(c.c.completion))), else_=0)), 0
+            ).label("accepted_chars"),
         )
         .select_from(joined)
         .where(c.c.created_at >= since, c.c.created_at <= now)
@@ -143,7 +153,7 @@ def arm_stats(
         rejected = r.rows - r.abstained - r.accepted - r.pending
         out[name] = stats_from_counts(
             name, version, int(r.accepted), int(rejected), int(r.abstained), params.reward,
-            timed_out=int(r.timed_out), pending=int(r.pending),
+            timed_out=int(r.timed_out), pending=int(r.pending), accepted_chars=int(r.accepted_chars),
         )
     return out
 
@@ -199,11 +209,20 @@ def decide(champion: ArmStats, challenger: ArmStats, params: Params) -> Decision
                             f"{challenger.shown})", numbers)
         return Decision("continue", f"collecting: {champion.shown}/{d.min_samples} shown suggestions on the champion, "
                         f"{challenger.shown}/{d.min_samples} on the challenger", numbers)
+    floor = champion.chars_per_request * (1 - d.chars_tolerance)
+    numbers |= {"chars_per_request_diff": challenger.chars_per_request - champion.chars_per_request,
+                "chars_tolerance": d.chars_tolerance}
+    fmt_chars = (f"accepted characters/request {challenger.chars_per_request:.2f} vs {champion.chars_per_request:.2f}, "
+                 f"more than {d.chars_tolerance:.0%} fewer")
     if reward_sig and d_reward > 0:
+        if challenger.chars_per_request < floor:
+            return Decision("rollback", f"reward hacking: {fmt} but {fmt_chars}", numbers)
         return Decision("promote", f"challenger better: {fmt}", numbers)
     if reward_sig and d_reward < 0:
         return Decision("rollback", f"challenger worse: {fmt}", numbers)
     if accept_sig and d_accept > 0 and d_reward >= 0:
+        if challenger.chars_per_request < floor:
+            return Decision("rollback", f"reward hacking: {fmt_acc} but {fmt_chars}", numbers)
         return Decision("promote", f"challenger better: {fmt_acc}, reward/request not lower ({fmt})", numbers)
     if accept_sig and d_accept < 0 and d_reward <= 0:
         return Decision("rollback", f"challenger worse: {fmt_acc}, reward/request not higher ({fmt})", numbers)

@@ -32,7 +32,7 @@ def ab_status_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) 
     from rich.table import Table
 
     from serving.store import make_engine
-    from tasks.cli import console, params_or_exit
+    from tasks.cli import console, print_table, params_or_exit
     from tasks.deploy.ab import arm_stats, decide
     from tasks.deploy.registry import CHALLENGER, CHAMPION
 
@@ -46,7 +46,7 @@ def ab_status_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) 
     for s in stats.values():
         table.add_row(s.arm, s.model_version, str(s.requests), str(s.pending), f"{s.suggest_rate:.3f}",
                       f"{s.accept_rate:.3f}", f"{s.reward_per_request:.4f}")
-    console.print(table)
+    print_table(table)
     if CHAMPION in stats and CHALLENGER in stats:
         d = decide(stats[CHAMPION], stats[CHALLENGER], p)
         console.print(f"rule: {d.action} ({d.reason})", highlight=False)

@@ -14,6 +14,7 @@ from tasks.config import DEFAULT_PARAMS_FILE
 ModelOpt = Annotated[Path, typer.Option("--model", help="Model directory to evaluate (the candidate).")]
 AgainstOpt = Annotated[Optional[Path], typer.Option("--against", help="Champion model directory to compare with.")]
 TestOpt = Annotated[Path, typer.Option("--test", help="Held-out FIM samples.")]
+RegionsOpt = Annotated[Path, typer.Option("--regions", help="Held-out regions simulated users type (editor traffic).")]
 JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="Also write metrics (and the gate) here.")]
 
 
@@ -25,32 +26,35 @@ def evaluate_cmd(
     model: ModelOpt,
     against: AgainstOpt = None,
     test: TestOpt = Path("data/fim/test.parquet"),
+    regions: RegionsOpt = Path("data/fim/typing_test.parquet"),
     json_out: JsonOpt = None,
     params: Annotated[Path, typer.Option("--params", help="params.yaml to read.")] = DEFAULT_PARAMS_FILE,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override one key: section.key=value.")] = None,
 ) -> None:
-    """Score a model on held-out FIM samples (judge, simulated users, reference metrics); with
-    --against, compare it with the champion and print the gate decision."""
-    from tasks.cli import console, fail, params_or_exit
+    """Score a model on held-out editor traffic (simulated users typing test files) and FIM samples
+    (judge, reference metrics); with --against, compare it with the champion and print the gate decision."""
+    from tasks.cli import console, print_table, fail, params_or_exit
     from tasks.evaluate.evaluate import METRICS, compare, evaluate_model
     from tasks.evaluate.judge import JudgeError
+    from tasks.editor import read_regions
     from tasks.generate import ModelLoadError
     from tasks.ingest.corpus import CorpusError, read_samples
 
     p = params_or_exit(params, set_)
     try:
-        samples = read_samples(test)
+        samples, typed = read_samples(test), read_regions(regions)
         if against is None:
-            results, comparison = [evaluate_model(model, samples, p)], None
+            results, comparison = [evaluate_model(model, samples, typed, p)], None
         else:
-            comparison = compare(model, against, samples, p)
+            comparison = compare(model, against, samples, typed, p)
             results = [comparison.candidate, comparison.champion]
-    except (CorpusError, ModelLoadError) as err:
+    except (CorpusError, ModelLoadError, FileNotFoundError) as err:
         fail(str(err), 2)
     except JudgeError as err:
         fail(str(err), 1)
     n = len(results[0].rows)
-    table = Table(title=f"Held-out evaluation: {n} samples, judge {results[0].judge}")
+    typed_requests = int(results[0].metrics["eval/typing/requests"])
+    table = Table(title=f"Held-out evaluation: {typed_requests} typing requests, {n} FIM samples, judge {results[0].judge}")
     table.add_column("metric")
     table.add_column(f"candidate\n{model}", justify="right")
     if comparison is not None:
@@ -62,7 +66,7 @@ def evaluate_cmd(
         if comparison is not None:
             cells.append(f"{values[0] - values[1]:+.4f}")
         table.add_row(name, *cells)
-    console.print(table)
+    print_table(table)
     payload: dict = {"candidate": results[0].metrics, "judge": results[0].judge}
     if comparison is not None:
         d = comparison.decision

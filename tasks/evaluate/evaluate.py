@@ -2,10 +2,21 @@
 
     tabrl evaluate --model models/candidate --against models/tabrl-tiny
 
-Both models complete the same first ``evaluate.n_samples`` held-out samples with the same decoding
-(greedy, batched: ``tasks.acceptance.complete_samples``); the same simulated users (same personas,
-same noise seeds) replay them (``serving.simulator``); one judge scores both (``judge.py``); the
-gate (``gate.py``) decides. Metrics per model (``METRICS``):
+Two held-out workloads, both from test files only, the same for both models:
+
+* editor traffic: the same simulated users type the same held-out regions, the model asked at
+  every pause (greedy, batched across sessions: ``tasks.acceptance.type_regions``), about
+  ``evaluate.n_requests`` requests. The headline and the gate's reward:
+
+    eval/typing/suggest_rate        shown / requests
+    eval/typing/accept_rate         accepted / shown (persona noise included)
+    eval/typing/right_rate          right / shown by the noise-free rule (noise is never learning)
+    eval/typing/chars_saved         right-and-accepted characters / typed characters
+    eval/typing/reward_per_request  mean reward (params.reward) per request
+    eval/typing/requests            requests asked
+
+* span FIM samples: the first ``evaluate.n_samples`` held-out spans, completed greedily, replayed
+  to the same users and scored by one judge (``judge.py``). Metrics:
 
     eval/judge_mean          mean judge score (0-10) over scored shown suggestions (0 when none)
     eval/judge_scored        shown suggestions the judge scored
@@ -37,17 +48,21 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from serving.simulator import make_users, replay, summarise
-from tasks.acceptance import complete_samples
+from tasks.acceptance import TypingRun, complete_samples, type_regions
 from tasks.config import Params, RewardParams
+from tasks.editor import Region, TypingSummary
 from tasks.evaluate.gate import GateDecision, gate
 from tasks.evaluate.judge import JudgeRun, JudgeUnavailable, Verdict, judge
 from tasks.evaluate.reference import checks
 from tasks.generate import load_model
+from tasks.reward.reward import reward_per_request
 
 METRICS = (
     "eval/judge_mean", "eval/judge_scored", "eval/judge_unscored", "eval/suggest_rate", "eval/accept_rate",
     "eval/reward_per_request", "eval/exact_match", "eval/edit_sim", "eval/parse_ok", "eval/parse_checked",
     "eval/mean_len", "eval/latency_ms",
+    "eval/typing/suggest_rate", "eval/typing/accept_rate", "eval/typing/right_rate", "eval/typing/chars_saved",
+    "eval/typing/reward_per_request", "eval/typing/requests",
 )
 
 
@@ -56,6 +71,7 @@ class Suggestions:
     model_dir: str
     texts: list[str]
     latency_ms: float  # generation wall time per sample
+    typing: TypingRun  # the model typed through the held-out regions
 
 
 @dataclass(frozen=True)
@@ -64,6 +80,7 @@ class EvalResult:
     judge: str  # which judge scored it ("reference", "llm:<model>", "reference (fallback: ...)")
     metrics: dict[str, float]  # the METRICS
     rows: list[dict] = field(repr=False)  # one per sample: ids, middle, completion, outcome, reward, scores
+    typing: TypingRun | None = field(default=None, repr=False)  # per-turn and per-session editor traffic
 
 
 @dataclass(frozen=True)
@@ -80,14 +97,15 @@ def held_out(samples: Sequence[dict], params: Params) -> list[dict]:
     return list(samples)[: params.evaluate.n_samples]
 
 
-def suggest(model_dir: str | Path, samples: Sequence[dict], params: Params) -> Suggestions:
-    """Greedy batched completions of a model for the samples, and the time they took."""
+def suggest(model_dir: str | Path, samples: Sequence[dict], regions: Sequence[Region], params: Params) -> Suggestions:
+    """Greedy batched completions of a model for the samples (timed) and its typing sessions."""
     model, tokenizer = load_model(model_dir)
     started = time.perf_counter()
     texts = complete_samples(model, tokenizer, samples, params.evaluate.max_new_tokens, params.evaluate.batch_size,
                              desc=f"generate {Path(model_dir).name}")
     elapsed_ms = (time.perf_counter() - started) * 1000.0
-    return Suggestions(str(model_dir), texts, elapsed_ms / max(len(samples), 1))
+    typing = type_regions(model, tokenizer, regions, params, desc=f"type with {Path(model_dir).name}")
+    return Suggestions(str(model_dir), texts, elapsed_ms / max(len(samples), 1), typing)
 
 
 def outcome_reward(outcome: str, reward: RewardParams) -> float:
@@ -131,8 +149,15 @@ def score_suggestions(samples: Sequence[dict], made: Suggestions, verdicts: Sequ
         "eval/parse_checked": float(len(parse_checked)),
         "eval/mean_len": summary.mean_len,
         "eval/latency_ms": made.latency_ms,
-    }
-    return EvalResult(made.model_dir, judge_name, metrics, rows)
+    } | typing_metrics(made.typing.summary, params)
+    return EvalResult(made.model_dir, judge_name, metrics, rows, made.typing)
+
+
+def typing_metrics(s: TypingSummary, params: Params) -> dict[str, float]:
+    return {"eval/typing/suggest_rate": s.suggest_rate, "eval/typing/accept_rate": s.accept_rate,
+            "eval/typing/right_rate": s.right_rate, "eval/typing/chars_saved": s.chars_saved,
+            "eval/typing/reward_per_request": reward_per_request(s, params.reward),
+            "eval/typing/requests": float(s.requests)}
 
 
 def _judge_all(samples: Sequence[dict], made: Sequence[Suggestions], params: Params) -> tuple[JudgeRun, list[list]]:
@@ -143,10 +168,10 @@ def _judge_all(samples: Sequence[dict], made: Sequence[Suggestions], params: Par
     return run, [run.verdicts[i * n:(i + 1) * n] for i in range(len(made))]
 
 
-def evaluate_model(model_dir: str | Path, samples: Sequence[dict], params: Params) -> EvalResult:
-    """Metrics of one model on the held-out samples; logged to the active MLflow run, if any."""
+def evaluate_model(model_dir: str | Path, samples: Sequence[dict], regions: Sequence[Region], params: Params) -> EvalResult:
+    """Metrics of one model on the held-out samples and regions; logged to the active MLflow run, if any."""
     samples = held_out(samples, params)
-    made = suggest(model_dir, samples, params)
+    made = suggest(model_dir, samples, regions, params)
     run, (verdicts,) = _judge_all(samples, [made], params)
     result = score_suggestions(samples, made, verdicts, run.judge, params)
     if mlflow.active_run() is not None:
@@ -154,10 +179,11 @@ def evaluate_model(model_dir: str | Path, samples: Sequence[dict], params: Param
     return result
 
 
-def compare(candidate_dir: str | Path, champion_dir: str | Path, samples: Sequence[dict], params: Params) -> Comparison:
-    """Candidate vs champion on the same samples, decoding, simulated users and judge; then the gate."""
+def compare(candidate_dir: str | Path, champion_dir: str | Path, samples: Sequence[dict], regions: Sequence[Region],
+            params: Params) -> Comparison:
+    """Candidate vs champion on the same samples, regions, decoding, simulated users and judge; then the gate."""
     samples = held_out(samples, params)
-    made = [suggest(candidate_dir, samples, params), suggest(champion_dir, samples, params)]
+    made = [suggest(candidate_dir, samples, regions, params), suggest(champion_dir, samples, regions, params)]
     run, (cand_verdicts, champ_verdicts) = _judge_all(samples, made, params)
     candidate = score_suggestions(samples, made[0], cand_verdicts, run.judge, params)
     champion = score_suggestions(samples, made[1], champ_verdicts, run.judge, params)
@@ -217,6 +243,7 @@ def _judge_was_down(task, task_run, state) -> bool:
 
 @task(name="evaluate", retries=2, retry_delay_seconds=[60, 300], retry_condition_fn=_judge_was_down,
       cache_policy=NO_CACHE)
-def compare_task(candidate_dir: str, champion_dir: str, samples: list[dict], params: Params) -> Comparison:
+def compare_task(candidate_dir: str, champion_dir: str, samples: list[dict], regions: list[Region],
+                 params: Params) -> Comparison:
     """The cycle's evaluate step: `compare`, retried when the LLM judge was down."""
-    return compare(candidate_dir, champion_dir, samples, params)
+    return compare(candidate_dir, champion_dir, samples, regions, params)

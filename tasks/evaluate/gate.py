@@ -1,9 +1,12 @@
 """The gate a candidate must pass before it reaches any user.
 
-It passes only if, against the champion on the same held-out samples and judge,
+It passes only if, against the champion on the same held-out traffic and judge,
 
-* neither reward per request nor judge mean drops by more than the tolerance
+* neither reward per request (editor traffic) nor judge mean drops by more than the tolerance
   (``gate_tolerance`` for reward, 10x that for the 0-10 judge mean), and
+* characters saved (editor traffic) do not drop by more than ``chars_saved_tolerance``: a policy
+  that raises its accept rate by showing less while saving users fewer characters is reward
+  hacking (GitHub found accept rate alone favours short, simple suggestions), and
 * at least one of them improves by the margin (``gate_margin``, 10x for the judge mean) and by
   more than zero: equal is not better, whatever the margin;
 * and the candidate has judge evidence (at least one scored suggestion): no gate passes on no
@@ -18,7 +21,8 @@ from typing import Mapping
 
 from tasks.config import EvaluateParams
 
-REWARD, JUDGE, SCORED = "eval/reward_per_request", "eval/judge_mean", "eval/judge_scored"
+REWARD, JUDGE, SCORED = "eval/typing/reward_per_request", "eval/judge_mean", "eval/judge_scored"
+CHARS = "eval/typing/chars_saved"
 JUDGE_SCALE = 10.0  # the judge mean is on 0-10, reward per request on roughly -1..1
 
 
@@ -38,7 +42,7 @@ def gate(candidate: Mapping[str, float], champion: Mapping[str, float], params: 
     for name, scale in ((REWARD, 1.0), (JUDGE, JUDGE_SCALE)):
         cand, champ = float(candidate[name]), float(champion[name])
         delta, tolerance, margin = cand - champ, params.gate_tolerance * scale, params.gate_margin * scale
-        short = name.removeprefix("eval/")
+        short = name.rsplit("/", 1)[-1]
         numbers.update({f"candidate/{short}": cand, f"champion/{short}": champ, f"delta/{short}": delta,
                         f"tolerance/{short}": tolerance, f"margin/{short}": margin})
         if name == JUDGE and not champion_judged:
@@ -53,6 +57,16 @@ def gate(candidate: Mapping[str, float], champion: Mapping[str, float], params: 
         else:
             reasons.append(f"{short} changes {delta:+.4f} ({cand:.4f} vs {champ:.4f}): within tolerance, "
                            f"not an improvement by the margin {margin:.4f}")
+    cand, champ = float(candidate[CHARS]), float(champion[CHARS])
+    numbers.update({"candidate/chars_saved": cand, "champion/chars_saved": champ, "delta/chars_saved": cand - champ,
+                    "tolerance/chars_saved": params.chars_saved_tolerance})
+    if cand - champ < -params.chars_saved_tolerance:
+        no_drop = False
+        reasons.append(f"chars_saved drops {cand - champ:+.4f} ({cand:.4f} vs {champ:.4f}), beyond tolerance "
+                       f"{params.chars_saved_tolerance:.4f}: users would type more themselves")
+    else:
+        reasons.append(f"chars_saved changes {cand - champ:+.4f} ({cand:.4f} vs {champ:.4f}): no drop beyond "
+                       f"{params.chars_saved_tolerance:.4f}")
     evidence = float(candidate[SCORED])
     numbers["evidence/candidate_judge_scored"] = evidence
     numbers["evidence/champion_judge_scored"] = float(champion[SCORED])

@@ -25,7 +25,7 @@ def ingest_cmd(
 ) -> None:
     """Pull the log store since the watermark, clean, write a DVC-versioned Parquet snapshot, advance the watermark."""
     from serving.store import init_schema, make_engine
-    from tasks.cli import console, fail, params_or_exit
+    from tasks.cli import console, print_table, fail, params_or_exit
     from tasks.ingest.snapshot import IngestError, run_ingest
 
     p = params_or_exit(params, set_)
@@ -42,7 +42,7 @@ def ingest_cmd(
     table.add_column("rows", justify="right")
     for rule, count in result.report.items():
         table.add_row(rule, str(count))
-    console.print(table)
+    print_table(table)
     for arm, s in result.arms.items():
         console.print(f"{arm}: {s.requests} requests, suggestion rate {s.suggest_rate:.3f}, "
                       f"accept rate {s.accept_rate:.3f}", highlight=False)

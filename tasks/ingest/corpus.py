@@ -21,7 +21,8 @@ from typing import Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.config import DataParams, FimParams
+from tasks.config import DataParams, FimParams, TrafficParams
+from tasks.editor import pick_regions, write_regions
 from tasks.fim import FimFormatError, parse_prompt
 from tasks.schema import CORPUS_SCHEMA, FIM_SCHEMA
 
@@ -248,12 +249,18 @@ def read_samples(path: Path) -> list[dict]:
     return pq.read_table(path).to_pylist()
 
 
-def write_fim(data: DataParams, fim: FimParams, files: dict[str, list[SourceFile]], out_dir: Path) -> dict[str, int]:
-    """Build and write train.parquet + test.parquet + stats.json under out_dir; returns counts."""
+def write_fim(data: DataParams, fim: FimParams, traffic: TrafficParams, files: dict[str, list[SourceFile]],
+              out_dir: Path) -> dict[str, int]:
+    """Build and write train/test.parquet (FIM spans), typing_train/test.parquet (editor-traffic
+    regions, tasks/editor.py) and stats.json under out_dir; returns counts."""
     samples = build_fim(data, fim, files)
     for split, rows in samples.items():
         write_samples(rows, out_dir / f"{split}.parquet")
     stats = {f"{split}_samples": len(rows) for split, rows in samples.items()}
+    for split, n in (("train", traffic.train_regions), ("test", traffic.eval_regions)):
+        regions = pick_regions(files[split], n, traffic, fim.seed, split)
+        write_regions(regions, out_dir / f"typing_{split}.parquet", traffic)
+        stats[f"typing_{split}_regions"] = len(regions)
     stats |= {f"{split}_files": len({r["path"] for r in rows}) for split, rows in samples.items()}
     (out_dir / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
     return stats

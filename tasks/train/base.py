@@ -1,29 +1,38 @@
 """tabrl-tiny: a byte-level BPE tokenizer and a small Qwen2 model pre-trained on FIM from real code.
 
-    python -m tasks.train.base        # what `dvc repro base` runs (via `tabrl build-base`)
+    tabrl build-base --corpus data/corpus/files.parquet --out models/tabrl-tiny   # `dvc repro base`
 
 The result is an ordinary Hugging Face checkpoint directory (config.json, model.safetensors,
 tokenizer.json) with Qwen2.5-Coder's special tokens, so the rest of tabrl cannot tell it from
 Qwen2.5-Coder. Pre-training is PSM fill-in-the-middle with the loss on every token (the tiny model
-has to learn the language and the format at once), on spans drawn from the train files only.
+has to learn the language and the format at once), on samples from the train files only: most cut
+where an editor asks (typing-session pauses, mid-identifier too; ``tasks/editor.py``), the rest
+classic line spans.
+
+Resumable: every ``model.checkpoint_every`` steps the model, optimiser, scheduler and step go to
+``OUT.partial/`` (beside the output); a killed build started again with the same params resumes
+there. With ``snapshots=True`` each checkpoint is also kept as a loadable model
+(``OUT.partial/step-N``) for the right-rate-vs-steps curve (``bench/headroom.py``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
 import shutil
 import time
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from tasks.config import FimParams, ModelParams
+from tasks.config import FimParams, ModelParams, TrafficParams
+from tasks.editor import pick_regions, training_samples
 from tasks.fim import EOS, FIM_MIDDLE, FIM_PAD, FIM_PREFIX, FIM_SUFFIX, SPECIAL_TOKENS
 from tasks.ingest.corpus import SourceFile, sample_spans
 
@@ -103,16 +112,7 @@ def _batches(seqs: Sequence[list[int]], batch: int, pad_id: int, middle_id: int,
             yield ids, mask, labels, middle
 
 
-def pretrain(model: Qwen2ForCausalLM, seqs: Sequence[list[int]], params: ModelParams, pad_id: int,
-             middle_id: int) -> list[float]:
-    """FIM pre-training with AdamW, linear warm-up and cosine decay; returns the loss curve.
-
-    The loss is the token mean over the whole sequence plus the token mean over the middle and its
-    <|endoftext|>: the language is learnt everywhere, and the completion task (including when to
-    stop) gets the extra weight a model this small needs to learn it in a few hundred steps."""
-    torch.manual_seed(params.seed)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=params.pretrain_lr, betas=(0.9, 0.95), weight_decay=0.1)
+def _lr_lambda(params: ModelParams):
     warmup = max(1, params.pretrain_steps // 20)
 
     def lr_at(step: int) -> float:
@@ -121,11 +121,51 @@ def pretrain(model: Qwen2ForCausalLM, seqs: Sequence[list[int]], params: ModelPa
         progress = (step - warmup) / max(1, params.pretrain_steps - warmup)
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    return lr_at
+
+
+def _fingerprint(params: ModelParams, seqs: Sequence[list[int]]) -> str:
+    """What a checkpoint must match to be resumed: the params and the exact training sequences."""
+    digest = hashlib.sha256(params.model_dump_json().encode())
+    for seq in seqs:
+        digest.update(b"%d," % len(seq) + bytes(str(seq[:8]), "ascii"))
+    return digest.hexdigest()[:16]
+
+
+def pretrain(model: Qwen2ForCausalLM, seqs: Sequence[list[int]], params: ModelParams, pad_id: int,
+             middle_id: int, checkpoint_dir: Path | None = None, snapshot: Callable[[int], None] | None = None) -> list[float]:
+    """FIM pre-training with AdamW, linear warm-up and cosine decay; returns the loss curve.
+
+    The loss is the token mean over the whole sequence plus the token mean over the middle and its
+    <|endoftext|>: the language is learnt everywhere, and the completion task (including when to
+    stop) gets the extra weight a model this small needs to learn it in a few hundred steps.
+    With checkpoint_dir, resumes from its trainer state when the fingerprint matches and saves it
+    every params.checkpoint_every steps (then calls snapshot(step), if given)."""
+    torch.manual_seed(params.seed)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=params.pretrain_lr, betas=(0.9, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(params))
     batches = _batches(seqs, params.pretrain_batch, pad_id, middle_id, random.Random(params.seed))
-    losses = []
-    bar = tqdm(range(params.pretrain_steps), desc="pre-train tabrl-tiny", unit="step")
-    for _ in bar:
+    fingerprint = _fingerprint(params, seqs)
+    state_file = checkpoint_dir / "trainer.pt" if checkpoint_dir is not None else None
+    losses: list[float] = []
+    start = 0
+    if state_file is not None and state_file.is_file():
+        state = torch.load(state_file, weights_only=False)
+        if state["fingerprint"] == fingerprint:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            sched.load_state_dict(state["scheduler"])
+            torch.set_rng_state(state["torch_rng"])
+            start, losses = state["step"], state["losses"]
+            for _ in range(start):
+                next(batches)  # the same data order as an uninterrupted run
+            tqdm.write(f"resuming pre-training at step {start} from {state_file}")
+        else:
+            tqdm.write(f"{state_file} is from other params or data: starting afresh")
+    bar = tqdm(range(start, params.pretrain_steps), desc="pre-train tabrl-tiny", unit="step", initial=start,
+               total=params.pretrain_steps)
+    for step in bar:
         ids, mask, labels, middle = next(batches)
         # fp32 on purpose: bf16 autocast is ~20x slower on CPUs without bf16 units (measured here).
         logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]  # (B, T-1, V)
@@ -139,39 +179,81 @@ def pretrain(model: Qwen2ForCausalLM, seqs: Sequence[list[int]], params: ModelPa
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        recent = losses[-50:]
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", avg50=f"{sum(recent) / len(recent):.3f}")
+        done = step + 1
+        if state_file is not None and (done % params.checkpoint_every == 0 or done == params.pretrain_steps):
+            state_file.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"fingerprint": fingerprint, "step": done, "losses": losses, "model": model.state_dict(),
+                        "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                        "torch_rng": torch.get_rng_state()}, state_file.with_suffix(".tmp"))
+            state_file.with_suffix(".tmp").replace(state_file)  # a kill mid-write keeps the last good one
+            if snapshot is not None:
+                model.eval()
+                snapshot(done)
+                model.train()
     model.eval()
     return losses
 
 
-def build_base(train_files: Sequence[SourceFile], model_params: ModelParams, fim_params: FimParams, out: Path) -> dict:
-    """Tokenizer + model + FIM pre-training, written atomically to out; returns build stats."""
-    started = time.time()
-    rng = random.Random(model_params.seed)
-    tok_files = rng.sample(list(train_files), min(len(train_files), model_params.tokenizer_max_files))
-    tokenizer = train_tokenizer((f.text for f in tok_files), model_params.vocab_size)
-    model = build_model(model_params, tokenizer)
+def pretrain_samples(train_files: Sequence[SourceFile], model_params: ModelParams, fim_params: FimParams,
+                     traffic: TrafficParams) -> list[dict]:
+    """Editor-like samples (typing-session pauses) and classic line spans, shuffled together."""
     n_samples = min(model_params.pretrain_steps * model_params.pretrain_batch,
                     model_params.pretrain_samples_per_file * len(train_files))
-    samples = sample_spans(list(train_files), "pretrain", n_samples, fim_params, model_params.seed)
-    seqs = [encode_fim(tokenizer, s, model_params.pretrain_seq_len) for s in samples]
-    losses = pretrain(model, seqs, model_params, tokenizer.pad_token_id, tokenizer.convert_tokens_to_ids(FIM_MIDDLE))
+    n_editor = round(n_samples * model_params.pretrain_editor_share)
+    samples = []
+    if n_editor:
+        # About four pauses used per region: many regions, so many files and contexts.
+        regions = pick_regions(list(train_files), max(1, n_editor // 4), traffic, model_params.seed, "pretrain")
+        samples += training_samples(regions, n_editor, traffic, traffic.stop_weights, model_params.seed)
+    if n_samples - n_editor:
+        samples += sample_spans(list(train_files), "pretrain", n_samples - n_editor, fim_params, model_params.seed)
+    random.Random(model_params.seed).shuffle(samples)
+    return samples
+
+
+def _save(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
+    """A loadable checkpoint directory, written to a temp name and renamed (never half-written)."""
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+
+
+def build_base(train_files: Sequence[SourceFile], model_params: ModelParams, fim_params: FimParams,
+               traffic: TrafficParams, out: Path, snapshots: bool = False) -> dict:
+    """Tokenizer + model + FIM pre-training, written atomically to out; returns build stats.
+
+    Resumes from ``out.partial/`` when a build with the same params was interrupted; removes it
+    when done unless snapshots were asked for (then ``out.partial/step-N`` are kept)."""
+    started = time.time()
+    rng = random.Random(model_params.seed)
+    tok_files = rng.sample(list(train_files), min(len(train_files), model_params.tokenizer_max_files))
+    tokenizer = train_tokenizer((f.text for f in tok_files), model_params.vocab_size)
+    model = build_model(model_params, tokenizer)
+    samples = pretrain_samples(train_files, model_params, fim_params, traffic)
+    seqs = [encode_fim(tokenizer, s, model_params.pretrain_seq_len) for s in samples]
+    partial = out.with_name(out.name + ".partial")
+    keep = (lambda step: _save(model, tokenizer, partial / f"step-{step}")) if snapshots else None
+    losses = pretrain(model, seqs, model_params, tokenizer.pad_token_id, tokenizer.convert_tokens_to_ids(FIM_MIDDLE),
+                      checkpoint_dir=partial, snapshot=keep)
+    _save(model, tokenizer, out)
     stats = {
         "parameters": sum(p.numel() for p in model.parameters()),
         "vocab_size": len(tokenizer),
         "pretrain_sequences": len(seqs),
+        "pretrain_editor_share": model_params.pretrain_editor_share,
         "pretrain_tokens_per_step_mean": sum(map(len, seqs)) / len(seqs) * model_params.pretrain_batch,
         "loss_first": losses[0],
         "loss_last10_mean": sum(losses[-10:]) / len(losses[-10:]),
-        "seconds": round(time.time() - started, 1),
+        "seconds_this_run": round(time.time() - started, 1),
     }
-    (tmp / "build_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    (out / "build_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+    if not snapshots:
+        shutil.rmtree(partial, ignore_errors=True)
     return stats

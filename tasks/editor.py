@@ -1,0 +1,384 @@
+"""Editor-like traffic: simulated users type regions of real files, and the editor asks at every pause.
+
+Real Tab traffic is not random spans. A person types; the editor requests a completion at each
+pause (Continue debounces keystrokes): after a word, after `.` `(` `=` `,` `:` `[`, at a new
+indented line, and now and then in the middle of a word. So most requests sit mid-line, often
+mid-identifier, and many right answers are short (the rest of a name used above, a closing bracket).
+
+A typing session is one user typing one region (a few whole lines) of a real file:
+
+    prefix = the file up to the cursor        suffix = the file after the region
+    truth  = the rest of the region           (what the user is about to type)
+
+The user presses Tab iff the suggestion is what they were about to type (``is_right``: a
+whitespace-normalised prefix of the truth covering at least K non-blank characters; persona noise
+on top) and the cursor jumps past it; otherwise they type on to the next pause, and the suggestion
+counts as rejected. After a newline the editor indents by itself (the cursor skips the indentation).
+
+Pause positions are a pure function of (region, position), so two models are asked at the same
+places as long as they get the same Tabs. Everything is seeded. The numbers a run reports
+(``TypingSummary``): suggestion rate, accept/shown, the noise-free right rate, and characters
+saved = right-and-accepted characters / characters in the typed regions (Copilot's retained
+characters; a wrong suggestion accepted by noise is deleted again, so it saves nothing).
+
+    regions = pick_regions(files, n, params.traffic, seed, "eval")
+    turns = run_sessions(regions, users, suggest_batch, n_requests, batch_size, seed)
+    summarise_turns(turns)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from serving.simulator import SimUser, is_right, nonblank, user_rng
+from tasks.config import TrafficParams
+
+
+@dataclass(frozen=True)
+class Region:
+    """Characters [start, end) of one file: what a user types in one session."""
+
+    region_id: str
+    path: str
+    text: str  # the whole file
+    start: int
+    end: int
+
+
+def _line_offsets(lines: Sequence[str]) -> list[int]:
+    offsets = [0]
+    for line in lines:
+        offsets.append(offsets[-1] + len(line))
+    return offsets
+
+
+def pick_regions(files: Sequence, n: int, traffic: TrafficParams, seed: int, tag: str) -> list[Region]:
+    """n distinct regions (1..traffic.region_lines whole lines from a line with code), uniform over files.
+
+    ``files`` are objects with ``path`` and ``text`` (``tasks.ingest.corpus.SourceFile``). A region
+    starts at its first line's first non-blank character (the editor indented the empty line)."""
+    if not files:
+        raise ValueError(f"no files to type {tag} regions from")
+    rng = random.Random(f"regions:{seed}:{tag}")
+    found: dict[str, Region] = {}
+    attempts = 0
+    while len(found) < n:
+        attempts += 1
+        if attempts > 50 * n + 1000:
+            raise ValueError(f"only {len(found)} of {n} {tag} regions have code; add files or lower traffic.min_region_nonblank")
+        file = rng.choice(files)
+        lines = file.text.splitlines(keepends=True)
+        candidates = [i for i, line in enumerate(lines) if nonblank(line) >= traffic.min_line_nonblank]
+        if not candidates:
+            continue
+        first = rng.choice(candidates)
+        last = min(len(lines) - 1, first + rng.randrange(traffic.region_lines))
+        offsets = _line_offsets(lines)
+        body = lines[first]
+        start = offsets[first] + len(body) - len(body.lstrip())
+        end = offsets[last] + len(lines[last].rstrip("\r\n"))
+        if nonblank(file.text[start:end]) < traffic.min_region_nonblank or end - start > traffic.max_region_chars:
+            continue
+        region_id = hashlib.sha1(f"{file.path}:{start}:{end}".encode()).hexdigest()[:16]
+        found.setdefault(region_id, Region(region_id, file.path, file.text, start, end))
+    return list(found.values())
+
+
+REGION_SCHEMA = pa.schema([("region_id", pa.string()), ("path", pa.string()), ("text", pa.string()),
+                           ("start", pa.int64()), ("end", pa.int64())])
+
+
+def windowed(region: Region, traffic: TrafficParams) -> Region:
+    """The region with only the text any of its requests can show (prefix and suffix caps): small to store."""
+    lo = max(0, region.start - traffic.max_prefix_chars)
+    hi = min(len(region.text), region.end + traffic.max_suffix_chars)
+    return replace(region, text=region.text[lo:hi], start=region.start - lo, end=region.end - lo)
+
+
+def write_regions(regions: Sequence[Region], path: Path, traffic: TrafficParams) -> Path:
+    """Regions as Parquet (windowed), as the `fim` stage stores them next to the FIM samples."""
+    rows = [vars(windowed(r, traffic)) for r in regions]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=REGION_SCHEMA), path)
+    return path
+
+
+def read_regions(path: Path) -> list[Region]:
+    if not path.is_file():
+        raise FileNotFoundError(f"typing regions {path} not found; run `dvc repro fim` (or `make data`) first")
+    return [Region(**row) for row in pq.read_table(path).to_pylist()]
+
+
+def regions_path(data_dir: str | Path, split: str) -> Path:
+    """Where the `fim` stage writes the typing regions of a split."""
+    return Path(data_dir) / "fim" / f"typing_{split}.parquet"
+
+
+def _unit(*parts: object) -> float:
+    """A uniform number in [0, 1) from a hash of parts: a coin that is the same in every process."""
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def is_pause(region: Region, pos: int, traffic: TrafficParams) -> bool:
+    """Does the editor ask for a completion with the cursor at pos (before text[pos])?"""
+    if pos == region.start:
+        return True  # a fresh (auto-indented) line
+    prev, here = region.text[pos - 1], region.text[pos]
+    if prev in traffic.pause_after:
+        return True
+    if prev.isspace() and not here.isspace():
+        return True  # a word boundary, or a new indented line
+    return _unit(region.region_id, pos) < traffic.p_midword_pause
+
+
+def skip_indent(text: str, pos: int, end: int) -> int:
+    """After a newline the editor indents: the cursor lands on the line's first non-blank character."""
+    while pos < end and pos > 0 and text[pos - 1] == "\n" and text[pos] in " \t":
+        while pos < end and text[pos] in " \t":
+            pos += 1
+    return pos
+
+
+def next_pause(region: Region, pos: int, traffic: TrafficParams) -> int | None:
+    """The first pause at or after pos, or None when the region is typed to its end."""
+    pos = skip_indent(region.text, pos, region.end)
+    while pos < region.end:
+        if not region.text[pos].isspace() or pos == region.start:
+            if is_pause(region, pos, traffic):
+                return pos
+        pos += 1
+        pos = skip_indent(region.text, pos, region.end)
+    return None
+
+
+def request_at(region: Region, pos: int, traffic: TrafficParams) -> dict:
+    """The completion request (a FIM sample: prefix, suffix, the true rest of the region as middle)."""
+    return {
+        "sample_id": f"{region.region_id}@{pos}",
+        "path": region.path,
+        "split": "",
+        "span_kind": "typing",
+        "prefix": region.text[max(0, pos - traffic.max_prefix_chars):pos],
+        "suffix": region.text[region.end:region.end + traffic.max_suffix_chars],
+        "middle": region.text[pos:region.end],
+    }
+
+
+def pause_requests(region: Region, traffic: TrafficParams) -> Iterator[dict]:
+    """Every request of a session in which no suggestion is taken (the model-free request set)."""
+    pos = next_pause(region, region.start, traffic)
+    while pos is not None:
+        yield request_at(region, pos, traffic)
+        pos = next_pause(region, pos + 1, traffic)
+
+
+def covered_chars(truth: str, suggestion: str) -> int:
+    """How many characters of truth a right suggestion covers (whitespace may differ, so count non-blanks)."""
+    want = nonblank(suggestion)
+    seen = 0
+    for i, ch in enumerate(truth):
+        if not ch.isspace():
+            seen += 1
+            if seen == want:
+                return i + 1
+    return len(truth)
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One request of a typing session and what the user did with its suggestion."""
+
+    user_id: str
+    request: dict
+    suggestion: str
+    outcome: str  # accepted | rejected | abstained
+    right: bool  # the noise-free rule
+    saved_chars: int  # characters the cursor jumped (right and accepted), else 0
+    arm: str = ""
+
+
+class Session:
+    """One user typing one region: ask at each pause, take the suggestion or type on."""
+
+    def __init__(self, region: Region, user: SimUser, traffic: TrafficParams, seed: int):
+        self.region, self.user, self.traffic, self.seed = region, user, traffic, seed
+        self.pos = next_pause(region, region.start, traffic)
+
+    @property
+    def done(self) -> bool:
+        return self.pos is None
+
+    @property
+    def typed_chars(self) -> int:
+        """Characters of the region behind the cursor (all of them once the session is over)."""
+        return (self.region.end if self.pos is None else self.pos) - self.region.start
+
+    def request(self) -> dict:
+        assert self.pos is not None, "the session is over"
+        return request_at(self.region, self.pos, self.traffic)
+
+    def answer(self, suggestion: str, arm: str = "") -> Turn:
+        """The user's reaction to the suggestion shown at the current pause; the cursor moves on."""
+        request = self.request()
+        truth = request["middle"]
+        shown = bool(suggestion.strip())
+        right = shown and is_right(suggestion, truth, self.user.persona.min_accept_chars)
+        outcome = self.user.decide(suggestion, truth, user_rng(self.user, request["sample_id"], self.seed))
+        saved = covered_chars(truth, suggestion) if right and outcome == "accepted" else 0
+        self.pos = next_pause(self.region, self.pos + max(saved, 1), self.traffic)
+        return Turn(self.user.user_id, request, suggestion, outcome, right, saved, arm)
+
+
+def run_sessions(regions: Sequence[Region], users: Sequence[SimUser], suggest: Callable[[list[dict]], list[str]],
+                 n_requests: int, batch_size: int, seed: int, traffic: TrafficParams,
+                 progress: Callable[[int], None] = lambda n: None) -> tuple[list[Turn], dict[str, int]]:
+    """Type regions (user i % len(users) types region i) until n_requests were asked, in batches.
+
+    Sessions run in lockstep: each step asks ``suggest`` for the current request of up to
+    batch_size open sessions. When n_requests are asked, the sessions still open stop where their
+    cursor is. Returns the turns (in session order) and the characters typed per region."""
+    pending = iter(enumerate(regions))
+    open_: list[tuple[int, Session]] = []
+    started: list[Session] = []
+    turns: dict[int, list[Turn]] = {}
+    asked = 0
+    while asked < n_requests:
+        while len(open_) < batch_size:
+            nxt = next(pending, None)
+            if nxt is None:
+                break
+            i, region = nxt
+            session = Session(region, users[i % len(users)], traffic, seed)
+            if not session.done:
+                open_.append((i, session))
+                started.append(session)
+        if not open_:
+            break
+        batch = open_[: n_requests - asked]
+        suggestions = suggest([s.request() for _, s in batch])
+        for (i, session), text in zip(batch, suggestions, strict=True):
+            turns.setdefault(i, []).append(session.answer(text))
+        asked += len(batch)
+        progress(len(batch))
+        open_ = [(i, s) for i, s in open_ if not s.done]
+    if not asked:
+        raise ValueError("the regions produced no request")
+    typed = {s.region.region_id: s.typed_chars for s in started if s.typed_chars}
+    return [t for i in sorted(turns) for t in turns[i]], typed
+
+
+@dataclass(frozen=True)
+class TypingSummary:
+    """What users of one arm saw and took in typing sessions."""
+
+    requests: int
+    shown: int
+    accepted: int
+    right: int  # shown suggestions right by the noise-free rule
+    saved_chars: int
+    typed_chars: int
+    mean_len: float  # characters per shown suggestion
+
+    @property
+    def suggest_rate(self) -> float:
+        return self.shown / self.requests if self.requests else 0.0
+
+    @property
+    def accept_rate(self) -> float:
+        """Accepted per shown suggestion (noise included)."""
+        return self.accepted / self.shown if self.shown else 0.0
+
+    @property
+    def right_rate(self) -> float:
+        """Right per shown suggestion, without persona noise."""
+        return self.right / self.shown if self.shown else 0.0
+
+    @property
+    def chars_saved(self) -> float:
+        """Right-and-accepted characters per typed character."""
+        return self.saved_chars / self.typed_chars if self.typed_chars else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"requests": self.requests, "shown": self.shown, "accepted": self.accepted, "right": self.right,
+                "suggest_rate": self.suggest_rate, "accept_rate": self.accept_rate, "right_rate": self.right_rate,
+                "chars_saved": self.chars_saved, "mean_len": self.mean_len}
+
+
+def summarise_turns(turns: Sequence[Turn], typed_chars: int | dict[str, int]) -> TypingSummary:
+    """typed_chars: the total, or per region (as ``run_sessions`` returns it)."""
+    if isinstance(typed_chars, dict):
+        typed_chars = sum(typed_chars.values())
+    shown = [t for t in turns if t.outcome != "abstained"]
+    return TypingSummary(
+        requests=len(turns), shown=len(shown), accepted=sum(t.outcome == "accepted" for t in turns),
+        right=sum(t.right for t in shown), saved_chars=sum(t.saved_chars for t in turns), typed_chars=typed_chars,
+        mean_len=sum(len(t.suggestion) for t in shown) / len(shown) if shown else 0.0,
+    )
+
+
+def merge_typing(parts: Sequence[TypingSummary]) -> TypingSummary:
+    """One summary of several (arms); mean length weighted by shown suggestions."""
+    shown = sum(p.shown for p in parts)
+    return TypingSummary(
+        requests=sum(p.requests for p in parts), shown=shown, accepted=sum(p.accepted for p in parts),
+        right=sum(p.right for p in parts), saved_chars=sum(p.saved_chars for p in parts),
+        typed_chars=sum(p.typed_chars for p in parts),
+        mean_len=sum(p.mean_len * p.shown for p in parts) / shown if shown else 0.0,
+    )
+
+
+def training_samples(regions: Sequence[Region], n: int, traffic: TrafficParams, stop_weights: dict[str, float],
+                     seed: int) -> list[dict]:
+    """FIM samples whose cursor sits where an editor asks (pause positions of typing sessions).
+
+    The suffix is the file after the region, as at serving time; the middle runs from the cursor to
+    a stop drawn by weight: the end of the current token (at least traffic.min_stop_nonblank
+    non-blank characters), the end of the line, or the end of the region. The model learns to
+    stop where stopping is safe; what follows the middle inside the region is not shown."""
+    rng = random.Random(f"editor-samples:{seed}")
+    kinds = list(stop_weights)
+    weights = [stop_weights[k] for k in kinds]
+    pool = [r for region in regions for r in pause_requests(region, traffic)]
+    if not pool:
+        raise ValueError("no pause positions in the regions")
+    rng.shuffle(pool)
+    samples = []
+    for request in pool[:n]:
+        truth = request["middle"]
+        kind = rng.choices(kinds, weights)[0]
+        stop = stop_of(truth, kind, traffic.min_stop_nonblank)
+        samples.append({**request, "span_kind": f"typing-{kind}", "middle": truth[:stop]})
+    return samples
+
+
+def _is_word(ch: str) -> bool:
+    return ch.isalnum() or ch == "_"
+
+
+def stop_of(truth: str, kind: str, min_nonblank: int) -> int:
+    """Where a middle of this kind ends inside the truth (the rest of a region)."""
+    if kind == "region":
+        return len(truth)
+    line_end = truth.find("\n")
+    line_end = len(truth) if line_end < 0 else line_end
+    if kind == "line":
+        return line_end if truth[:line_end].strip() else len(truth)
+    # token: whole tokens (a word, or one punctuation character) until enough non-blanks.
+    i = 0
+    while i < line_end:
+        if _is_word(truth[i]):
+            while i < line_end and _is_word(truth[i]):
+                i += 1
+        else:
+            i += 1
+        if nonblank(truth[:i]) >= min_nonblank and (i >= line_end or not (_is_word(truth[i - 1]) and _is_word(truth[i]))):
+            return i
+    return line_end

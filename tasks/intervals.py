@@ -1,0 +1,97 @@
+"""95 % confidence intervals for editor-traffic metrics: a bootstrap over seeds and typing sessions.
+
+Requests inside one typing session are not independent (the cursor jumps after a Tab, the same
+line is asked about again), so the unit resampled is the session, and seeds are resampled above
+it (hierarchical bootstrap). A session is a row of counts (``tasks.acceptance.session_stats``):
+
+    requests, shown, accepted, right, saved chars, typed chars
+
+and every metric is a ratio of column sums, so it is computed on the resampled rows exactly as on
+the data. ``interval`` gives one setting's CI; ``difference`` the CI of a - b (independent
+resamples of each setting) and whether it excludes 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from tasks.config import RewardParams
+
+REQ, SHOWN, ACC, RIGHT, SAVED, TYPED = range(6)
+Sessions = Sequence[Sequence[Sequence[int]]]  # per seed: per session: the six counts
+
+
+def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    return np.divide(num, den, out=np.zeros_like(num, dtype=float), where=den > 0)
+
+
+def metric_fns(reward: RewardParams) -> dict[str, Callable[[np.ndarray], np.ndarray]]:
+    """Metric name -> function of column sums (..., 6) -> value (...)."""
+    def reward_per_request(t: np.ndarray) -> np.ndarray:
+        rejected, abstained = t[..., SHOWN] - t[..., ACC], t[..., REQ] - t[..., SHOWN]
+        total = t[..., ACC] * reward.accepted + rejected * reward.rejected + abstained * reward.abstained
+        return _ratio(total, t[..., REQ])
+
+    return {
+        "suggest_rate": lambda t: _ratio(t[..., SHOWN], t[..., REQ]),
+        "accept_rate": lambda t: _ratio(t[..., ACC], t[..., SHOWN]),
+        "right_rate": lambda t: _ratio(t[..., RIGHT], t[..., SHOWN]),
+        "chars_saved": lambda t: _ratio(t[..., SAVED], t[..., TYPED]),
+        "reward_per_request": reward_per_request,
+    }
+
+
+def _resampled_totals(sessions: Sessions, n_boot: int, rng: np.random.Generator) -> np.ndarray:
+    """(n_boot, 6) column sums of hierarchical resamples: seeds with replacement, then sessions within."""
+    seeds = [np.asarray(s, dtype=float).reshape(-1, 6) for s in sessions]
+    if not seeds or any(len(s) == 0 for s in seeds):
+        raise ValueError("every seed needs at least one typing session")
+    totals = np.zeros((n_boot, 6))
+    picks = rng.integers(0, len(seeds), size=(n_boot, len(seeds)))
+    for b in range(n_boot):
+        for k in picks[b]:
+            rows = seeds[k]
+            totals[b] += rows[rng.integers(0, len(rows), size=len(rows))].sum(axis=0)
+    return totals
+
+
+@dataclass(frozen=True)
+class Interval:
+    value: float  # the metric on all the data
+    low: float
+    high: float
+
+    @property
+    def excludes_zero(self) -> bool:
+        return self.low > 0 or self.high < 0
+
+    def __str__(self) -> str:
+        return f"{self.value:.4f} [{self.low:.4f}, {self.high:.4f}]"
+
+
+def _point(sessions: Sessions) -> np.ndarray:
+    return np.sum([np.asarray(s, dtype=float).reshape(-1, 6).sum(axis=0) for s in sessions], axis=0)
+
+
+def interval(sessions: Sessions, metric: Callable[[np.ndarray], np.ndarray], n_boot: int = 2000,
+             seed: int = 0) -> Interval:
+    boot = metric(_resampled_totals(sessions, n_boot, np.random.default_rng(seed)))
+    low, high = np.percentile(boot, [2.5, 97.5])
+    return Interval(float(metric(_point(sessions))), float(low), float(high))
+
+
+def difference(a: Sessions, b: Sessions, metric: Callable[[np.ndarray], np.ndarray], n_boot: int = 2000,
+               seed: int = 0, relative: bool = False) -> Interval:
+    """CI of metric(a) - metric(b), or of metric(a) / metric(b) - 1 when relative."""
+    rng = np.random.default_rng(seed)
+    ma, mb = metric(_resampled_totals(a, n_boot, rng)), metric(_resampled_totals(b, n_boot, rng))
+    pa, pb = float(metric(_point(a))), float(metric(_point(b)))
+    if relative:
+        boot, value = _ratio(ma, mb) - 1.0, (pa / pb - 1.0 if pb else 0.0)
+    else:
+        boot, value = ma - mb, pa - pb
+    low, high = np.percentile(boot, [2.5, 97.5])
+    return Interval(value, float(low), float(high))
