@@ -9,19 +9,24 @@ export DO_NOT_TRACK := 1
 # Prefect's ephemeral server may need more than its default 20 s to start on a busy 2-core machine.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 
-.PHONY: install test demo data base clean help
+.PHONY: install test lint demo data base clean help
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
 $(STAMP): pyproject.toml constraints.txt
-	@echo ">> creating $(VENV) and installing tabrl with test extras (torch pinned to the CPU build)"
+	@echo ">> creating $(VENV) and installing tabrl with test and lint extras (torch pinned to the CPU build)"
 	python3 -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
-	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[test,lint]'
 	@touch $(STAMP)
 
 install: $(STAMP)  ## create .venv and install (skipped when up to date)
+
+lint: install  ## ruff (lint + format check) and mypy (strict on the core): seconds
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 test: install  ## run the test suite
 	@echo ">> running pytest"

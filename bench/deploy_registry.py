@@ -39,8 +39,11 @@ def main() -> None:
         with open(ckpt / "model.safetensors", "wb") as f:
             for _ in range(args.mb):
                 f.write(os.urandom(1 << 20))
-        params = load_params(None, [f"paths.state_dir={tmp / 'state'}",
-                                    f"paths.mlflow_tracking_uri=sqlite:///{tmp / 'mlflow.db'}"], environ={})
+        params = load_params(
+            None,
+            [f"paths.state_dir={tmp / 'state'}", f"paths.mlflow_tracking_uri=sqlite:///{tmp / 'mlflow.db'}"],
+            environ={},
+        )
         run_id = start_cycle_run(params)  # first use creates the store (migrations), not timed below
         rows = []
 
@@ -68,9 +71,13 @@ def main() -> None:
             print(f"{name:32s} {secs:9.3f} {stored / size:27.2f}")
     out = Path("bench/out")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "deploy_registry.json").write_text(json.dumps(
-        {"checkpoint_mib": args.mb, "steps": [{"step": n, "seconds": s, "copies": b / size} for n, s, b in rows]},
-        indent=2) + "\n")
+    (out / "deploy_registry.json").write_text(
+        json.dumps(
+            {"checkpoint_mib": args.mb, "steps": [{"step": n, "seconds": s, "copies": b / size} for n, s, b in rows]},
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,8 @@ sys.path.insert(0, str(ROOT))
 from serving.store import Arm  # noqa: E402
 from tasks.fim import build_prompt  # noqa: E402
 from tasks.procs import free_port  # noqa: E402
-from tests.harden_util import bench_stores  # noqa: E402
 from tests.harden_util import FastBackend as CannedBackend  # noqa: E402  (a real Backend answering at once)
+from tests.harden_util import bench_stores  # noqa: E402
 
 PROMPT = build_prompt("def add(a, b):\n    ", "\n\nprint(add(1, 2))\n")
 
@@ -55,14 +55,19 @@ def serve(kind: str, db_url: str, port: int) -> None:
         async def complete(request: Request):
             body = await request.json()
             gen = await backend.complete(body.get("prompt", ""), 8, 0.7, 1.0, [])
-            return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-                    "choices": [{"text": gen.text, "index": 0, "finish_reason": "stop"}]}
+            return {
+                "id": f"cmpl-{uuid.uuid4().hex}",
+                "object": "text_completion",
+                "choices": [{"text": gen.text, "index": 0, "finish_reason": "stop"}],
+            }
     else:
         from serving.gateway import create_app
         from serving.store import init_schema, make_engine, replace_arms
         from tasks.config import load_params
 
-        params = load_params(None, [f"paths.database_url={db_url}", "serving.rate_limit_per_minute=1000000"], environ={})
+        params = load_params(
+            None, [f"paths.database_url={db_url}", "serving.rate_limit_per_minute=1000000"], environ={}
+        )
         engine = make_engine(db_url)
         init_schema(engine)
         replace_arms(engine, [Arm("champion", "canned/1", "canned", "embedded", 1.0)])
@@ -136,11 +141,27 @@ async def _store_only(db_url: str, n: int, concurrency: int) -> float:
 
     async def one(i: int) -> None:
         async with sem:
-            await writer.submit(insert_completion({
-                "id": f"store-{uuid.uuid4().hex}", "created_at": time.time(), "user_id": "bench", "arm": "champion",
-                "model_version": "canned/1", "prompt": PROMPT, "prefix": "p", "suffix": "s", "completion": "return a + b",
-                "token_ids": [1] * 8, "logprobs": [-0.1] * 8, "temperature": 0.7, "latency_ms": 1.0, "abstained": False,
-                "prompt_hash": prompt_hash(PROMPT, "return a + b")}))
+            await writer.submit(
+                insert_completion(
+                    {
+                        "id": f"store-{uuid.uuid4().hex}",
+                        "created_at": time.time(),
+                        "user_id": "bench",
+                        "arm": "champion",
+                        "model_version": "canned/1",
+                        "prompt": PROMPT,
+                        "prefix": "p",
+                        "suffix": "s",
+                        "completion": "return a + b",
+                        "token_ids": [1] * 8,
+                        "logprobs": [-0.1] * 8,
+                        "temperature": 0.7,
+                        "latency_ms": 1.0,
+                        "abstained": False,
+                        "prompt_hash": prompt_hash(PROMPT, "return a + b"),
+                    }
+                )
+            )
 
     start = time.perf_counter()
     await asyncio.gather(*[one(i) for i in range(n)])
@@ -168,7 +189,9 @@ def run(args) -> dict:
         bare = _start("bare", "", port)
         try:
             base = latency(f"http://127.0.0.1:{port}", args.requests, {})
-            base_rate = asyncio.run(_throughput(f"http://127.0.0.1:{port}", args.pairs, args.concurrency, {}, bare=True))
+            base_rate = asyncio.run(
+                _throughput(f"http://127.0.0.1:{port}", args.pairs, args.concurrency, {}, bare=True)
+            )
         finally:
             bare.terminate()
             bare.wait()
@@ -185,10 +208,14 @@ def run(args) -> dict:
                 proc.terminate()
                 proc.wait()
             store_rate = asyncio.run(_store_only(db_url, args.pairs * 2, args.concurrency * 2))
-            results[name] = {"p50_ms": _pct(lat, 50), "p99_ms": _pct(lat, 99),
-                             "added_p50_ms": _pct(lat, 50) - results["bare"]["p50_ms"],
-                             "added_p99_ms": _pct(lat, 99) - results["bare"]["p99_ms"],
-                             "logged_events_per_s": rate, "store_events_per_s": store_rate}
+            results[name] = {
+                "p50_ms": _pct(lat, 50),
+                "p99_ms": _pct(lat, 99),
+                "added_p50_ms": _pct(lat, 50) - results["bare"]["p50_ms"],
+                "added_p99_ms": _pct(lat, 99) - results["bare"]["p99_ms"],
+                "logged_events_per_s": rate,
+                "store_events_per_s": store_rate,
+            }
     return results
 
 
@@ -197,7 +224,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=300, help="sequential requests for the latency numbers")
     parser.add_argument("--pairs", type=int, default=1000, help="completion+feedback pairs for the throughput numbers")
     parser.add_argument("--concurrency", type=int, default=32, help="editors in flight at once")
-    parser.add_argument("--postgres", default=os.environ.get("TABRL_TEST_POSTGRES_URL"), help="also bench this PostgreSQL")
+    parser.add_argument(
+        "--postgres", default=os.environ.get("TABRL_TEST_POSTGRES_URL"), help="also bench this PostgreSQL"
+    )
     parser.add_argument("--serve", choices=["bare", "gateway"], help=argparse.SUPPRESS)
     parser.add_argument("--db", default="", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -206,20 +235,36 @@ def main() -> None:
         serve(args.serve, args.db, args.port)
         return
     results = run(args)
-    print(f"\nGateway overhead ({args.requests} sequential requests; {args.pairs} completion+feedback pairs "
-          f"at concurrency {args.concurrency}; loopback, {os.cpu_count()} cores)")
-    print(f"{'server':<10}{'p50 ms':>9}{'p99 ms':>9}{'added p50':>11}{'added p99':>11}{'HTTP req/s':>12}"
-          f"{'store ev/s':>12}")
+    print(
+        f"\nGateway overhead ({args.requests} sequential requests; {args.pairs} completion+feedback pairs "
+        f"at concurrency {args.concurrency}; loopback, {os.cpu_count()} cores)"
+    )
+    print(
+        f"{'server':<10}{'p50 ms':>9}{'p99 ms':>9}{'added p50':>11}{'added p99':>11}{'HTTP req/s':>12}"
+        f"{'store ev/s':>12}"
+    )
     for name, r in results.items():
         rate = r.get("logged_events_per_s", r.get("requests_per_s", 0))
-        print(f"{name:<10}{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}{r.get('added_p50_ms', 0):>11.2f}"
-              f"{r.get('added_p99_ms', 0):>11.2f}{rate:>12.0f}{r.get('store_events_per_s', 0):>12.0f}")
-    print("HTTP req/s: bare = completions/s of the bare server (the HTTP stack's ceiling on this machine); "
-          "sqlite/postgres = logged events/s (completion + feedback) through the gateway")
+        print(
+            f"{name:<10}{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}{r.get('added_p50_ms', 0):>11.2f}"
+            f"{r.get('added_p99_ms', 0):>11.2f}{rate:>12.0f}{r.get('store_events_per_s', 0):>12.0f}"
+        )
+    print(
+        "HTTP req/s: bare = completions/s of the bare server (the HTTP stack's ceiling on this machine); "
+        "sqlite/postgres = logged events/s (completion + feedback) through the gateway"
+    )
     out = ROOT / "bench" / "out" / "gateway.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k not in ("serve", "db", "port", "postgres")},
-                               "results": results}, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "args": {k: v for k, v in vars(args).items() if k not in ("serve", "db", "port", "postgres")},
+                "results": results,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
 
 

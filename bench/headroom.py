@@ -30,7 +30,9 @@ def _steps(path: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="*", type=Path, help="checkpoint dirs (default: models/tabrl-tiny.partial/step-*)")
+    parser.add_argument(
+        "--models", nargs="*", type=Path, help="checkpoint dirs (default: models/tabrl-tiny.partial/step-*)"
+    )
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--set", action="append", default=[], help="override: section.key=value")
     parser.add_argument("--requests", type=int, default=300)
@@ -54,16 +56,33 @@ def main(argv: list[str] | None = None) -> int:
     for model in models:
         started = time.time()
         h = headroom(model, regions, params, args.requests, k=args.k)
-        results.append({"model": str(model), "steps": _steps(model), **h.as_dict(), "seconds": round(time.time() - started, 1)})
+        results.append(
+            {"model": str(model), "steps": _steps(model), **h.as_dict(), "seconds": round(time.time() - started, 1)}
+        )
         print(json.dumps(results[-1]), flush=True)
     table = Table(title=f"Headroom on held-out editor traffic ({args.requests} requests, K=4, noise-free rule)")
-    for col in ("model", "steps", "suggest (greedy)", "right/request greedy", "right/shown greedy",
-                f"right/request T={params.serving.temperature}", f"pass@{args.k}", "noise floor"):
+    for col in (
+        "model",
+        "steps",
+        "suggest (greedy)",
+        "right/request greedy",
+        "right/shown greedy",
+        f"right/request T={params.serving.temperature}",
+        f"pass@{args.k}",
+        "noise floor",
+    ):
         table.add_column(col, justify="right")
     for r in results:
-        table.add_row(Path(r["model"]).name, str(r["steps"]), f"{r['greedy_shown']:.3f}", f"{r['greedy_right']:.3f}",
-                      f"{r['greedy_right_per_shown']:.3f}", f"{r['sampled_right']:.3f}", f"{r['pass_at_k']:.3f}",
-                      f"{r['noise_floor']:.4f}")
+        table.add_row(
+            Path(r["model"]).name,
+            str(r["steps"]),
+            f"{r['greedy_shown']:.3f}",
+            f"{r['greedy_right']:.3f}",
+            f"{r['greedy_right_per_shown']:.3f}",
+            f"{r['sampled_right']:.3f}",
+            f"{r['pass_at_k']:.3f}",
+            f"{r['noise_floor']:.4f}",
+        )
     print_table(table)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -82,8 +101,12 @@ def _plot(results: list[dict], path: Path, k: int) -> None:
         return
     steps = [r["steps"] for r in results]
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for key, label in (("greedy_right", "right / request, greedy"), ("sampled_right", "right / request, sampled"),
-                       ("pass_at_k", f"pass@{k}"), ("greedy_right_per_shown", "right / shown, greedy")):
+    for key, label in (
+        ("greedy_right", "right / request, greedy"),
+        ("sampled_right", "right / request, sampled"),
+        ("pass_at_k", f"pass@{k}"),
+        ("greedy_right_per_shown", "right / shown, greedy"),
+    ):
         ax.plot(steps, [r[key] for r in results], "o-", label=label)
     ax.axhline(results[0]["noise_floor"], color="gray", ls="--", label="noise floor (accept/shown)")
     ax.set_xlabel("pre-training steps")

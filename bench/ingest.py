@@ -32,8 +32,24 @@ sys.path.insert(0, str(ROOT))
 from serving.store import completions, feedback, init_schema, make_engine, users  # noqa: E402
 from tasks.ingest.corpus import stdlib_root  # noqa: E402
 
-COLUMNS = ["id", "created_at", "user_id", "arm", "model_version", "prompt", "prefix", "suffix", "completion", "token_ids",
-           "logprobs", "temperature", "latency_ms", "abstained", "prompt_hash", "source"]
+COLUMNS = [
+    "id",
+    "created_at",
+    "user_id",
+    "arm",
+    "model_version",
+    "prompt",
+    "prefix",
+    "suffix",
+    "completion",
+    "token_ids",
+    "logprobs",
+    "temperature",
+    "latency_ms",
+    "abstained",
+    "prompt_hash",
+    "source",
+]
 SECRET = 'AWS_ACCESS_KEY_ID = "AKIAIOSFODNN7EXAMPLE"'
 
 
@@ -67,9 +83,9 @@ def events(n: int, seed: int = 0, n_users: int = 2000):
             row = rng.randrange(len(lines))
             line = lines[row]
             col = rng.randrange(len(line))
-            prefix = "".join(lines[max(0, row - 20):row]) + line[:col]
+            prefix = "".join(lines[max(0, row - 20) : row]) + line[:col]
             middle = line[col:].rstrip("\n")
-            suffix = "\n" + "".join(lines[row + 1:row + 8])
+            suffix = "\n" + "".join(lines[row + 1 : row + 8])
             if rng.random() < 0.001:
                 prefix += "\n" + SECRET + "\n"
         previous = (user, prefix, suffix, middle)
@@ -79,17 +95,40 @@ def events(n: int, seed: int = 0, n_users: int = 2000):
         n_tok = 0 if abstained else rng.randint(1, 16)
         created = t0 + i * 0.01
         cid = f"cmpl-{i:09d}"
-        row = (cid, created, user, "champion" if i % 2 else "challenger", "tabrl-completion/1", prompt, prefix, suffix,
-               completion, json.dumps([rng.randrange(4096) for _ in range(n_tok)]),
-               json.dumps([round(-rng.random() * 3, 4) for _ in range(n_tok)]), 0.7, 20.0, abstained,
-               hashlib.sha256(f"{prompt}\0{completion}".encode()).hexdigest(), "bench")
+        row = (
+            cid,
+            created,
+            user,
+            "champion" if i % 2 else "challenger",
+            "tabrl-completion/1",
+            prompt,
+            prefix,
+            suffix,
+            completion,
+            json.dumps([rng.randrange(4096) for _ in range(n_tok)]),
+            json.dumps([round(-rng.random() * 3, 4) for _ in range(n_tok)]),
+            0.7,
+            20.0,
+            abstained,
+            hashlib.sha256(f"{prompt}\0{completion}".encode()).hexdigest(),
+            "bench",
+        )
         fb = None
         if not abstained and rng.random() < 0.7:
             fb = (cid, True, rng.random() < 0.4, None, created + rng.uniform(0.1, 12.0), "api", user, True)
         yield row, fb
 
 
-FEEDBACK_COLUMNS = ["completion_id", "matched", "accepted", "accepted_chars", "received_at", "source", "user_id", "trainable"]
+FEEDBACK_COLUMNS = [
+    "completion_id",
+    "matched",
+    "accepted",
+    "accepted_chars",
+    "received_at",
+    "source",
+    "user_id",
+    "trainable",
+]
 
 
 def fill(url: str, n: int, chunk: int = 20_000) -> float:
@@ -115,8 +154,14 @@ def fill(url: str, n: int, chunk: int = 20_000) -> float:
         else:
             with engine.begin() as conn:
                 dbapi = conn.connection.driver_connection
-                dbapi.executemany(f"INSERT INTO completions ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})", batch_c)
-                dbapi.executemany(f"INSERT INTO feedback ({', '.join(FEEDBACK_COLUMNS)}) VALUES ({', '.join('?' * len(FEEDBACK_COLUMNS))})", batch_f)
+                dbapi.executemany(
+                    f"INSERT INTO completions ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})", batch_c
+                )
+                dbapi.executemany(
+                    f"INSERT INTO feedback ({', '.join(FEEDBACK_COLUMNS)}) "
+                    f"VALUES ({', '.join('?' * len(FEEDBACK_COLUMNS))})",
+                    batch_f,
+                )
         batch_c.clear()
         batch_f.clear()
 
@@ -128,9 +173,14 @@ def fill(url: str, n: int, chunk: int = 20_000) -> float:
             flush()
     flush()
     with engine.begin() as conn:
-        conn.execute(users.insert(), [{"user_id": f"user-{u:05d}", "opted_out": True, "updated_at": 0.0} for u in range(0, 2000, 100)])
-        counts = (conn.execute(sa.select(sa.func.count()).select_from(completions)).scalar_one(),
-                  conn.execute(sa.select(sa.func.count()).select_from(feedback)).scalar_one())
+        conn.execute(
+            users.insert(),
+            [{"user_id": f"user-{u:05d}", "opted_out": True, "updated_at": 0.0} for u in range(0, 2000, 100)],
+        )
+        counts = (
+            conn.execute(sa.select(sa.func.count()).select_from(completions)).scalar_one(),
+            conn.execute(sa.select(sa.func.count()).select_from(feedback)).scalar_one(),
+        )
     engine.dispose()
     assert counts[0] == n, counts
     return time.perf_counter() - start
@@ -147,12 +197,21 @@ def child(url: str, out_dir: str, overrides: list[str]) -> None:
     start, cpu = time.perf_counter(), time.process_time()
     result = run_ingest(engine, params, Path(out_dir), now=2_000_000_000.0)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    print(json.dumps({
-        "seconds": seconds, "cpu_seconds": cpu, "rows_in": result.report["rows_in"], "rows_out": result.rows, "report": result.report,
-        "late_feedback": result.late_feedback, "snapshot_mb": result.snapshot.stat().st_size / 2**20,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "rss_after_imports_mb": rss_before / 1024,
-    }))
+    print(
+        json.dumps(
+            {
+                "seconds": seconds,
+                "cpu_seconds": cpu,
+                "rows_in": result.report["rows_in"],
+                "rows_out": result.rows,
+                "report": result.report,
+                "late_feedback": result.late_feedback,
+                "snapshot_mb": result.snapshot.stat().st_size / 2**20,
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "rss_after_imports_mb": rss_before / 1024,
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -161,8 +220,13 @@ def main() -> None:
     ap.add_argument("--backend", choices=["sqlite", "postgres"], action="append")
     ap.add_argument("--postgres-url", default=os.environ.get("TABRL_TEST_POSTGRES_URL"))
     ap.add_argument("--work", type=Path, default=ROOT / "bench" / "out" / "ingest-work")
-    ap.add_argument("--set", dest="overrides", action="append", default=[],
-                    help="params override for the ingest (default per_user_cap=100000: the bench measures throughput)")
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        help="params override for the ingest (default per_user_cap=100000: the bench measures throughput)",
+    )
     ap.add_argument("--child", nargs=2, metavar=("URL", "OUT_DIR"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     overrides = ["ingest.per_user_cap=100000", *args.overrides]
@@ -188,20 +252,45 @@ def main() -> None:
             url = f"{args.postgres_url}?options=-csearch_path%3D{schema}"
         try:
             fill_s = fill(url, args.rows)
-            proc = subprocess.run([sys.executable, __file__, "--child", url, str(run_dir), *sum((["--set", o] for o in args.overrides), [])],
-                                  capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    url,
+                    str(run_dir),
+                    *sum((["--set", o] for o in args.overrides), []),
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+                env={**os.environ, "PYTHONPATH": str(ROOT)},
+            )
             numbers = json.loads(proc.stdout.strip().splitlines()[-1])
         finally:
             if schema:
                 with admin.begin() as conn:
                     conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
                 admin.dispose()
-        results.append({"backend": backend, "rows": args.rows, "fill_seconds": fill_s, **numbers,
-                        "rows_per_s": args.rows / numbers["seconds"]})
-    print(f"{'backend':10} {'events':>9} {'ingest s':>9} {'cpu s':>7} {'rows/s':>9} {'kept':>8} {'peak RSS MB':>12} {'(imports)':>10} {'fill s':>7}")
+        results.append(
+            {
+                "backend": backend,
+                "rows": args.rows,
+                "fill_seconds": fill_s,
+                **numbers,
+                "rows_per_s": args.rows / numbers["seconds"],
+            }
+        )
+    print(
+        f"{'backend':10} {'events':>9} {'ingest s':>9} {'cpu s':>7} {'rows/s':>9} {'kept':>8} "
+        f"{'peak RSS MB':>12} {'(imports)':>10} {'fill s':>7}"
+    )
     for r in results:
-        print(f"{r['backend']:10} {r['rows']:>9} {r['seconds']:>9.1f} {r['cpu_seconds']:>7.1f} {r['rows_per_s']:>9.0f} {r['rows_out']:>8} "
-              f"{r['peak_rss_mb']:>12.0f} {r['rss_after_imports_mb']:>10.0f} {r['fill_seconds']:>7.1f}")
+        print(
+            f"{r['backend']:10} {r['rows']:>9} {r['seconds']:>9.1f} {r['cpu_seconds']:>7.1f} "
+            f"{r['rows_per_s']:>9.0f} {r['rows_out']:>8} "
+            f"{r['peak_rss_mb']:>12.0f} {r['rss_after_imports_mb']:>10.0f} {r['fill_seconds']:>7.1f}"
+        )
     for r in results:
         print(f"{r['backend']} cleaning report: {r['report']}")
     out = ROOT / "bench" / "out" / "ingest.json"

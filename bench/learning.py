@@ -68,8 +68,16 @@ def final_sessions(model_dir, seed: int, args) -> list:
 def run_online(setting, seed, args, base: dict) -> tuple[list[dict], list]:
     from flows.online_loop import champion_dir, run_online_loop
 
-    rows, params = run_online_loop(args.params, [*ONLINE[setting], *args.set], args.cycles, args.requests, args.users,
-                                   args.out / f"{setting}-seed{seed}", seed=seed, ab_test=False)
+    rows, params = run_online_loop(
+        args.params,
+        [*ONLINE[setting], *args.set],
+        args.cycles,
+        args.requests,
+        args.users,
+        args.out / f"{setting}-seed{seed}",
+        seed=seed,
+        ab_test=False,
+    )
     curve, last = [], base
     for row in rows:
         last = _pick(row.serving_eval) if row.serving_eval else last  # a skipped or diverged cycle keeps the model
@@ -93,7 +101,7 @@ def run_grpo(seed, args, base_dir, test, base: dict) -> tuple[list[dict], list]:
     current, curve, last = str(base_dir), [], base
     for cycle in range(1, args.cycles + 1):
         start = ((cycle - 1) * params.train.grpo_prompts + seed * 997) % len(prompts)
-        batch = (prompts * 2)[start:start + params.train.grpo_prompts]
+        batch = (prompts * 2)[start : start + params.train.grpo_prompts]
         snapshot = out / f"cycle{cycle}.parquet"
         grpo_snapshot(current, batch, params, snapshot)
         candidate = out / f"model{cycle}"
@@ -112,7 +120,8 @@ def run_grpo(seed, args, base_dir, test, base: dict) -> tuple[list[dict], list]:
 
 
 def corpus_data_dir(args) -> Path:
-    """A data dir whose held-out regions and samples come from --corpus (all its files); traffic from the usual train split."""
+    """A data dir whose held-out regions and samples come from --corpus (all its files);
+    traffic from the usual train split."""
     import shutil
 
     from tasks.config import load_params
@@ -122,9 +131,15 @@ def corpus_data_dir(args) -> Path:
     params = load_params(args.params, args.set)
     out = (args.out / "corpus-data").resolve()
     files = list(iter_source_files(args.corpus, params.data))
-    write_samples(sample_spans(files, "test", params.evaluate.n_samples, params.fim, params.fim.seed), out / "fim" / "test.parquet")
-    write_regions(pick_regions(files, params.traffic.eval_regions, params.traffic, params.fim.seed, "test"),
-                  regions_path(out, "test"), params.traffic)
+    write_samples(
+        sample_spans(files, "test", params.evaluate.n_samples, params.fim, params.fim.seed),
+        out / "fim" / "test.parquet",
+    )
+    write_regions(
+        pick_regions(files, params.traffic.eval_regions, params.traffic, params.fim.seed, "test"),
+        regions_path(out, "test"),
+        params.traffic,
+    )
     for name in ("train.parquet", "typing_train.parquet"):
         shutil.copy(Path(params.paths.data_dir) / "fim" / name, out / "fim" / name)
     return out
@@ -192,8 +207,9 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     curve, sessions = run_online(setting, seed, args, base_at(seed)[0])
                 stored.parent.mkdir(parents=True, exist_ok=True)
-                stored.write_text(json.dumps({"setting": setting, "seed": seed, "key": key, "curve": curve,
-                                              "sessions": sessions}))
+                stored.write_text(
+                    json.dumps({"setting": setting, "seed": seed, "key": key, "curve": curve, "sessions": sessions})
+                )
             curves.setdefault(setting, []).append(curve)
             finals.setdefault(setting, []).append(sessions)
             print(json.dumps({"setting": setting, "seed": seed, "curve": curve}), flush=True)
@@ -218,7 +234,9 @@ def run_key(params, args) -> str:
     body = params.model_dump(mode="json")
     body.pop("paths")
     body["evaluate"]["judge"].pop("cache_path")
-    body["model"]["base_dir"] = hashlib.sha256((Path(params.model.base_dir) / "model.safetensors").read_bytes()).hexdigest()
+    body["model"]["base_dir"] = hashlib.sha256(
+        (Path(params.model.base_dir) / "model.safetensors").read_bytes()
+    ).hexdigest()
     body["loop"] = [args.cycles, args.requests, args.users, str(args.corpus), "editor traffic, final sessions kept"]
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -237,24 +255,36 @@ def final_table(finals: dict[str, list[list]], reward) -> tuple[list[str], dict]
     from tasks.intervals import difference, interval, metric_fns
 
     fns = metric_fns(reward)
-    lines = ["| setting | seeds | sessions | " + " | ".join(TYPING) + " |", "| --- | ---: | ---: |" + " ---: |" * len(TYPING)]
+    lines = [
+        "| setting | seeds | sessions | " + " | ".join(TYPING) + " |",
+        "| --- | ---: | ---: |" + " ---: |" * len(TYPING),
+    ]
     numbers: dict = {}
     for setting, per_seed in finals.items():
         cis = {k: interval(per_seed, fns[k]) for k in TYPING}
         numbers[setting] = {k: [c.value, c.low, c.high] for k, c in cis.items()}
-        lines.append(f"| {setting} | {len(per_seed)} | {sum(map(len, per_seed))} | "
-                     + " | ".join(f"{c.value:.4f} [{c.low:.4f}, {c.high:.4f}]" for c in cis.values()) + " |")
+        lines.append(
+            f"| {setting} | {len(per_seed)} | {sum(map(len, per_seed))} | "
+            + " | ".join(f"{c.value:.4f} [{c.low:.4f}, {c.high:.4f}]" for c in cis.values())
+            + " |"
+        )
     if "control" in finals:
-        lines += ["", "| setting vs control | " + " | ".join(TYPING) + " | accept/shown, relative |",
-                  "| --- |" + " ---: |" * (len(TYPING) + 1)]
+        lines += [
+            "",
+            "| setting vs control | " + " | ".join(TYPING) + " | accept/shown, relative |",
+            "| --- |" + " ---: |" * (len(TYPING) + 1),
+        ]
         for setting in (s for s in finals if s != "control"):
             diffs = {k: difference(finals[setting], finals["control"], fns[k]) for k in TYPING}
             rel = difference(finals[setting], finals["control"], fns["accept_rate"], relative=True)
             numbers[f"{setting} - control"] = {k: [d.value, d.low, d.high, d.excludes_zero] for k, d in diffs.items()}
             numbers[f"{setting} / control - 1, accept_rate"] = [rel.value, rel.low, rel.high, rel.excludes_zero]
             cell = lambda d: f"{d.value:+.4f} [{d.low:+.4f}, {d.high:+.4f}]{' *' if d.excludes_zero else ''}"  # noqa: E731
-            lines.append(f"| {setting} | " + " | ".join(cell(d) for d in diffs.values())
-                         + f" | {rel.value:+.1%} [{rel.low:+.1%}, {rel.high:+.1%}]{' *' if rel.excludes_zero else ''} |")
+            lines.append(
+                f"| {setting} | "
+                + " | ".join(cell(d) for d in diffs.values())
+                + f" | {rel.value:+.1%} [{rel.low:+.1%}, {rel.high:+.1%}]{' *' if rel.excludes_zero else ''} |"
+            )
         lines.append("\n`*`: the 95 % interval excludes 0.")
     return lines, numbers
 
@@ -264,9 +294,11 @@ def report(curves, finals, base, args, reward, seconds) -> None:
 
     from tasks.console import console, print_table
 
-    table = Table(title=f"held-out editor traffic per cycle (mean ± spread over seeds); base model: "
-                        f"accept/shown {base['accept_rate']:.3f}, suggest {base['suggest_rate']:.3f}, "
-                        f"chars saved {base['chars_saved']:.3f}")
+    table = Table(
+        title=f"held-out editor traffic per cycle (mean ± spread over seeds); base model: "
+        f"accept/shown {base['accept_rate']:.3f}, suggest {base['suggest_rate']:.3f}, "
+        f"chars saved {base['chars_saved']:.3f}"
+    )
     table.add_column("setting")
     table.add_column("cycle", justify="right")
     for key in KEYS:
@@ -277,12 +309,24 @@ def report(curves, finals, base, args, reward, seconds) -> None:
             table.add_row(setting, str(cycle + 1), *cells)
     print_table(table)
     lines, final = final_table(finals, reward)
-    console.print(f"After {args.cycles} cycles, the final model of each seed typed through the held-out regions "
-                  "(value [95 % interval], bootstrap over seeds and typing sessions):")
+    console.print(
+        f"After {args.cycles} cycles, the final model of each seed typed through the held-out regions "
+        "(value [95 % interval], bootstrap over seeds and typing sessions):"
+    )
     console.print("\n".join(lines), highlight=False)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "base": base,
-                                                      "curves": curves, "final": final, "seconds": seconds}, indent=2))
+    (args.out / "results.json").write_text(
+        json.dumps(
+            {
+                "args": {k: str(v) for k, v in vars(args).items()},
+                "base": base,
+                "curves": curves,
+                "final": final,
+                "seconds": seconds,
+            },
+            indent=2,
+        )
+    )
     _plot(curves, final, base, args.out / "curves.png")
     (args.out / "results.md").write_text(_markdown(curves, base) + "\n" + "\n".join(lines) + "\n")
     console.print(f"wrote {args.out / 'results.json'}, results.md and curves.png ({seconds / 60:.1f} min)")
@@ -290,8 +334,11 @@ def report(curves, finals, base, args, reward, seconds) -> None:
 
 def _markdown(curves, base) -> str:
     """The per-cycle table as Markdown (mean ± spread over seeds), for bench/RESULTS.md."""
-    lines = ["| setting | seeds | cycle | " + " | ".join(KEYS) + " |", "| --- | ---: | ---: |" + " ---: |" * len(KEYS),
-             "| base | - | 0 | " + " | ".join(f"{base[k]:.3f}" for k in KEYS) + " |"]
+    lines = [
+        "| setting | seeds | cycle | " + " | ".join(KEYS) + " |",
+        "| --- | ---: | ---: |" + " ---: |" * len(KEYS),
+        "| base | - | 0 | " + " | ".join(f"{base[k]:.3f}" for k in KEYS) + " |",
+    ]
     for setting, seeds in curves.items():
         for cycle in range(len(seeds[0])):
             cells = [_mean_spread([s[cycle][k] if s[cycle] else None for s in seeds]) for k in KEYS]
@@ -308,7 +355,7 @@ def _plot(curves, final, base, path: Path) -> None:
 
     keys = ("accept_rate", "right_rate", "suggest_rate", "chars_saved")
     fig, axes = plt.subplots(1, len(keys), figsize=(4.6 * len(keys), 4))
-    for ax, key in zip(axes, keys):
+    for ax, key in zip(axes, keys, strict=True):
         for i, (setting, seeds) in enumerate(curves.items()):
             n = len(seeds[0])
             per_cycle = [[base[key]]] + [[s[c][key] for s in seeds if s[c]] for c in range(n)]
@@ -319,8 +366,14 @@ def _plot(curves, final, base, path: Path) -> None:
             ax.fill_between(range(n + 1), lows, highs, color=line.get_color(), alpha=0.15)
             if setting in final:
                 value, low, high = final[setting][key]
-                ax.errorbar([n + 0.15 + 0.1 * i], [value], yerr=[[value - low], [high - value]], fmt="s",
-                            color=line.get_color(), capsize=3)
+                ax.errorbar(
+                    [n + 0.15 + 0.1 * i],
+                    [value],
+                    yerr=[[value - low], [high - value]],
+                    fmt="s",
+                    color=line.get_color(),
+                    capsize=3,
+                )
         ax.set_title(key)
         ax.set_xlabel("cycle (0 = base; square = final, 95 % CI)")
         ax.grid(alpha=0.3)

@@ -28,10 +28,24 @@ from tasks.train.loss import ppo_loss
 from tasks.train.ppo import CompletionPolicy, Example, pack, token_logp
 
 SHAPES = {
-    "qwen2.5-coder-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                               num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768),
-    "tiny": dict(vocab_size=4096, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024),
+    "qwen2.5-coder-1.5b": dict(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+    ),
+    "tiny": dict(
+        vocab_size=4096,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    ),
 }
 H100_BF16_FLOPS = 989e12
 
@@ -52,7 +66,9 @@ def tabrl_step(policy, examples, idx, one_row, device):
     batch = pack(examples, idx, one_row=one_row).to(device)
     logits = policy(batch.input_ids, batch.position_ids, batch.gather_idx)  # (N, V) completion positions only
     logp, _ = token_logp(logits, batch.targets, batch.inv_temp)
-    adv = torch.cat([torch.full((examples[i].n_completion,), examples[i].advantage) for i in batch.example_idx]).to(device)
+    adv = torch.cat([torch.full((examples[i].n_completion,), examples[i].advantage) for i in batch.example_idx]).to(
+        device
+    )
     loss, _ = ppo_loss(logp, logp.detach(), adv, torch.ones_like(logp), clip_low=0.2, clip_high=0.28)
     return loss
 
@@ -65,9 +81,9 @@ def plain_step(model, examples, idx, device):
     adv = torch.zeros((len(idx), width), dtype=torch.float32)
     for r, i in enumerate(idx):
         ex = examples[i]
-        ids[r, :len(ex.input_ids)] = torch.tensor(ex.input_ids)
-        attn[r, :len(ex.input_ids)] = 1
-        comp[r, ex.n_prompt:len(ex.input_ids)] = 1  # targets at t+1 -> shift below
+        ids[r, : len(ex.input_ids)] = torch.tensor(ex.input_ids)
+        attn[r, : len(ex.input_ids)] = 1
+        comp[r, ex.n_prompt : len(ex.input_ids)] = 1  # targets at t+1 -> shift below
         adv[r] = ex.advantage
     ids, attn, comp, adv = ids.to(device), attn.to(device), comp.to(device), adv.to(device)
     logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]  # (B, W-1, V) every position
@@ -80,7 +96,7 @@ def plain_step(model, examples, idx, device):
 def run(name, step_fn, module, examples, micro, steps, device, autocast):
     opt = torch.optim.AdamW(module.parameters(), lr=1e-6)
     order = list(range(len(examples)))
-    batches = [order[i:i + micro] for i in range(0, len(order), micro)]
+    batches = [order[i : i + micro] for i in range(0, len(order), micro)]
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -100,8 +116,11 @@ def run(name, step_fn, module, examples, micro, steps, device, autocast):
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
-    peak = (torch.cuda.max_memory_allocated() if device.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    peak = (
+        torch.cuda.max_memory_allocated()
+        if device.type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
     return {"method": name, "tokens_per_s": tokens / seconds, "peak_mem_gib": peak / 2**30, "seconds": seconds}
 
 
@@ -120,8 +139,9 @@ def main() -> None:
     steps = args.steps or (8 if gpu else 4)
     flash = gpu and __import__("importlib").util.find_spec("flash_attn") is not None
     torch.manual_seed(0)
-    config = Qwen2Config(**SHAPES[shape], tie_word_embeddings=not gpu,
-                         attn_implementation="flash_attention_2" if flash else "sdpa")
+    config = Qwen2Config(
+        **SHAPES[shape], tie_word_embeddings=not gpu, attn_implementation="flash_attention_2" if flash else "sdpa"
+    )
     model = Qwen2ForCausalLM(config).to(device)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
@@ -130,20 +150,25 @@ def main() -> None:
     for kind in ("fixed", "mix"):
         examples = workload(kind, micro * (steps + 1), T, config.vocab_size, random.Random(1))
         for name, fn, module in (
-            ("tabrl", lambda idx: tabrl_step(policy, examples, idx, flash, device), policy),
-            ("plain", lambda idx: plain_step(model, examples, idx, device), model),
+            ("tabrl", lambda idx, examples=examples: tabrl_step(policy, examples, idx, flash, device), policy),
+            ("plain", lambda idx, examples=examples: plain_step(model, examples, idx, device), model),
         ):
             r = run(name, fn, module, examples, micro, steps, device, autocast=gpu)
             r |= {"workload": kind, "mfu": 6 * n_params * r["tokens_per_s"] / H100_BF16_FLOPS if gpu else None}
             rows.append(r)
-    print(f"{shape} ({n_params / 1e6:.1f}M params) on {device}, T={T}, micro-batch {micro}, {steps} timed steps, "
-          f"attention {'flash varlen' if flash else 'sdpa'}")
+    print(
+        f"{shape} ({n_params / 1e6:.1f}M params) on {device}, T={T}, micro-batch {micro}, {steps} timed steps, "
+        f"attention {'flash varlen' if flash else 'sdpa'}"
+    )
     print(f"{'workload':8} {'method':6} {'tokens/s':>10} {'vs plain':>8} {'MFU':>6} {'peak GiB':>9}")
     for r in rows:
         base = next(x for x in rows if x["workload"] == r["workload"] and x["method"] == "plain")
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
-        print(f"{r['workload']:8} {r['method']:6} {r['tokens_per_s']:10.0f} {r['speedup']:7.2f}x {mfu:>6} {r['peak_mem_gib']:9.2f}")
+        print(
+            f"{r['workload']:8} {r['method']:6} {r['tokens_per_s']:10.0f} {r['speedup']:7.2f}x {mfu:>6} "
+            f"{r['peak_mem_gib']:9.2f}"
+        )
     out = Path("bench/out/train_throughput.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"shape": shape, "device": str(device), "T": T, "micro": micro, "rows": rows}, indent=2))

@@ -43,8 +43,14 @@ def apply_decision(params: Params, decision: ab.Decision) -> DeployChange:
 
 @task(retries=3, retry_delay_seconds=[2, 5, 15], cache_policy=NO_CACHE)
 def record_decision(params: Params, decision: ab.Decision, stats: dict[str, ab.ArmStats]) -> str:
-    return log_decision(params, decision, champion=get_alias_version(params, CHAMPION),
-                        challenger=get_alias_version(params, CHALLENGER), applied=False, stats=stats)
+    return log_decision(
+        params,
+        decision,
+        champion=get_alias_version(params, CHAMPION),
+        challenger=get_alias_version(params, CHALLENGER),
+        applied=False,
+        stats=stats,
+    )
 
 
 @flow(name="ab-decision", log_prints=True)

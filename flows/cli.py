@@ -45,15 +45,22 @@ def schedule_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -
 
     p = params_or_exit(params, set_)
     if not os.environ.get("PREFECT_API_URL"):
-        console.print("error: PREFECT_API_URL is not set: schedules need a Prefect server "
-                      "(`prefect server start --host 127.0.0.1`, then export PREFECT_API_URL=http://127.0.0.1:4200/api)")
+        console.print(
+            "error: PREFECT_API_URL is not set: schedules need a Prefect server "
+            "(`prefect server start --host 127.0.0.1`, then export PREFECT_API_URL=http://127.0.0.1:4200/api)"
+        )
         raise typer.Exit(2)
     args = {"params_file": str(params), "overrides": list(set_ or [])}
-    timing = ({"cron": p.deploy.cycle_cron} if p.deploy.cycle_cron
-              else {"interval": timedelta(minutes=p.deploy.cycle_every_minutes)})
+    timing = (
+        {"cron": p.deploy.cycle_cron}
+        if p.deploy.cycle_cron
+        else {"interval": timedelta(minutes=p.deploy.cycle_every_minutes)}
+    )
     cycle = online_rl_cycle.to_deployment(name="online-rl-cycle", parameters=args, **timing)
-    decision = ab_decision.to_deployment(name="ab-decision", parameters=args,
-                                         interval=timedelta(minutes=p.deploy.decision_every_minutes))
-    console.print(f"serving deployments: online-rl-cycle ({timing}), ab-decision (every "
-                  f"{p.deploy.decision_every_minutes} min)")
+    decision = ab_decision.to_deployment(
+        name="ab-decision", parameters=args, interval=timedelta(minutes=p.deploy.decision_every_minutes)
+    )
+    console.print(
+        f"serving deployments: online-rl-cycle ({timing}), ab-decision (every {p.deploy.decision_every_minutes} min)"
+    )
     serve(cycle, decision)

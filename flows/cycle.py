@@ -17,8 +17,14 @@ import mlflow
 from prefect import flow, get_run_logger
 
 from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
-from tasks.deploy.registry import (CHALLENGER, ensure_champion, get_alias_version, register_candidate,
-                                   resolve_model_dir, start_cycle_run)
+from tasks.deploy.registry import (
+    CHALLENGER,
+    ensure_champion,
+    get_alias_version,
+    register_candidate,
+    resolve_model_dir,
+    start_cycle_run,
+)
 from tasks.deploy.rollout import rollout
 from tasks.editor import read_regions, regions_path
 from tasks.evaluate.evaluate import compare_task
@@ -44,13 +50,19 @@ def challenger_under_test(params: Params) -> bool:
 
 
 @flow(name="online-rl-cycle", log_prints=True)
-def online_rl_cycle(params_file: str = str(DEFAULT_PARAMS_FILE), overrides: list[str] | None = None,
-                    force: bool = False, repo_dir: str = ".") -> CycleReport:
+def online_rl_cycle(
+    params_file: str = str(DEFAULT_PARAMS_FILE),
+    overrides: list[str] | None = None,
+    force: bool = False,
+    repo_dir: str = ".",
+) -> CycleReport:
     params = load_params(params_file, overrides or [])
     log = get_run_logger()
     if challenger_under_test(params) and not force:
-        log.info("skipped: a challenger is still under test (the A/B decision flow promotes or rolls it back; "
-                 "pass force=True to train anyway)")
+        log.info(
+            "skipped: a challenger is still under test (the A/B decision flow promotes or rolls it back; "
+            "pass force=True to train anyway)"
+        )
         return CycleReport("skipped", "challenger under test")
     champion = ensure_champion(params.model.base_dir, params)
     champion_dir = resolve_model_dir(champion.uri, params)
@@ -65,8 +77,9 @@ def online_rl_cycle(params_file: str = str(DEFAULT_PARAMS_FILE), overrides: list
             log.info(f"skipped training: {report.reason}")
         else:
             mlflow.set_tag("tabrl.snapshot_sha256", ingested.sha256)
-            rewarded = reward_task(ingested.snapshot, params.reward, ingested.snapshot.with_suffix(".rewarded.parquet"),
-                                   ingested.arms)
+            rewarded = reward_task(
+                ingested.snapshot, params.reward, ingested.snapshot.with_suffix(".rewarded.parquet"), ingested.arms
+            )
             candidate_dir = Path(params.paths.models_dir) / "candidates" / run_id
             try:
                 trained = train_task(str(rewarded.path), str(champion_dir), str(candidate_dir), params)
@@ -80,8 +93,9 @@ def online_rl_cycle(params_file: str = str(DEFAULT_PARAMS_FILE), overrides: list
                 test = read_samples(Path(params.paths.data_dir) / "fim" / "test.parquet")[: params.evaluate.n_samples]
                 regions = read_regions(regions_path(params.paths.data_dir, "test"))
                 comparison = compare_task(str(candidate_dir), str(champion_dir), test, regions, params)
-                champion_metrics = {k.replace("eval/", "eval/champion/", 1): v
-                                    for k, v in comparison.champion.metrics.items()}
+                champion_metrics = {
+                    k.replace("eval/", "eval/champion/", 1): v for k, v in comparison.champion.metrics.items()
+                }
                 report.metrics = dict(comparison.candidate.metrics) | champion_metrics | {"train/steps": trained.steps}
                 if not comparison.decision.passed:  # the gate
                     report.status, report.reason = "gate_failed", "; ".join(comparison.decision.reasons)

@@ -74,8 +74,16 @@ def start_gateway(params_file: str, overrides: list[str], port: int, log_path: P
     return proc
 
 
-def run_online_loop(params_file: str, overrides: list[str], cycles: int, requests: int, n_users: int,
-                    state: Path, seed: int = 0, ab_test: bool = True) -> tuple[list[CycleRow], Params]:
+def run_online_loop(
+    params_file: str,
+    overrides: list[str],
+    cycles: int,
+    requests: int,
+    n_users: int,
+    state: Path,
+    seed: int = 0,
+    ab_test: bool = True,
+) -> tuple[list[CycleRow], Params]:
     """Run `cycles` online cycles from a fresh state dir; returns one row per cycle and the loop's params
     (its state paths: ``champion_dir(params)`` is the model serving at the end).
 
@@ -84,9 +92,17 @@ def run_online_loop(params_file: str, overrides: list[str], cycles: int, request
     cycle's traffic comes from the newest model: what the learning benchmark measures."""
     shutil.rmtree(state, ignore_errors=True)
     state.mkdir(parents=True)
-    overrides = [*DEMO_OVERRIDES, f"paths.state_dir={state}", f"paths.database_url=sqlite:///{state}/tabrl.db",
-                 f"paths.mlflow_tracking_uri=sqlite:///{state}/mlflow.db", f"paths.models_dir={state}/models",
-                 f"simulator.seed={seed}", f"train.seed={seed}", f"serving.seed={seed}", *overrides]
+    overrides = [
+        *DEMO_OVERRIDES,
+        f"paths.state_dir={state}",
+        f"paths.database_url=sqlite:///{state}/tabrl.db",
+        f"paths.mlflow_tracking_uri=sqlite:///{state}/mlflow.db",
+        f"paths.models_dir={state}/models",
+        f"simulator.seed={seed}",
+        f"train.seed={seed}",
+        f"serving.seed={seed}",
+        *overrides,
+    ]
     params = load_params(params_file, overrides)
     os.environ["MLFLOW_TRACKING_URI"] = params.paths.mlflow_tracking_uri
 
@@ -107,8 +123,16 @@ def run_online_loop(params_file: str, overrides: list[str], cycles: int, request
         for cycle in range(1, cycles + 1):
             offset = (cycle - 1) * per_cycle
             window = [traffic[(offset + i) % len(traffic)] for i in range(per_cycle)]
-            by_arm = run_simulation(f"http://127.0.0.1:{port}", window, users, requests, api_keys=None,
-                                    concurrency=4, seed=seed * 1000 + cycle, traffic=params.traffic)
+            by_arm = run_simulation(
+                f"http://127.0.0.1:{port}",
+                window,
+                users,
+                requests,
+                api_keys=None,
+                concurrency=4,
+                seed=seed * 1000 + cycle,
+                traffic=params.traffic,
+            )
             time.sleep(params.ingest.feedback_timeout_s + 0.5)
             decision = ab_decision(params_file, overrides) if ab_test and len(by_arm) > 1 else None
             report = online_rl_cycle(params_file, overrides, repo_dir=str(repo))
@@ -116,20 +140,26 @@ def run_online_loop(params_file: str, overrides: list[str], cycles: int, request
                 _promote_now(params)
             total = merge_typing(list(by_arm.values()))
             m = report.metrics
-            rows.append(CycleRow(
-                cycle=cycle,
-                arms_served=", ".join(f"{arm}:{s.requests}" for arm, s in sorted(by_arm.items())),
-                requests=total.requests, suggest_rate=total.suggest_rate, accept_rate=total.accept_rate,
-                right_rate=total.right_rate, chars_saved=total.chars_saved,
-                reward_per_request=reward_per_request(total, params.reward),
-                decision=decision.action if decision else "-",
-                cycle_status=report.status,
-                eval_judge_mean=m.get("eval/judge_mean"), eval_accept_rate=m.get("eval/typing/accept_rate"),
-                eval_chars_saved=m.get("eval/typing/chars_saved"),
-                eval_reward_per_request=m.get("eval/typing/reward_per_request"),
-                champion_eval_reward_per_request=m.get("eval/champion/typing/reward_per_request"),
-                serving_eval=_serving_eval(report, promoted=not ab_test),
-            ))
+            rows.append(
+                CycleRow(
+                    cycle=cycle,
+                    arms_served=", ".join(f"{arm}:{s.requests}" for arm, s in sorted(by_arm.items())),
+                    requests=total.requests,
+                    suggest_rate=total.suggest_rate,
+                    accept_rate=total.accept_rate,
+                    right_rate=total.right_rate,
+                    chars_saved=total.chars_saved,
+                    reward_per_request=reward_per_request(total, params.reward),
+                    decision=decision.action if decision else "-",
+                    cycle_status=report.status,
+                    eval_judge_mean=m.get("eval/judge_mean"),
+                    eval_accept_rate=m.get("eval/typing/accept_rate"),
+                    eval_chars_saved=m.get("eval/typing/chars_saved"),
+                    eval_reward_per_request=m.get("eval/typing/reward_per_request"),
+                    champion_eval_reward_per_request=m.get("eval/champion/typing/reward_per_request"),
+                    serving_eval=_serving_eval(report, promoted=not ab_test),
+                )
+            )
             print(json.dumps(asdict(rows[-1])), flush=True)
     finally:
         gateway.terminate()
@@ -155,9 +185,14 @@ def _serving_eval(report, promoted: bool) -> dict:
 def _snapshot_repo(path: Path) -> Path:
     """A git + DVC repo of its own for the loop's snapshots (the project's git history is left alone)."""
     path.mkdir(parents=True)
-    for cmd in (["git", "init", "-q"], ["git", "config", "user.name", "tabrl"], ["git", "config", "user.email", "tabrl@localhost"],
-                [sys.executable, "-m", "dvc", "init", "-q"], [sys.executable, "-m", "dvc", "config", "core.analytics", "false"],
-                ["git", "commit", "-qm", "tabrl interaction snapshots"]):
+    for cmd in (
+        ["git", "init", "-q"],
+        ["git", "config", "user.name", "tabrl"],
+        ["git", "config", "user.email", "tabrl@localhost"],
+        [sys.executable, "-m", "dvc", "init", "-q"],
+        [sys.executable, "-m", "dvc", "config", "core.analytics", "false"],
+        ["git", "commit", "-qm", "tabrl interaction snapshots"],
+    ):
         subprocess.run(cmd, cwd=path, check=True)
     return path
 
@@ -195,18 +230,41 @@ def print_report(rows: list[CycleRow], state: Path, params: Params) -> None:
     from flows.plots import plot_cycles
     from tasks.console import console, print_table
 
-    table = Table(title="tabrl online RL cycles (online = simulated users typing train files over HTTP; "
-                        "eval = held-out test files)")
-    for col in ("cycle", "arms (requests)", "online suggest", "online accept/shown", "online right/shown",
-                "online chars saved", "A/B decision", "cycle", "eval judge", "eval accept/shown", "eval chars saved",
-                "eval reward/req (champion)"):
+    table = Table(
+        title="tabrl online RL cycles (online = simulated users typing train files over HTTP; "
+        "eval = held-out test files)"
+    )
+    for col in (
+        "cycle",
+        "arms (requests)",
+        "online suggest",
+        "online accept/shown",
+        "online right/shown",
+        "online chars saved",
+        "A/B decision",
+        "cycle",
+        "eval judge",
+        "eval accept/shown",
+        "eval chars saved",
+        "eval reward/req (champion)",
+    ):
         table.add_column(col, justify="right")
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     for r in rows:
-        table.add_row(str(r.cycle), r.arms_served, fmt(r.suggest_rate), fmt(r.accept_rate), fmt(r.right_rate),
-                      fmt(r.chars_saved), r.decision, r.cycle_status, fmt(r.eval_judge_mean), fmt(r.eval_accept_rate),
-                      fmt(r.eval_chars_saved),
-                      f"{fmt(r.eval_reward_per_request)} ({fmt(r.champion_eval_reward_per_request)})")
+        table.add_row(
+            str(r.cycle),
+            r.arms_served,
+            fmt(r.suggest_rate),
+            fmt(r.accept_rate),
+            fmt(r.right_rate),
+            fmt(r.chars_saved),
+            r.decision,
+            r.cycle_status,
+            fmt(r.eval_judge_mean),
+            fmt(r.eval_accept_rate),
+            fmt(r.eval_chars_saved),
+            f"{fmt(r.eval_reward_per_request)} ({fmt(r.champion_eval_reward_per_request)})",
+        )
     print_table(table)
     plot = plot_cycles(rows, state / "cycles.png", params.paths.mlflow_tracking_uri)
     (state / "cycles.json").write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
@@ -224,26 +282,43 @@ def print_story(base_dir: Path, final_dir: Path, state: Path, params: Params) ->
 
     regions = read_regions(regions_path(params.paths.data_dir, "test"))
     runs = {"base": typing_acceptance(base_dir, regions, params)}
-    runs["final"] = runs["base"] if final_dir.resolve() == base_dir.resolve() else typing_acceptance(final_dir, regions, params)
+    runs["final"] = (
+        runs["base"] if final_dir.resolve() == base_dir.resolve() else typing_acceptance(final_dir, regions, params)
+    )
     fns = metric_fns(params.reward)
-    table = Table(title=f"Held-out editor traffic, base vs final champion ({params.evaluate.n_requests} requests each, "
-                        "95 % bootstrap intervals over typing sessions)")
+    table = Table(
+        title=f"Held-out editor traffic, base vs final champion ({params.evaluate.n_requests} requests each, "
+        "95 % bootstrap intervals over typing sessions)"
+    )
     for col in ("metric", "base", "final champion", "change", "change excludes 0"):
         table.add_column(col, justify="right")
     story = {}
     for name in ("suggest_rate", "accept_rate", "right_rate", "chars_saved", "reward_per_request"):
         a, b = interval([runs["base"].sessions], fns[name]), interval([runs["final"].sessions], fns[name])
         d = difference([runs["final"].sessions], [runs["base"].sessions], fns[name])
-        story[name] = {"base": [a.value, a.low, a.high], "final": [b.value, b.low, b.high], "change": [d.value, d.low, d.high]}
-        table.add_row(name, str(a), str(b), f"{d.value:+.4f} [{d.low:+.4f}, {d.high:+.4f}]", "yes" if d.excludes_zero else "no")
+        story[name] = {
+            "base": [a.value, a.low, a.high],
+            "final": [b.value, b.low, b.high],
+            "change": [d.value, d.low, d.high],
+        }
+        table.add_row(
+            name, str(a), str(b), f"{d.value:+.4f} [{d.low:+.4f}, {d.high:+.4f}]", "yes" if d.excludes_zero else "no"
+        )
     print_table(table)
-    console.print(f"final champion: {final_dir}; noise floor of accept/shown (never-right model): "
-                  f"{noise_floor(params.simulator):.4f}", highlight=False)
+    console.print(
+        f"final champion: {final_dir}; noise floor of accept/shown (never-right model): "
+        f"{noise_floor(params.simulator):.4f}",
+        highlight=False,
+    )
     (state / "story.json").write_text(json.dumps(story, indent=2) + "\n")
-    console.print(f"MLflow UI:  mlflow ui --backend-store-uri {params.paths.mlflow_tracking_uri} --workers 1  "
-                  "(then http://127.0.0.1:5000)")
-    console.print("Prefect UI: prefect server start --host 127.0.0.1, then `tabrl schedule` (http://127.0.0.1:4200); "
-                  "this run used Prefect's ephemeral mode")
+    console.print(
+        f"MLflow UI:  mlflow ui --backend-store-uri {params.paths.mlflow_tracking_uri} --workers 1  "
+        "(then http://127.0.0.1:5000)"
+    )
+    console.print(
+        "Prefect UI: prefect server start --host 127.0.0.1, then `tabrl schedule` (http://127.0.0.1:4200); "
+        "this run used Prefect's ephemeral mode"
+    )
     return story
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import matplotlib
 
@@ -24,12 +24,15 @@ def plot_cycles(rows: Sequence, path: Path, tracking_uri: str | None = None) -> 
     online.plot(cycles, [r.reward_per_request for r in rows], "o-", label="reward / request")
     online.set_title("online (simulated users typing over HTTP, traffic before each cycle)")
     held = axes[1]
-    for key, label in (("eval_accept_rate", "candidate accept / shown"), ("eval_chars_saved", "candidate characters saved"),
-                       ("eval_reward_per_request", "candidate reward / request"),
-                       ("champion_eval_reward_per_request", "champion reward / request")):
+    for key, label in (
+        ("eval_accept_rate", "candidate accept / shown"),
+        ("eval_chars_saved", "candidate characters saved"),
+        ("eval_reward_per_request", "candidate reward / request"),
+        ("champion_eval_reward_per_request", "champion reward / request"),
+    ):
         points = [(r.cycle, getattr(r, key)) for r in rows if getattr(r, key) is not None]
         if points:
-            held.plot(*zip(*points), "o-", label=label)
+            held.plot(*zip(*points, strict=True), "o-", label=label)
     held.set_title("held-out editor traffic (each cycle's candidate vs champion)")
     for ax in axes:
         ax.set_xlabel("cycle")
@@ -46,7 +49,14 @@ def plot_cycles(rows: Sequence, path: Path, tracking_uri: str | None = None) -> 
         with mlflow.start_run(run_name="online-loop-summary"):
             mlflow.log_artifact(str(path))
             for r in rows:
-                mlflow.log_metrics({"online/suggest_rate": r.suggest_rate, "online/accept_rate": r.accept_rate,
-                                    "online/right_rate": r.right_rate, "online/chars_saved": r.chars_saved,
-                                    "online/reward_per_request": r.reward_per_request}, step=r.cycle)
+                mlflow.log_metrics(
+                    {
+                        "online/suggest_rate": r.suggest_rate,
+                        "online/accept_rate": r.accept_rate,
+                        "online/right_rate": r.right_rate,
+                        "online/chars_saved": r.chars_saved,
+                        "online/reward_per_request": r.reward_per_request,
+                    },
+                    step=r.cycle,
+                )
     return path

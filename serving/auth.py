@@ -42,14 +42,18 @@ def set_opt_out(engine: Engine, user_id: str, opted_out: bool) -> None:
     """Put a user outside (or back inside) the logged cohort; their requests are still served."""
     now = time.time()
     with engine.begin() as conn:
-        done = conn.execute(users.update().where(users.c.user_id == user_id).values(opted_out=opted_out, updated_at=now))
+        done = conn.execute(
+            users.update().where(users.c.user_id == user_id).values(opted_out=opted_out, updated_at=now)
+        )
         if done.rowcount == 0:
             conn.execute(users.insert().values(user_id=user_id, opted_out=opted_out, updated_at=now))
 
 
 def _lookup_key(engine: Engine, key_hash: str) -> str | None:
     with engine.connect() as conn:
-        return conn.execute(sa.select(api_keys.c.user_id).where(api_keys.c.key_hash == key_hash, api_keys.c.revoked == sa.false())).scalar()
+        return conn.execute(
+            sa.select(api_keys.c.user_id).where(api_keys.c.key_hash == key_hash, api_keys.c.revoked == sa.false())
+        ).scalar()
 
 
 def _lookup_opted_out(engine: Engine, user_id: str) -> bool:

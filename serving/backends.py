@@ -16,15 +16,15 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import httpx
 
 from serving.store import Arm
 from tasks.fim import parse_completion
 from tasks.generate import Generation, ModelLoadError, generate, load_model
-
 
 VLLM_MAX_STOP = 4
 # transformers' from_pretrained is not thread-safe: it builds the model under process-wide "empty
@@ -62,13 +62,24 @@ class EmbeddedBackend:
             except (ModelLoadError, OSError) as err:
                 raise BackendError(f"cannot load model {self.model_dir}: {err}") from err
 
-    def _complete(self, prompt: str, max_tokens: int, temperature: float, top_p: float, stop: Sequence[str]) -> Generation:
+    def _complete(
+        self, prompt: str, max_tokens: int, temperature: float, top_p: float, stop: Sequence[str]
+    ) -> Generation:
         with self._lock:
             self._load()
-            return generate(self._model, self._tokenizer, [prompt], max_tokens, temperature=temperature, top_p=top_p,
-                            stop=tuple(stop))[0]
+            return generate(
+                self._model,
+                self._tokenizer,
+                [prompt],
+                max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                stop=tuple(stop),
+            )[0]
 
-    async def complete(self, prompt: str, max_tokens: int, temperature: float, top_p: float, stop: Sequence[str]) -> Generation:
+    async def complete(
+        self, prompt: str, max_tokens: int, temperature: float, top_p: float, stop: Sequence[str]
+    ) -> Generation:
         return await asyncio.to_thread(self._complete, prompt, max_tokens, temperature, top_p, stop)
 
     async def aclose(self) -> None:
@@ -102,20 +113,26 @@ class VLLMBackend:
             raise BackendError(f"vLLM at {self.base_url}{path} answered {response.status_code}: {response.text[:300]}")
         return response.json()
 
-    async def complete(self, prompt: str, max_tokens: int, temperature: float, top_p: float, stop: Sequence[str]) -> Generation:
+    async def complete(
+        self, prompt: str, max_tokens: int, temperature: float, top_p: float, stop: Sequence[str]
+    ) -> Generation:
         started = time.perf_counter()
-        body = await self._request("POST", "/completions", {
-            "model": await self._model_name(),
-            "prompt": prompt,  # raw FIM prompt; never `suffix` (rejected for Qwen2.5-Coder)
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "top_p": top_p,
-            # vLLM takes at most 4 stop strings (OpenAI's limit); the full list is applied to the text below.
-            "stop": list(stop)[:VLLM_MAX_STOP],
-            "logprobs": 0,  # the sampled token's log-prob only
-            "return_token_ids": True,
-            "skip_special_tokens": False,
-        })
+        body = await self._request(
+            "POST",
+            "/completions",
+            {
+                "model": await self._model_name(),
+                "prompt": prompt,  # raw FIM prompt; never `suffix` (rejected for Qwen2.5-Coder)
+                "max_tokens": max_tokens,
+                "temperature": temperature,
+                "top_p": top_p,
+                # vLLM takes at most 4 stop strings (OpenAI's limit); the full list is applied to the text below.
+                "stop": list(stop)[:VLLM_MAX_STOP],
+                "logprobs": 0,  # the sampled token's log-prob only
+                "return_token_ids": True,
+                "skip_special_tokens": False,
+            },
+        )
         return generation_from_vllm(body, stop, (time.perf_counter() - started) * 1000.0)
 
     async def aclose(self) -> None:

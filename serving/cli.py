@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -13,10 +13,9 @@ from rich.table import Table
 from tasks.config import DEFAULT_PARAMS_FILE
 from tasks.console import console, print_table
 
-
 # Typer options are declared here (not imported from tasks.cli) so that tasks/cli.py can import this module.
 ParamsOpt = Annotated[Path, typer.Option("--params", help="params.yaml to read.")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override one key: section.key=value (repeatable).")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override one key: section.key=value (repeatable).")]
 
 keys_app = typer.Typer(help="API keys and the opt-in cohort.", no_args_is_help=True)
 
@@ -42,10 +41,20 @@ def _engine(params):
 
 
 def serve_cmd(
-    model: Annotated[Optional[Path], typer.Option(help="Checkpoint to serve as the single champion arm when the store has no arms (default: model.base_dir).")] = None,
-    host: Annotated[Optional[str], typer.Option(help="Bind address (default: serving.host).")] = None,
-    port: Annotated[Optional[int], typer.Option(help="Port (default: serving.port).")] = None,
-    no_auth: Annotated[bool, typer.Option("--no-auth", help="Serve without API keys (local demo only); users are taken from the `user` field.")] = False,
+    model: Annotated[
+        Path | None,
+        typer.Option(
+            help="Checkpoint to serve as the single champion arm when the store has no arms (default: model.base_dir)."
+        ),
+    ] = None,
+    host: Annotated[str | None, typer.Option(help="Bind address (default: serving.host).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default: serving.port).")] = None,
+    no_auth: Annotated[
+        bool,
+        typer.Option(
+            "--no-auth", help="Serve without API keys (local demo only); users are taken from the `user` field."
+        ),
+    ] = False,
     params: ParamsOpt = DEFAULT_PARAMS_FILE,
     set_: SetOpt = None,
 ) -> None:
@@ -60,8 +69,10 @@ def serve_cmd(
     if not read_arms(engine):
         target = model or Path(p.model.base_dir)
         if not (target / "config.json").is_file():
-            _fail(f"the store has no arms and {target} is not a model directory; pass --model DIR "
-                  "(or build the base model with `make base`)")
+            _fail(
+                f"the store has no arms and {target} is not a model directory; pass --model DIR "
+                "(or build the base model with `make base`)"
+            )
         replace_arms(engine, [Arm("champion", target.name, str(target.resolve()), "embedded", 1.0)])
         console.print(f"Seeded arm 'champion' -> {target}")
     elif model is not None:
@@ -76,8 +87,11 @@ def serve_cmd(
 
 
 @keys_app.command("add")
-def keys_add_cmd(user: Annotated[str, typer.Argument(help="User id the key maps to.")],
-                 params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -> None:
+def keys_add_cmd(
+    user: Annotated[str, typer.Argument(help="User id the key maps to.")],
+    params: ParamsOpt = DEFAULT_PARAMS_FILE,
+    set_: SetOpt = None,
+) -> None:
     """Create an API key for USER and print it (only its hash is stored)."""
     from serving.auth import add_key
 
@@ -90,9 +104,12 @@ def keys_add_cmd(user: Annotated[str, typer.Argument(help="User id the key maps 
 
 
 @keys_app.command("opt-out")
-def keys_opt_out_cmd(user: Annotated[str, typer.Argument(help="User id.")],
-                     undo: Annotated[bool, typer.Option("--undo", help="Opt the user back in.")] = False,
-                     params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -> None:
+def keys_opt_out_cmd(
+    user: Annotated[str, typer.Argument(help="User id.")],
+    undo: Annotated[bool, typer.Option("--undo", help="Opt the user back in.")] = False,
+    params: ParamsOpt = DEFAULT_PARAMS_FILE,
+    set_: SetOpt = None,
+) -> None:
     """Stop logging USER's requests (they are still served); --undo logs them again."""
     from serving.auth import set_opt_out
 
@@ -126,8 +143,19 @@ def parse_arm_spec(spec: str):
 
 
 def arms_cmd(
-    arm: Annotated[Optional[list[str]], typer.Option("--arm", help="Replace the arms: name=N,uri=DIR|URL,share=S[,backend=embedded|vllm][,version=V] (repeat per arm).")] = None,
-    from_json: Annotated[Optional[Path], typer.Option("--json", help="Replace the arms from a JSON list of {name, model_version, model_uri, backend, share}.")] = None,
+    arm: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--arm",
+            help="Replace the arms: name=N,uri=DIR|URL,share=S[,backend=embedded|vllm][,version=V] (repeat per arm).",
+        ),
+    ] = None,
+    from_json: Annotated[
+        Path | None,
+        typer.Option(
+            "--json", help="Replace the arms from a JSON list of {name, model_version, model_uri, backend, share}."
+        ),
+    ] = None,
     params: ParamsOpt = DEFAULT_PARAMS_FILE,
     set_: SetOpt = None,
 ) -> None:
@@ -158,7 +186,9 @@ def arms_cmd(
 
 def import_continue_cmd(
     file: Annotated[Path, typer.Argument(help="Continue's dev_data/0.2.0/autocomplete.jsonl (one event per line).")],
-    level: Annotated[str, typer.Option(help="'all' (texts present) or 'noCode' (texts withheld: stored, not trained on).")] = "all",
+    level: Annotated[
+        str, typer.Option(help="'all' (texts present) or 'noCode' (texts withheld: stored, not trained on).")
+    ] = "all",
     params: ParamsOpt = DEFAULT_PARAMS_FILE,
     set_: SetOpt = None,
 ) -> None:
@@ -195,11 +225,17 @@ def import_continue_cmd(
 def simulate_cmd(
     users: Annotated[int, typer.Option(help="Simulated users (personas drawn by weight).", min=1)] = 8,
     requests: Annotated[int, typer.Option(help="Completion requests in all.", min=1)] = 64,
-    url: Annotated[Optional[str], typer.Option(help="Gateway base URL (default: http://serving.host:serving.port).")] = None,
-    regions: Annotated[Path, typer.Option(help="Regions the users type (written by the `fim` stage; held-out by default).")] = Path("data/fim/typing_test.parquet"),
+    url: Annotated[
+        str | None, typer.Option(help="Gateway base URL (default: http://serving.host:serving.port).")
+    ] = None,
+    regions: Annotated[
+        Path, typer.Option(help="Regions the users type (written by the `fim` stage; held-out by default).")
+    ] = Path("data/fim/typing_test.parquet"),
     concurrency: Annotated[int, typer.Option(help="Requests in flight at once.", min=1)] = 4,
-    no_auth: Annotated[bool, typer.Option("--no-auth", help="The gateway runs without keys: send users in the `user` field.")] = False,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the per-arm numbers here.")] = None,
+    no_auth: Annotated[
+        bool, typer.Option("--no-auth", help="The gateway runs without keys: send users in the `user` field.")
+    ] = False,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the per-arm numbers here.")] = None,
     params: ParamsOpt = DEFAULT_PARAMS_FILE,
     set_: SetOpt = None,
 ) -> None:
@@ -226,17 +262,40 @@ def simulate_cmd(
     base_url = url or f"http://{p.serving.host}:{p.serving.port}"
     with tqdm(total=requests, desc="simulated requests", unit="req") as bar:
         try:
-            by_arm = run_simulation(base_url, typed_regions, sim_users, requests, keys, concurrency, p.simulator.seed,
-                                    p.traffic, progress=lambda: bar.update(1))
+            by_arm = run_simulation(
+                base_url,
+                typed_regions,
+                sim_users,
+                requests,
+                keys,
+                concurrency,
+                p.simulator.seed,
+                p.traffic,
+                progress=lambda: bar.update(1),
+            )
         except (SimulationError, httpx.HTTPError) as err:
             _fail(f"simulation against {base_url} failed: {err}", 1)
     table = Table(title=f"Simulated users typing over HTTP: {base_url}")
-    for col in ("arm", "requests", "suggestion rate", "accept / shown", "right / shown (no noise)",
-                "chars saved", "mean length (chars)"):
+    for col in (
+        "arm",
+        "requests",
+        "suggestion rate",
+        "accept / shown",
+        "right / shown (no noise)",
+        "chars saved",
+        "mean length (chars)",
+    ):
         table.add_column(col, justify="right")
     for arm, s in by_arm.items():
-        table.add_row(arm, str(s.requests), f"{s.suggest_rate:.3f}", f"{s.accept_rate:.3f}", f"{s.right_rate:.3f}",
-                      f"{s.chars_saved:.3f}", f"{s.mean_len:.1f}")
+        table.add_row(
+            arm,
+            str(s.requests),
+            f"{s.suggest_rate:.3f}",
+            f"{s.accept_rate:.3f}",
+            f"{s.right_rate:.3f}",
+            f"{s.chars_saved:.3f}",
+            f"{s.mean_len:.1f}",
+        )
     print_table(table)
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
@@ -244,7 +303,12 @@ def simulate_cmd(
 
 
 def purge_cmd(
-    older_than: Annotated[str, typer.Option("--older-than", help="Delete completions and feedback older than this: NUMBER + s|m|h|d|w, e.g. 30d.")],
+    older_than: Annotated[
+        str,
+        typer.Option(
+            "--older-than", help="Delete completions and feedback older than this: NUMBER + s|m|h|d|w, e.g. 30d."
+        ),
+    ],
     batch: Annotated[int, typer.Option(help="Rows deleted per transaction.", min=1)] = 1000,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only count what would be deleted.")] = False,
     params: ParamsOpt = DEFAULT_PARAMS_FILE,
@@ -262,5 +326,7 @@ def purge_cmd(
     p = _params(params, set_)
     done = purge(_engine(p), seconds, batch=batch, dry_run=dry_run)
     verb = "would delete" if dry_run else "deleted"
-    console.print(f"{verb} {done.completions} completions, {done.feedback} feedback, {done.late_feedback} late feedback "
-                  f"older than {older_than}")
+    console.print(
+        f"{verb} {done.completions} completions, {done.feedback} feedback, {done.late_feedback} late feedback "
+        f"older than {older_than}"
+    )

@@ -20,9 +20,9 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Callable
 
 import sqlalchemy as sa
 import torch
@@ -35,8 +35,15 @@ from sqlalchemy.engine import Engine
 
 from serving.auth import Directory, hash_key
 from serving.backends import Backend, BackendError, make_backend
-from serving.compat import (CONTINUE_SCHEMA, CompatError, ContinueEvent, RlinfSubmit, outcome_from_continue,
-                            outcome_from_rlinf, texts_of)
+from serving.compat import (
+    CONTINUE_SCHEMA,
+    CompatError,
+    ContinueEvent,
+    RlinfSubmit,
+    outcome_from_continue,
+    outcome_from_rlinf,
+    texts_of,
+)
 from serving.log import STORE_UNAVAILABLE, LogWriter, Outcome, Recorded, insert_completion, prompt_hash, record_outcome
 from serving.router import Router, UnknownArmError
 from serving.store import Arm, init_schema, make_engine
@@ -113,8 +120,13 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            response = JSONResponse(_error_body(413, f"request body is {int(declared)} bytes; the limit is "
-                                                     f"{self.max_bytes} (serving.max_body_bytes)"), status_code=413)
+            response = JSONResponse(
+                _error_body(
+                    413,
+                    f"request body is {int(declared)} bytes; the limit is {self.max_bytes} (serving.max_body_bytes)",
+                ),
+                status_code=413,
+            )
             return await response(scope, receive, send)
         seen = 0
 
@@ -123,7 +135,9 @@ class BodyLimit:
             message = await receive()
             seen += len(message.get("body", b""))
             if seen > self.max_bytes:
-                raise HTTPException(413, f"request body exceeds the limit of {self.max_bytes} bytes (serving.max_body_bytes)")
+                raise HTTPException(
+                    413, f"request body exceeds the limit of {self.max_bytes} bytes (serving.max_body_bytes)"
+                )
             return message
 
         return await self.app(scope, counted, send)
@@ -139,19 +153,37 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("tabrl_requests", "HTTP requests by endpoint and status.", ["endpoint", "status"],
-                                registry=self.registry)
-        self.completions = Counter("tabrl_completions", "Completions served by arm (shown or abstained).", ["arm", "shown"],
-                                   registry=self.registry)
-        self.latency = Histogram("tabrl_completion_latency_seconds", "Completion latency in the gateway by arm.", ["arm"],
-                                 registry=self.registry,
-                                 buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
-        self.feedback = Counter("tabrl_feedback", "Outcomes recorded by arm ('' when unmatched) and answer.",
-                                ["arm", "accepted"], registry=self.registry)
-        self.accept_rate = Gauge("tabrl_online_accept_rate", "Accepted / shown suggestions per arm since start.", ["arm"],
-                                 registry=self.registry)
-        self.fallbacks = Counter("tabrl_fallbacks", "Requests a failing arm handed to the champion.", ["arm"],
-                                 registry=self.registry)
+        self.requests = Counter(
+            "tabrl_requests", "HTTP requests by endpoint and status.", ["endpoint", "status"], registry=self.registry
+        )
+        self.completions = Counter(
+            "tabrl_completions",
+            "Completions served by arm (shown or abstained).",
+            ["arm", "shown"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "tabrl_completion_latency_seconds",
+            "Completion latency in the gateway by arm.",
+            ["arm"],
+            registry=self.registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
+        self.feedback = Counter(
+            "tabrl_feedback",
+            "Outcomes recorded by arm ('' when unmatched) and answer.",
+            ["arm", "accepted"],
+            registry=self.registry,
+        )
+        self.accept_rate = Gauge(
+            "tabrl_online_accept_rate",
+            "Accepted / shown suggestions per arm since start.",
+            ["arm"],
+            registry=self.registry,
+        )
+        self.fallbacks = Counter(
+            "tabrl_fallbacks", "Requests a failing arm handed to the champion.", ["arm"], registry=self.registry
+        )
         self.unlogged = Counter("tabrl_unlogged", "Requests served but not logged (opted out).", registry=self.registry)
         self._shown: dict[str, int] = {}
         self._accepted: dict[str, int] = {}
@@ -175,8 +207,12 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def create_app(params: Params, engine: Engine | None = None, auth: bool | None = None,
-               backend_factory: Callable[[Arm, float], Backend] = make_backend) -> FastAPI:
+def create_app(
+    params: Params,
+    engine: Engine | None = None,
+    auth: bool | None = None,
+    backend_factory: Callable[[Arm, float], Backend] = make_backend,
+) -> FastAPI:
     """The gateway app; auth=None follows params.serving.auth (switch it off only for a local demo).
 
     backend_factory builds an arm's backend (default: embedded or vLLM by the arm's `backend`);
@@ -209,8 +245,9 @@ def create_app(params: Params, engine: Engine | None = None, auth: bool | None =
     app.add_middleware(BodyLimit, max_bytes=s.max_body_bytes)
     app.state.engine, app.state.router, app.state.metrics = engine, router, metrics
 
-    def error(request: Request, status: int, message: str, param: str | None = None,
-              headers: dict | None = None) -> JSONResponse:
+    def error(
+        request: Request, status: int, message: str, param: str | None = None, headers: dict | None = None
+    ) -> JSONResponse:
         metrics.requests.labels(request.url.path, str(status)).inc()
         return JSONResponse(_error_body(status, message, param), status_code=status, headers=headers)
 
@@ -224,10 +261,16 @@ def create_app(params: Params, engine: Engine | None = None, auth: bool | None =
 
     async def _store_unavailable(request: Request, err: Exception) -> JSONResponse:
         # Only the driver's own message: SQLAlchemy's str(err) carries the statement's parameters (prompts).
-        reason = f"{type(getattr(err, 'orig', None) or err).__name__}: {str(getattr(err, 'orig', None) or '').strip()[:200]}"
+        reason = (
+            f"{type(getattr(err, 'orig', None) or err).__name__}: {str(getattr(err, 'orig', None) or '').strip()[:200]}"
+        )
         log.warning("log store unavailable (%s %s): %s", request.method, request.url.path, reason)
-        return error(request, 503, f"the log store is unavailable ({reason}); nothing was recorded, retry after "
-                                   f"{RETRY_AFTER_S} s", headers={"Retry-After": str(RETRY_AFTER_S)})
+        return error(
+            request,
+            503,
+            f"the log store is unavailable ({reason}); nothing was recorded, retry after {RETRY_AFTER_S} s",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
 
     for kind in STORE_UNAVAILABLE:
         app.add_exception_handler(kind, _store_unavailable)
@@ -252,7 +295,9 @@ def create_app(params: Params, engine: Engine | None = None, auth: bool | None =
         if require_auth:
             scheme, _, key = request.headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not key.strip():
-                raise ApiError(401, "missing API key: send `Authorization: Bearer KEY` (create one with `tabrl keys add USER`)")
+                raise ApiError(
+                    401, "missing API key: send `Authorization: Bearer KEY` (create one with `tabrl keys add USER`)"
+                )
             user_id = await directory.user_for_key(key.strip())
             if user_id is None:
                 raise ApiError(401, "invalid or revoked API key")
@@ -278,8 +323,11 @@ def create_app(params: Params, engine: Engine | None = None, auth: bool | None =
             if now - start >= 60:
                 start, count = now, 0
             if count >= limit:
-                raise HTTPException(429, f"rate limit: at most {limit} requests per minute per {what}",
-                                    headers={"Retry-After": str(max(1, int(60 - (now - start)) + 1))})
+                raise HTTPException(
+                    429,
+                    f"rate limit: at most {limit} requests per minute per {what}",
+                    headers={"Retry-After": str(max(1, int(60 - (now - start)) + 1))},
+                )
             counted.append((name, start, count + 1))
         for name, start, count in counted:
             windows[name] = (start, count)
@@ -288,8 +336,9 @@ def create_app(params: Params, engine: Engine | None = None, auth: bool | None =
         if len(text) > limit:
             raise ApiError(413, f"{field} is {len(text)} characters; the limit is {limit}", field)
 
-    async def generate_with_fallback(arm: Arm, champion: Arm, prompt: str, max_tokens: int, temperature: float,
-                                     top_p: float, stop: list[str]) -> tuple[Arm, Generation]:
+    async def generate_with_fallback(
+        arm: Arm, champion: Arm, prompt: str, max_tokens: int, temperature: float, top_p: float, stop: list[str]
+    ) -> tuple[Arm, Generation]:
         try:
             return arm, await router.backend(arm).complete(prompt, max_tokens, temperature, top_p, stop)
         except BackendError as err:
@@ -300,8 +349,11 @@ def create_app(params: Params, engine: Engine | None = None, auth: bool | None =
         try:
             return champion, await router.backend(champion).complete(prompt, max_tokens, temperature, top_p, stop)
         except BackendError as err:
-            raise ApiError(502, f"arm {arm.name!r} failed and champion arm {champion.name!r} ({champion.backend} "
-                                f"{champion.model_uri}) failed too: {err}") from err
+            raise ApiError(
+                502,
+                f"arm {arm.name!r} failed and champion arm {champion.name!r} ({champion.backend} "
+                f"{champion.model_uri}) failed too: {err}",
+            ) from err
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -321,8 +373,12 @@ def create_app(params: Params, engine: Engine | None = None, auth: bool | None =
             try:
                 fim = parse_prompt(text)
             except FimFormatError as err:
-                raise ApiError(422, f"prompt: {err}; send a FIM prompt (<|fim_prefix|>...<|fim_suffix|>...<|fim_middle|>) "
-                                    "or the prefix as prompt plus suffix", "prompt") from None
+                raise ApiError(
+                    422,
+                    f"prompt: {err}; send a FIM prompt (<|fim_prefix|>...<|fim_suffix|>...<|fim_middle|>) "
+                    "or the prefix as prompt plus suffix",
+                    "prompt",
+                ) from None
             prefix, suffix, prompt = fim.prefix, fim.suffix, text
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or STOP_STRINGS)
         if len(stop) > MAX_STOP_STRINGS:
@@ -339,12 +395,27 @@ def create_app(params: Params, engine: Engine | None = None, auth: bool | None =
         completion_id = f"cmpl-{uuid.uuid4().hex}"
         latency_ms = (time.perf_counter() - started) * 1000.0
         if caller.logged:
-            await writer.submit(insert_completion({
-                "id": completion_id, "created_at": time.time(), "user_id": caller.user_id, "arm": arm.name,
-                "model_version": arm.model_version, "prompt": prompt, "prefix": prefix, "suffix": suffix,
-                "completion": gen.text, "token_ids": gen.token_ids, "logprobs": gen.logprobs, "temperature": temperature,
-                "latency_ms": latency_ms, "abstained": not gen.text, "prompt_hash": prompt_hash(prompt, gen.text),
-            }))
+            await writer.submit(
+                insert_completion(
+                    {
+                        "id": completion_id,
+                        "created_at": time.time(),
+                        "user_id": caller.user_id,
+                        "arm": arm.name,
+                        "model_version": arm.model_version,
+                        "prompt": prompt,
+                        "prefix": prefix,
+                        "suffix": suffix,
+                        "completion": gen.text,
+                        "token_ids": gen.token_ids,
+                        "logprobs": gen.logprobs,
+                        "temperature": temperature,
+                        "latency_ms": latency_ms,
+                        "abstained": not gen.text,
+                        "prompt_hash": prompt_hash(prompt, gen.text),
+                    }
+                )
+            )
         else:
             metrics.unlogged.inc()
         metrics.served(arm.name, bool(gen.text), time.perf_counter() - started)
@@ -353,38 +424,70 @@ def create_app(params: Params, engine: Engine | None = None, auth: bool | None =
         headers = {"X-Tabrl-Arm": arm.name}
         if req.stream:
             metrics.requests.labels(request.url.path, "200").inc()
-            return StreamingResponse(_sse(completion_id, created, arm, gen, tabrl), media_type="text/event-stream",
-                                     headers=headers)
+            return StreamingResponse(
+                _sse(completion_id, created, arm, gen, tabrl), media_type="text/event-stream", headers=headers
+            )
         metrics.requests.labels(request.url.path, "200").inc()
-        return JSONResponse({
-            "id": completion_id, "object": "text_completion", "created": created, "model": arm.model_version,
-            "choices": [{"text": gen.text, "index": 0, "logprobs": None, "finish_reason": gen.finish_reason}],
-            "usage": {"completion_tokens": len(gen.token_ids)},
-            "tabrl": tabrl,
-        }, headers=headers)
+        return JSONResponse(
+            {
+                "id": completion_id,
+                "object": "text_completion",
+                "created": created,
+                "model": arm.model_version,
+                "choices": [{"text": gen.text, "index": 0, "logprobs": None, "finish_reason": gen.finish_reason}],
+                "usage": {"completion_tokens": len(gen.token_ids)},
+                "tabrl": tabrl,
+            },
+            headers=headers,
+        )
 
     async def record(request: Request, caller: Caller, outcome: Outcome, require_ours: bool) -> JSONResponse:
         if not caller.logged:
             return ok(request, {"logged": False})
-        rec = await writer.submit(record_outcome(outcome, caller.user_id if caller.owner_checked else None, require_ours))
+        rec = await writer.submit(
+            record_outcome(outcome, caller.user_id if caller.owner_checked else None, require_ours)
+        )
         metrics.recorded(rec)
         if rec.status == "unknown":
-            raise ApiError(404, f"unknown completion id {outcome.completion_id!r} (not served by this gateway, or opted out)",
-                           "completion_id")
+            raise ApiError(
+                404,
+                f"unknown completion id {outcome.completion_id!r} (not served by this gateway, or opted out)",
+                "completion_id",
+            )
         if rec.status == "forbidden":
-            raise ApiError(403, f"completion {rec.completion_id!r} belongs to another user; a key may only send feedback "
-                                "for its own completions", "completion_id")
+            raise ApiError(
+                403,
+                f"completion {rec.completion_id!r} belongs to another user; a key may only send feedback "
+                "for its own completions",
+                "completion_id",
+            )
         if rec.status == "conflict":
-            raise ApiError(409, f"feedback for {rec.completion_id!r} was already recorded as accepted={rec.accepted}; "
-                                "the first answer wins", "accepted")
-        return ok(request, {"completion_id": rec.completion_id, "matched": rec.matched, "accepted": rec.accepted,
-                            "duplicate": rec.status == "duplicate", "logged": True})
+            raise ApiError(
+                409,
+                f"feedback for {rec.completion_id!r} was already recorded as accepted={rec.accepted}; "
+                "the first answer wins",
+                "accepted",
+            )
+        return ok(
+            request,
+            {
+                "completion_id": rec.completion_id,
+                "matched": rec.matched,
+                "accepted": rec.accepted,
+                "duplicate": rec.status == "duplicate",
+                "logged": True,
+            },
+        )
 
     @app.post("/v1/feedback")
     async def feedback_(req: FeedbackRequest, request: Request):
         caller = await caller_of(request, None)
-        return await record(request, caller, Outcome(req.accepted, "api", req.completion_id,
-                                                     accepted_chars=req.accepted_chars), require_ours=True)
+        return await record(
+            request,
+            caller,
+            Outcome(req.accepted, "api", req.completion_id, accepted_chars=req.accepted_chars),
+            require_ours=True,
+        )
 
     async def json_object(request: Request) -> dict:
         try:
@@ -409,9 +512,18 @@ def create_app(params: Params, engine: Engine | None = None, auth: bool | None =
             raise ApiError(422, str(err)) from None
         return await record(request, caller, outcome, require_ours=False)
 
-    @app.post("/api/continue/events", openapi_extra=_json_body({
-        **ContinueData.model_json_schema(by_alias=True), "properties": {
-            **ContinueData.model_json_schema(by_alias=True)["properties"], "data": ContinueEvent.model_json_schema()}}))
+    @app.post(
+        "/api/continue/events",
+        openapi_extra=_json_body(
+            {
+                **ContinueData.model_json_schema(by_alias=True),
+                "properties": {
+                    **ContinueData.model_json_schema(by_alias=True)["properties"],
+                    "data": ContinueEvent.model_json_schema(),
+                },
+            }
+        ),
+    )
     async def continue_events(request: Request):
         envelope = await json_object(request)
         try:
@@ -419,8 +531,11 @@ def create_app(params: Params, engine: Engine | None = None, auth: bool | None =
         except ValueError as err:
             raise ApiError(422, f"not a Continue data event ({{name, data, schema, level}}): {err}") from None
         if event.schema_ != CONTINUE_SCHEMA:
-            raise ApiError(422, f"schema {event.schema_!r} is not supported; set `schema: {CONTINUE_SCHEMA}` on the data "
-                                "destination", "schema")
+            raise ApiError(
+                422,
+                f"schema {event.schema_!r} is not supported; set `schema: {CONTINUE_SCHEMA}` on the data destination",
+                "schema",
+            )
         if event.name != "autocomplete":
             return ok(request, {"ignored": True, "reason": f"event {event.name!r} is not used by tabrl"})
         for name, text in texts_of(event.data).items():
@@ -435,9 +550,23 @@ def create_app(params: Params, engine: Engine | None = None, auth: bool | None =
     @app.get("/v1/models")
     async def models(request: Request):
         arms = await router.arms()
-        return ok(request, {"object": "list", "data": [
-            {"id": a.model_version, "object": "model", "owned_by": "tabrl", "arm": a.name, "backend": a.backend,
-             "share": a.share} for a in arms]})
+        return ok(
+            request,
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": a.model_version,
+                        "object": "model",
+                        "owned_by": "tabrl",
+                        "arm": a.name,
+                        "backend": a.backend,
+                        "share": a.share,
+                    }
+                    for a in arms
+                ],
+            },
+        )
 
     @app.get("/healthz")
     async def healthz(request: Request):
@@ -465,7 +594,11 @@ def _json_body(schema: dict) -> dict:
 async def _sse(completion_id: str, created: int, arm: Arm, gen: Generation, tabrl: dict):
     """OpenAI-style SSE: the text, then the finish reason, then [DONE] (the row is already committed)."""
     base = {"id": completion_id, "object": "text_completion", "created": created, "model": arm.model_version}
-    first = {**base, "choices": [{"text": gen.text, "index": 0, "logprobs": None, "finish_reason": None}], "tabrl": tabrl}
+    first = {
+        **base,
+        "choices": [{"text": gen.text, "index": 0, "logprobs": None, "finish_reason": None}],
+        "tabrl": tabrl,
+    }
     last = {**base, "choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": gen.finish_reason}]}
     yield f"data: {json.dumps(first)}\n\n"
     yield f"data: {json.dumps(last)}\n\n"

@@ -16,8 +16,9 @@ import hashlib
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -92,7 +93,7 @@ class LogWriter:
             for item in batch:
                 self._commit_alone(item)
             return
-        for (_, future, loop), result in zip(batch, results):
+        for (_, future, loop), result in zip(batch, results, strict=True):
             loop.call_soon_threadsafe(_resolve, future, result, None)
 
     def _commit_alone(self, item) -> None:
@@ -100,7 +101,7 @@ class LogWriter:
         try:
             with self.engine.begin() as conn:
                 result = op(conn)
-        except Exception as err:  # handed to the waiting request, which raises it: nothing is hidden
+        except Exception as err:  # noqa: BLE001  (handed to the waiting request, which raises it: nothing is hidden)
             loop.call_soon_threadsafe(_resolve, future, None, err)
             return
         loop.call_soon_threadsafe(_resolve, future, result, None)
@@ -171,12 +172,18 @@ def record_outcome(outcome: Outcome, user_id: str | None, require_ours: bool) ->
     def op(conn: Connection) -> Recorded:
         row = None
         if outcome.completion_id:
-            row = conn.execute(sa.select(completions.c.id, completions.c.user_id, completions.c.arm)
-                               .where(completions.c.id == outcome.completion_id)).first()
+            row = conn.execute(
+                sa.select(completions.c.id, completions.c.user_id, completions.c.arm).where(
+                    completions.c.id == outcome.completion_id
+                )
+            ).first()
         if row is None and outcome.prompt is not None and outcome.completion is not None:
-            query = (sa.select(completions.c.id, completions.c.user_id, completions.c.arm)
-                     .where(completions.c.prompt_hash == prompt_hash(outcome.prompt, outcome.completion))
-                     .order_by(completions.c.seq.desc()).limit(1))
+            query = (
+                sa.select(completions.c.id, completions.c.user_id, completions.c.arm)
+                .where(completions.c.prompt_hash == prompt_hash(outcome.prompt, outcome.completion))
+                .order_by(completions.c.seq.desc())
+                .limit(1)
+            )
             if user_id is not None:
                 query = query.where(completions.c.user_id == user_id)
             row = conn.execute(query).first()
@@ -184,18 +191,27 @@ def record_outcome(outcome: Outcome, user_id: str | None, require_ours: bool) ->
             return Recorded("forbidden", row.id)
         if row is None and require_ours:
             return Recorded("unknown", outcome.completion_id or "")
-        key = row.id if row is not None else (outcome.completion_id or f"{outcome.source}-{prompt_hash(str(outcome.payload), '')[:32]}")
-        inserted = insert_ignore(conn, feedback, {
-            "completion_id": key,
-            "matched": row is not None,
-            "accepted": outcome.accepted,
-            "accepted_chars": outcome.accepted_chars,
-            "received_at": time.time(),
-            "source": outcome.source,
-            "user_id": user_id if user_id is not None else (row.user_id if row is not None else None),
-            "trainable": outcome.trainable,
-            "payload": None if row is not None else outcome.payload,
-        }, "completion_id")
+        key = (
+            row.id
+            if row is not None
+            else (outcome.completion_id or f"{outcome.source}-{prompt_hash(str(outcome.payload), '')[:32]}")
+        )
+        inserted = insert_ignore(
+            conn,
+            feedback,
+            {
+                "completion_id": key,
+                "matched": row is not None,
+                "accepted": outcome.accepted,
+                "accepted_chars": outcome.accepted_chars,
+                "received_at": time.time(),
+                "source": outcome.source,
+                "user_id": user_id if user_id is not None else (row.user_id if row is not None else None),
+                "trainable": outcome.trainable,
+                "payload": None if row is not None else outcome.payload,
+            },
+            "completion_id",
+        )
         arm = row.arm if row is not None else None
         if inserted:
             return Recorded("recorded", key, row is not None, outcome.accepted, arm)

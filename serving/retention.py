@@ -42,8 +42,9 @@ class Purged:
     cutoff: float  # unix seconds: rows before it were deleted
 
 
-def purge(engine: Engine, older_than_s: float, batch: int = 1000, dry_run: bool = False,
-          now: float | None = None) -> Purged:
+def purge(
+    engine: Engine, older_than_s: float, batch: int = 1000, dry_run: bool = False, now: float | None = None
+) -> Purged:
     """Delete completions (with their feedback) and feedback older than older_than_s, batch rows per transaction."""
     if older_than_s <= 0 or batch < 1:
         raise ValueError(f"older_than_s ({older_than_s}) must be > 0 and batch ({batch}) >= 1")
@@ -53,11 +54,21 @@ def purge(engine: Engine, older_than_s: float, batch: int = 1000, dry_run: bool 
     if dry_run:
         with engine.connect() as conn:
             ids = [r.id for r in conn.execute(old_completions)]
-            n_fb = conn.execute(sa.select(sa.func.count()).select_from(feedback).where(sa.or_(
-                feedback.c.received_at < cutoff, feedback.c.completion_id.in_(
-                sa.select(completions.c.id).where(completions.c.created_at < cutoff))))).scalar()
-            n_late = conn.execute(sa.select(sa.func.count()).select_from(late_feedback)
-                                  .where(late_feedback.c.recorded_at < cutoff)).scalar()
+            n_fb = conn.execute(
+                sa.select(sa.func.count())
+                .select_from(feedback)
+                .where(
+                    sa.or_(
+                        feedback.c.received_at < cutoff,
+                        feedback.c.completion_id.in_(
+                            sa.select(completions.c.id).where(completions.c.created_at < cutoff)
+                        ),
+                    )
+                )
+            ).scalar()
+            n_late = conn.execute(
+                sa.select(sa.func.count()).select_from(late_feedback).where(late_feedback.c.recorded_at < cutoff)
+            ).scalar()
         return Purged(len(ids), n_fb, n_late, cutoff)
     n_c = n_f = n_l = 0
     while True:
@@ -76,8 +87,13 @@ def purge(engine: Engine, older_than_s: float, batch: int = 1000, dry_run: bool 
             n_f += conn.execute(feedback.delete().where(feedback.c.seq.in_(seqs))).rowcount
     while True:
         with engine.begin() as conn:
-            keys = conn.execute(sa.select(late_feedback.c.completion_id).where(late_feedback.c.recorded_at < cutoff)
-                                .limit(batch)).scalars().all()
+            keys = (
+                conn.execute(
+                    sa.select(late_feedback.c.completion_id).where(late_feedback.c.recorded_at < cutoff).limit(batch)
+                )
+                .scalars()
+                .all()
+            )
             if not keys:
                 break
             n_l += conn.execute(late_feedback.delete().where(late_feedback.c.completion_id.in_(keys))).rowcount

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from sqlalchemy.engine import Engine
 
@@ -53,8 +53,14 @@ def champion_of(arms: list[Arm]) -> Arm:
 class Router:
     """Live arms (TTL cache over the store) and one backend per arm version."""
 
-    def __init__(self, engine: Engine, salt: str, ttl_s: float, backend_timeout_s: float,
-                 backend_factory: Callable[[Arm, float], Backend] = make_backend):
+    def __init__(
+        self,
+        engine: Engine,
+        salt: str,
+        ttl_s: float,
+        backend_timeout_s: float,
+        backend_factory: Callable[[Arm, float], Backend] = make_backend,
+    ):
         self.engine = engine
         self.backend_factory = backend_factory
         self.salt = salt
@@ -79,7 +85,9 @@ class Router:
         """(arm to try, champion to fall back to) for this user; `forced` names an arm explicitly."""
         arms = await self.arms()
         if not arms:
-            raise UnknownArmError("no arms are configured; add one with `tabrl arms --arm ...` or `tabrl serve --model DIR`")
+            raise UnknownArmError(
+                "no arms are configured; add one with `tabrl arms --arm ...` or `tabrl serve --model DIR`"
+            )
         champion = champion_of(arms)
         if forced is not None:
             match = [a for a in arms if a.name == forced]

@@ -14,8 +14,8 @@ from __future__ import annotations
 import hashlib
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from tasks.config import Persona, SimulatorParams
 
@@ -92,13 +92,15 @@ def merge(parts: Sequence[Summary]) -> Summary:
     """One summary of several (arms, chunks); mean length weighted by shown suggestions."""
     shown = sum(p.shown for p in parts)
     return Summary(
-        requests=sum(p.requests for p in parts), shown=shown, accepted=sum(p.accepted for p in parts),
+        requests=sum(p.requests for p in parts),
+        shown=shown,
+        accepted=sum(p.accepted for p in parts),
         mean_len=sum(p.mean_len * p.shown for p in parts) / shown if shown else 0.0,
     )
 
 
 def summarise(outcomes: Sequence[str], suggestions: Sequence[str]) -> Summary:
-    shown = [s for s, o in zip(suggestions, outcomes) if o != "abstained"]
+    shown = [s for s, o in zip(suggestions, outcomes, strict=True) if o != "abstained"]
     return Summary(
         requests=len(outcomes),
         shown=len(shown),
@@ -110,7 +112,7 @@ def summarise(outcomes: Sequence[str], suggestions: Sequence[str]) -> Summary:
 def replay(samples: Sequence[dict], suggestions: Sequence[str], users: Sequence[SimUser], seed: int) -> list[str]:
     """Outcomes of suggestions[i] for samples[i], shown to users round-robin."""
     outcomes = []
-    for i, (sample, suggestion) in enumerate(zip(samples, suggestions)):
+    for i, (sample, suggestion) in enumerate(zip(samples, suggestions, strict=True)):
         user = users[i % len(users)]
         outcomes.append(user.decide(suggestion, sample["middle"], user_rng(user, sample["sample_id"], seed)))
     return outcomes

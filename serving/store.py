@@ -9,12 +9,14 @@ never lost when the gateway dies.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 SCHEMA_VERSION = 1
 
@@ -136,7 +138,7 @@ def make_engine(url: str, timeout_s: float = 30.0) -> Engine:
         engine = sa.create_engine(url, connect_args={"check_same_thread": False, "timeout": timeout_s})
 
         @sa.event.listens_for(engine, "connect")
-        def _sqlite_pragmas(dbapi_conn, _record):
+        def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA synchronous=FULL")
@@ -144,8 +146,14 @@ def make_engine(url: str, timeout_s: float = 30.0) -> Engine:
             cur.close()
 
         return engine
-    return sa.create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20, pool_timeout=timeout_s,
-                            connect_args={"connect_timeout": max(1, round(timeout_s))})
+    return sa.create_engine(
+        url,
+        pool_pre_ping=True,
+        pool_size=10,
+        max_overflow=20,
+        pool_timeout=timeout_s,
+        connect_args={"connect_timeout": max(1, round(timeout_s))},
+    )
 
 
 def init_schema(engine: Engine) -> None:
@@ -187,17 +195,19 @@ def validate_arms(new_arms: list[Arm]) -> None:
             raise ArmError(f"arm {arm.name!r}: backend {arm.backend!r} must be 'embedded' or 'vllm'")
     total = sum(a.share for a in new_arms)
     if abs(total - 1.0) > 1e-6:
-        raise ArmError(f"arm shares must sum to 1, got {total:g} ({', '.join(f'{a.name}={a.share:g}' for a in new_arms)})")
+        raise ArmError(
+            f"arm shares must sum to 1, got {total:g} ({', '.join(f'{a.name}={a.share:g}' for a in new_arms)})"
+        )
 
 
-def read_arms(conn_or_engine) -> list[Arm]:
+def read_arms(conn_or_engine: Connection | Engine) -> list[Arm]:
     """The live arms, by name."""
     with _connect(conn_or_engine) as conn:
         rows = conn.execute(sa.select(arms).order_by(arms.c.name)).mappings().all()
     return [Arm(r["name"], r["model_version"], r["model_uri"], r["backend"], r["share"]) for r in rows]
 
 
-def replace_arms(conn_or_engine, new_arms: list[Arm]) -> None:
+def replace_arms(conn_or_engine: Connection | Engine, new_arms: list[Arm]) -> None:
     """Swap the whole arm set in one transaction (validated first); gateways pick it up without restart."""
     validate_arms(new_arms)
     now = time.time()
@@ -207,7 +217,7 @@ def replace_arms(conn_or_engine, new_arms: list[Arm]) -> None:
 
 
 @contextmanager
-def _connect(conn_or_engine):
+def _connect(conn_or_engine: Connection | Engine) -> Iterator[Connection]:
     if isinstance(conn_or_engine, Engine):
         with conn_or_engine.connect() as conn:
             yield conn
@@ -216,7 +226,7 @@ def _connect(conn_or_engine):
 
 
 @contextmanager
-def _begin(conn_or_engine):
+def _begin(conn_or_engine: Connection | Engine) -> Iterator[Connection]:
     if isinstance(conn_or_engine, Engine):
         with conn_or_engine.begin() as conn:
             yield conn

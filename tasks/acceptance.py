@@ -15,9 +15,9 @@ noise alone).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from tqdm import tqdm
 
@@ -44,12 +44,20 @@ class TypingRun:
     sessions: list[tuple[int, int, int, int, int, int]]  # per session: requests, shown, accepted, right, saved, typed
 
 
-def complete_samples(model, tokenizer, samples: Sequence[dict], max_new_tokens: int, batch_size: int,
-                     temperature: float = 0.0, seed: int = 0, desc: str = "generate") -> list[str]:
+def complete_samples(
+    model,
+    tokenizer,
+    samples: Sequence[dict],
+    max_new_tokens: int,
+    batch_size: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    desc: str = "generate",
+) -> list[str]:
     """Suggestions for FIM samples, batched, with a progress bar."""
     suggestions: list[str] = []
     for start in tqdm(range(0, len(samples), batch_size), desc=desc, unit="batch"):
-        chunk = samples[start:start + batch_size]
+        chunk = samples[start : start + batch_size]
         prompts = [build_prompt(s["prefix"], s["suffix"]) for s in chunk]
         gens = generate(model, tokenizer, prompts, max_new_tokens, temperature=temperature, seed=seed + start)
         suggestions.extend(g.text for g in gens)
@@ -60,7 +68,9 @@ def acceptance(model_dir: str | Path, samples: Sequence[dict], params: Params, n
     """Span FIM samples replayed to simulated users (greedy)."""
     model, tokenizer = load_model(model_dir)
     samples = list(samples)[: params.evaluate.n_samples]
-    suggestions = complete_samples(model, tokenizer, samples, params.evaluate.max_new_tokens, params.evaluate.batch_size)
+    suggestions = complete_samples(
+        model, tokenizer, samples, params.evaluate.max_new_tokens, params.evaluate.batch_size
+    )
     users = make_users(n_users, params.simulator)
     outcomes = replay(samples, suggestions, users, params.simulator.seed)
     return AcceptanceResult(summarise(outcomes, suggestions), suggestions, outcomes)
@@ -72,26 +82,55 @@ def session_stats(turns: Sequence[Turn], typed: dict[str, int]) -> list[tuple[in
     for region_id, group in itertools.groupby(turns, key=lambda t: t.request["sample_id"].split("@")[0]):
         ts = list(group)
         shown = [t for t in ts if t.outcome != "abstained"]
-        out.append((len(ts), len(shown), sum(t.outcome == "accepted" for t in ts), sum(t.right for t in shown),
-                    sum(t.saved_chars for t in ts), typed[region_id]))
+        out.append(
+            (
+                len(ts),
+                len(shown),
+                sum(t.outcome == "accepted" for t in ts),
+                sum(t.right for t in shown),
+                sum(t.saved_chars for t in ts),
+                typed[region_id],
+            )
+        )
     return out
 
 
-def type_regions(model, tokenizer, regions: Sequence[Region], params: Params, users: Sequence[SimUser] | None = None,
-                 temperature: float = 0.0, desc: str = "type held-out regions") -> TypingRun:
+def type_regions(
+    model,
+    tokenizer,
+    regions: Sequence[Region],
+    params: Params,
+    users: Sequence[SimUser] | None = None,
+    temperature: float = 0.0,
+    desc: str = "type held-out regions",
+) -> TypingRun:
     """Simulated users type the regions; the model is asked at every pause (evaluate.n_requests in all)."""
     users = list(users) if users is not None else make_users(params.evaluate.sim_users, params.simulator)
     batch = itertools.count()
 
     def suggest(requests: list[dict]) -> list[str]:
         prompts = [build_prompt(r["prefix"], r["suffix"]) for r in requests]
-        gens = generate(model, tokenizer, prompts, params.evaluate.max_new_tokens, temperature=temperature,
-                        seed=params.simulator.seed * 100_003 + next(batch))
+        gens = generate(
+            model,
+            tokenizer,
+            prompts,
+            params.evaluate.max_new_tokens,
+            temperature=temperature,
+            seed=params.simulator.seed * 100_003 + next(batch),
+        )
         return [g.text for g in gens]
 
     with tqdm(total=params.evaluate.n_requests, desc=desc, unit="req") as bar:
-        turns, typed = run_sessions(regions, users, suggest, params.evaluate.n_requests, params.evaluate.batch_size,
-                                    params.simulator.seed, params.traffic, progress=bar.update)
+        turns, typed = run_sessions(
+            regions,
+            users,
+            suggest,
+            params.evaluate.n_requests,
+            params.evaluate.batch_size,
+            params.simulator.seed,
+            params.traffic,
+            progress=bar.update,
+        )
     return TypingRun(summarise_turns(turns, typed), turns, session_stats(turns, typed))
 
 
@@ -123,29 +162,48 @@ class Headroom:
         return dict(vars(self))
 
 
-def headroom(model_dir: str | Path, regions: Sequence[Region], params: Params, n_requests: int, k: int = 8,
-             min_accept_chars: int = 4) -> Headroom:
+def headroom(
+    model_dir: str | Path,
+    regions: Sequence[Region],
+    params: Params,
+    n_requests: int,
+    k: int = 8,
+    min_accept_chars: int = 4,
+) -> Headroom:
     """Right rates of a checkpoint on the first n_requests model-free held-out requests (noise-free rule)."""
     model, tokenizer = load_model(model_dir)
     requests = list(itertools.islice((q for r in regions for q in pause_requests(r, params.traffic)), n_requests))
     if not requests:
         raise ValueError("the regions produced no request")
     truths = [q["middle"] for q in requests]
-    greedy = complete_samples(model, tokenizer, requests, params.evaluate.max_new_tokens, params.evaluate.batch_size,
-                              desc="headroom: greedy")
+    greedy = complete_samples(
+        model, tokenizer, requests, params.evaluate.max_new_tokens, params.evaluate.batch_size, desc="headroom: greedy"
+    )
     repeated = [q for q in requests for _ in range(k)]
-    sampled = complete_samples(model, tokenizer, repeated, params.evaluate.max_new_tokens,
-                               params.evaluate.batch_size, temperature=params.serving.temperature,
-                               seed=params.simulator.seed, desc=f"headroom: {k} samples at T={params.serving.temperature}")
+    sampled = complete_samples(
+        model,
+        tokenizer,
+        repeated,
+        params.evaluate.max_new_tokens,
+        params.evaluate.batch_size,
+        temperature=params.serving.temperature,
+        seed=params.simulator.seed,
+        desc=f"headroom: {k} samples at T={params.serving.temperature}",
+    )
     right = lambda text, truth: bool(text.strip()) and is_right(text, truth, min_accept_chars)  # noqa: E731
-    greedy_right = [right(g, t) for g, t in zip(greedy, truths)]
+    greedy_right = [right(g, t) for g, t in zip(greedy, truths, strict=True)]
     sample_right = [[right(sampled[i * k + j], t) for j in range(k)] for i, t in enumerate(truths)]
     shown = sum(bool(g.strip()) for g in greedy)
     n = len(requests)
     return Headroom(
-        requests=n, greedy_shown=shown / n, greedy_right=sum(greedy_right) / n,
+        requests=n,
+        greedy_shown=shown / n,
+        greedy_right=sum(greedy_right) / n,
         greedy_right_per_shown=sum(greedy_right) / shown if shown else 0.0,
-        sampled_right=sum(rs[0] for rs in sample_right) / n, pass_at_k=sum(any(rs) for rs in sample_right) / n,
-        k=k, temperature=params.serving.temperature, noise_floor=noise_floor(params.simulator),
+        sampled_right=sum(rs[0] for rs in sample_right) / n,
+        pass_at_k=sum(any(rs) for rs in sample_right) / n,
+        k=k,
+        temperature=params.serving.temperature,
+        noise_floor=noise_floor(params.simulator),
         min_accept_chars=min_accept_chars,
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -19,7 +19,7 @@ from tasks.console import console, print_table
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
 ParamsOpt = Annotated[Path, typer.Option("--params", help="params.yaml to read.")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override one key: section.key=value (repeatable).")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override one key: section.key=value (repeatable).")]
 
 
 def params_or_exit(path: Path, overrides: list[str] | None) -> Params:
@@ -80,16 +80,22 @@ def data_cmd(
         stats = write_fim(p.data, p.fim, p.traffic, read_corpus(corpus), out)
     except CorpusError as err:
         fail(str(err), 2)
-    console.print(f"Wrote {out}/train.parquet, test.parquet (FIM spans) and typing_train.parquet, "
-                  f"typing_test.parquet (editor-traffic regions): {stats}")
+    console.print(
+        f"Wrote {out}/train.parquet, test.parquet (FIM spans) and typing_train.parquet, "
+        f"typing_test.parquet (editor-traffic regions): {stats}"
+    )
 
 
 @app.command("build-base")
 def build_base_cmd(
     corpus: CorpusOpt = Path("data/corpus/files.parquet"),
-    out: Annotated[Optional[Path], typer.Option(help="Checkpoint directory (default: model.base_dir).")] = None,
-    snapshots: Annotated[bool, typer.Option(help="Keep a loadable model at every checkpoint (OUT.partial/step-N), "
-                                                 "for the right-rate-vs-steps curve.")] = False,
+    out: Annotated[Path | None, typer.Option(help="Checkpoint directory (default: model.base_dir).")] = None,
+    snapshots: Annotated[
+        bool,
+        typer.Option(
+            help="Keep a loadable model at every checkpoint (OUT.partial/step-N), for the right-rate-vs-steps curve."
+        ),
+    ] = False,
     params: ParamsOpt = DEFAULT_PARAMS_FILE,
     set_: SetOpt = None,
 ) -> None:
@@ -111,14 +117,16 @@ def build_base_cmd(
     console.print(f"Saved {target}: {stats}")
 
 
-RegionsOpt = Annotated[Path, typer.Option("--regions", help="Held-out regions simulated users type (the `fim` stage writes them).")]
+RegionsOpt = Annotated[
+    Path, typer.Option("--regions", help="Held-out regions simulated users type (the `fim` stage writes them).")
+]
 
 
 @app.command("acceptance")
 def acceptance_cmd(
-    model: Annotated[Optional[Path], typer.Option(help="Model directory (default: model.base_dir).")] = None,
+    model: Annotated[Path | None, typer.Option(help="Model directory (default: model.base_dir).")] = None,
     regions: RegionsOpt = Path("data/fim/typing_test.parquet"),
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the numbers here.")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the numbers here.")] = None,
     params: ParamsOpt = DEFAULT_PARAMS_FILE,
     set_: SetOpt = None,
 ) -> None:
@@ -139,8 +147,10 @@ def acceptance_cmd(
     fns = metric_fns(p.reward)
     names = ("suggest_rate", "accept_rate", "right_rate", "chars_saved", "reward_per_request")
     cis = {name: interval([run.sessions], fns[name]) for name in names}
-    table = Table(title=f"Held-out editor traffic: {model or p.model.base_dir} "
-                        f"({run.summary.requests} requests, {len(run.sessions)} typing sessions)")
+    table = Table(
+        title=f"Held-out editor traffic: {model or p.model.base_dir} "
+        f"({run.summary.requests} requests, {len(run.sessions)} typing sessions)"
+    )
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_column("95 % interval", justify="right")
@@ -148,21 +158,37 @@ def acceptance_cmd(
         table.add_row(name, f"{ci.value:.4f}", f"[{ci.low:.4f}, {ci.high:.4f}]")
     print_table(table)
     floor = noise_floor(p.simulator)
-    console.print(f"noise floor: a never-right model gets accept/shown {floor:.4f} from persona noise alone", highlight=False)
+    console.print(
+        f"noise floor: a never-right model gets accept/shown {floor:.4f} from persona noise alone", highlight=False
+    )
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps({**run.summary.as_dict(), "noise_floor": floor, "sessions": len(run.sessions),
-                                        "intervals": {k: [v.low, v.high] for k, v in cis.items()}}, indent=2) + "\n")
+        json_out.write_text(
+            json.dumps(
+                {
+                    **run.summary.as_dict(),
+                    "noise_floor": floor,
+                    "sessions": len(run.sessions),
+                    "intervals": {k: [v.low, v.high] for k, v in cis.items()},
+                },
+                indent=2,
+            )
+            + "\n"
+        )
 
 
 @app.command("headroom")
 def headroom_cmd(
-    model: Annotated[Optional[Path], typer.Option(help="Model directory (default: model.base_dir).")] = None,
+    model: Annotated[Path | None, typer.Option(help="Model directory (default: model.base_dir).")] = None,
     regions: RegionsOpt = Path("data/fim/typing_test.parquet"),
-    requests: Annotated[int, typer.Option(help="Held-out requests (every pause of the regions, no Tab taken).", min=1)] = 300,
+    requests: Annotated[
+        int, typer.Option(help="Held-out requests (every pause of the regions, no Tab taken).", min=1)
+    ] = 300,
     k: Annotated[int, typer.Option(help="Samples per request for pass@k.", min=1)] = 8,
-    min_chars: Annotated[int, typer.Option(help="K of the noise-free rule: non-blank characters a right suggestion covers.", min=1)] = 4,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the numbers here.")] = None,
+    min_chars: Annotated[
+        int, typer.Option(help="K of the noise-free rule: non-blank characters a right suggestion covers.", min=1)
+    ] = 4,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the numbers here.")] = None,
     params: ParamsOpt = DEFAULT_PARAMS_FILE,
     set_: SetOpt = None,
 ) -> None:
@@ -173,17 +199,25 @@ def headroom_cmd(
 
     p = params_or_exit(params, set_)
     try:
-        h = headroom(model or Path(p.model.base_dir), read_regions(regions), p, requests, k=k, min_accept_chars=min_chars)
+        h = headroom(
+            model or Path(p.model.base_dir), read_regions(regions), p, requests, k=k, min_accept_chars=min_chars
+        )
     except (FileNotFoundError, ModelLoadError, ValueError) as err:
         fail(str(err), 2)
-    table = Table(title=f"Headroom on held-out editor traffic: {model or p.model.base_dir} ({h.requests} requests, K={h.min_accept_chars})")
+    table = Table(
+        title=f"Headroom on held-out editor traffic: {model or p.model.base_dir} "
+        f"({h.requests} requests, K={h.min_accept_chars})"
+    )
     table.add_column("measure")
     table.add_column("value", justify="right")
-    for label, value in (("suggestion rate (greedy)", h.greedy_shown), ("right per request, greedy (pass@1)", h.greedy_right),
-                         ("right per shown suggestion, greedy", h.greedy_right_per_shown),
-                         (f"right per request, sampled at T={h.temperature}", h.sampled_right),
-                         (f"right in at least one of {h.k} samples (pass@{h.k})", h.pass_at_k),
-                         ("noise floor (accept/shown of a never-right model)", h.noise_floor)):
+    for label, value in (
+        ("suggestion rate (greedy)", h.greedy_shown),
+        ("right per request, greedy (pass@1)", h.greedy_right),
+        ("right per shown suggestion, greedy", h.greedy_right_per_shown),
+        (f"right per request, sampled at T={h.temperature}", h.sampled_right),
+        (f"right in at least one of {h.k} samples (pass@{h.k})", h.pass_at_k),
+        ("noise floor (accept/shown of a never-right model)", h.noise_floor),
+    ):
         table.add_row(label, f"{value:.4f}")
     print_table(table)
     if json_out:

@@ -14,11 +14,13 @@ the value and what is allowed.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import ErrorDetails
 
 ENV_PREFIX = "TABRL_"
 ENV_ALIASES = {"TABRL_DATABASE_URL": "paths.database_url", "TABRL_MLFLOW_TRACKING_URI": "paths.mlflow_tracking_uri"}
@@ -54,7 +56,11 @@ class FimParams(Section):
     """FIM samples drawn from the held-out test files (RLinf's setup uses 1000)."""
     seed: int = 0
     """Seed of the span sampler; the same seed and corpus give the same samples."""
-    span_weights: dict[Literal["rest_of_line", "line", "lines"], float] = {"rest_of_line": 0.5, "line": 0.3, "lines": 0.2}
+    span_weights: dict[Literal["rest_of_line", "line", "lines"], float] = {
+        "rest_of_line": 0.5,
+        "line": 0.3,
+        "lines": 0.2,
+    }
     """Relative frequency of cursor spans: the rest of a line from the cursor, one whole line, or a few lines."""
     max_span_lines: int = Field(3, ge=2)
     """Most lines in a `lines` span."""
@@ -107,7 +113,7 @@ class ModelParams(Section):
     """Seed of tokenizer sampling, weight init and pre-training order."""
 
     @model_validator(mode="after")
-    def _head_dim(self) -> "ModelParams":
+    def _head_dim(self) -> ModelParams:
         if self.hidden_size % self.num_heads or self.hidden_size // self.num_heads < 32:
             raise ValueError(
                 f"hidden_size / num_heads must be a whole number >= 32, got {self.hidden_size}/{self.num_heads}"
@@ -143,7 +149,7 @@ class SimulatorParams(Section):
     """Seed of persona assignment and noise."""
 
     @model_validator(mode="after")
-    def _unique(self) -> "SimulatorParams":
+    def _unique(self) -> SimulatorParams:
         names = [p.name for p in self.personas]
         if not names or len(set(names)) != len(names):
             raise ValueError(f"personas need at least one entry and unique names, got {names}")
@@ -180,8 +186,12 @@ class TrafficParams(Section):
     """Regions of test files held out for evaluation (enough for evaluate.n_requests)."""
 
     @model_validator(mode="after")
-    def _weights(self) -> "TrafficParams":
-        if not self.stop_weights or any(w < 0 for w in self.stop_weights.values()) or not sum(self.stop_weights.values()):
+    def _weights(self) -> TrafficParams:
+        if (
+            not self.stop_weights
+            or any(w < 0 for w in self.stop_weights.values())
+            or not sum(self.stop_weights.values())
+        ):
             raise ValueError(f"stop_weights need a positive weight, got {self.stop_weights}")
         return self
 
@@ -321,7 +331,7 @@ class DeployParams(Section):
     """MLflow experiment of the A/B decision records (one run per decision, kept apart from the cycles)."""
 
     @model_validator(mode="after")
-    def _sample_bounds(self) -> "DeployParams":
+    def _sample_bounds(self) -> DeployParams:
         if self.max_samples is not None and self.max_samples < self.min_samples:
             raise ValueError(f"max_samples ({self.max_samples}) must be >= min_samples ({self.min_samples}) or null")
         return self
@@ -394,10 +404,22 @@ class IngestParams(Section):
     chunk_rows: int = Field(10_000, ge=1)
     """Rows read from the log store and written per Parquet row group at a time (bounds memory)."""
     secret_detectors: tuple[str, ...] = (
-        "AWSKeyDetector", "AzureStorageKeyDetector", "BasicAuthDetector", "DiscordBotTokenDetector",
-        "GitHubTokenDetector", "GitLabTokenDetector", "JwtTokenDetector", "NpmDetector", "OpenAIDetector",
-        "PrivateKeyDetector", "PypiTokenDetector", "SendGridDetector", "SlackDetector", "SquareOAuthDetector",
-        "StripeDetector", "TwilioKeyDetector",
+        "AWSKeyDetector",
+        "AzureStorageKeyDetector",
+        "BasicAuthDetector",
+        "DiscordBotTokenDetector",
+        "GitHubTokenDetector",
+        "GitLabTokenDetector",
+        "JwtTokenDetector",
+        "NpmDetector",
+        "OpenAIDetector",
+        "PrivateKeyDetector",
+        "PypiTokenDetector",
+        "SendGridDetector",
+        "SlackDetector",
+        "SquareOAuthDetector",
+        "StripeDetector",
+        "TwilioKeyDetector",
     )
     """detect-secrets plugin classes run on every line of prompt and completion. The default is its
     specific, high-precision detectors; the entropy and keyword ones flag ordinary code and are slow."""
@@ -438,7 +460,7 @@ class Params(Section):
         return dict(_flatten(self.model_dump(mode="json")))
 
 
-def _flatten(tree: Mapping[str, Any], prefix: str = ""):
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
     for key, value in tree.items():
         dotted = f"{prefix}{key}"
         if isinstance(value, Mapping):
@@ -477,12 +499,12 @@ def env_overrides(environ: Mapping[str, str]) -> list[tuple[str, Any]]:
         if name in ENV_ALIASES:
             found.append((ENV_ALIASES[name], raw))
         elif name.startswith(ENV_PREFIX) and "__" in name:
-            dotted = name[len(ENV_PREFIX):].lower().replace("__", ".")
+            dotted = name[len(ENV_PREFIX) :].lower().replace("__", ".")
             found.append(parse_override(f"{dotted}={raw}"))
     return found
 
 
-def _describe(err: dict[str, Any], tree: Mapping[str, Any]) -> str:
+def _describe(err: ErrorDetails, tree: Mapping[str, Any]) -> str:
     loc = ".".join(str(part) for part in err["loc"])
     if err["type"] == "extra_forbidden":
         return f"{loc}: unknown key (check the spelling; known keys are listed in tasks/config.py)"

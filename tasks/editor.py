@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -72,7 +72,9 @@ def pick_regions(files: Sequence, n: int, traffic: TrafficParams, seed: int, tag
     while len(found) < n:
         attempts += 1
         if attempts > 50 * n + 1000:
-            raise ValueError(f"only {len(found)} of {n} {tag} regions have code; add files or lower traffic.min_region_nonblank")
+            raise ValueError(
+                f"only {len(found)} of {n} {tag} regions have code; add files or lower traffic.min_region_nonblank"
+            )
         file = rng.choice(files)
         lines = file.text.splitlines(keepends=True)
         candidates = [i for i, line in enumerate(lines) if nonblank(line) >= traffic.min_line_nonblank]
@@ -91,8 +93,15 @@ def pick_regions(files: Sequence, n: int, traffic: TrafficParams, seed: int, tag
     return list(found.values())
 
 
-REGION_SCHEMA = pa.schema([("region_id", pa.string()), ("path", pa.string()), ("text", pa.string()),
-                           ("start", pa.int64()), ("end", pa.int64())])
+REGION_SCHEMA = pa.schema(
+    [
+        ("region_id", pa.string()),
+        ("path", pa.string()),
+        ("text", pa.string()),
+        ("start", pa.int64()),
+        ("end", pa.int64()),
+    ]
+)
 
 
 def windowed(region: Region, traffic: TrafficParams) -> Region:
@@ -166,9 +175,9 @@ def request_at(region: Region, pos: int, traffic: TrafficParams) -> dict:
         "path": region.path,
         "split": "",
         "span_kind": "typing",
-        "prefix": region.text[max(0, pos - traffic.max_prefix_chars):pos],
-        "suffix": region.text[region.end:region.end + traffic.max_suffix_chars],
-        "middle": region.text[pos:region.end],
+        "prefix": region.text[max(0, pos - traffic.max_prefix_chars) : pos],
+        "suffix": region.text[region.end : region.end + traffic.max_suffix_chars],
+        "middle": region.text[pos : region.end],
     }
 
 
@@ -237,9 +246,16 @@ class Session:
         return Turn(self.user.user_id, request, suggestion, outcome, right, saved, arm)
 
 
-def run_sessions(regions: Sequence[Region], users: Sequence[SimUser], suggest: Callable[[list[dict]], list[str]],
-                 n_requests: int, batch_size: int, seed: int, traffic: TrafficParams,
-                 progress: Callable[[int], None] = lambda n: None) -> tuple[list[Turn], dict[str, int]]:
+def run_sessions(
+    regions: Sequence[Region],
+    users: Sequence[SimUser],
+    suggest: Callable[[list[dict]], list[str]],
+    n_requests: int,
+    batch_size: int,
+    seed: int,
+    traffic: TrafficParams,
+    progress: Callable[[int], None] = lambda n: None,
+) -> tuple[list[Turn], dict[str, int]]:
     """Type regions (user i % len(users) types region i) until n_requests were asked, in batches.
 
     Sessions run in lockstep: each step asks ``suggest`` for the current request of up to
@@ -307,9 +323,17 @@ class TypingSummary:
         return self.saved_chars / self.typed_chars if self.typed_chars else 0.0
 
     def as_dict(self) -> dict[str, float]:
-        return {"requests": self.requests, "shown": self.shown, "accepted": self.accepted, "right": self.right,
-                "suggest_rate": self.suggest_rate, "accept_rate": self.accept_rate, "right_rate": self.right_rate,
-                "chars_saved": self.chars_saved, "mean_len": self.mean_len}
+        return {
+            "requests": self.requests,
+            "shown": self.shown,
+            "accepted": self.accepted,
+            "right": self.right,
+            "suggest_rate": self.suggest_rate,
+            "accept_rate": self.accept_rate,
+            "right_rate": self.right_rate,
+            "chars_saved": self.chars_saved,
+            "mean_len": self.mean_len,
+        }
 
 
 def summarise_turns(turns: Sequence[Turn], typed_chars: int | dict[str, int]) -> TypingSummary:
@@ -318,8 +342,12 @@ def summarise_turns(turns: Sequence[Turn], typed_chars: int | dict[str, int]) ->
         typed_chars = sum(typed_chars.values())
     shown = [t for t in turns if t.outcome != "abstained"]
     return TypingSummary(
-        requests=len(turns), shown=len(shown), accepted=sum(t.outcome == "accepted" for t in turns),
-        right=sum(t.right for t in shown), saved_chars=sum(t.saved_chars for t in turns), typed_chars=typed_chars,
+        requests=len(turns),
+        shown=len(shown),
+        accepted=sum(t.outcome == "accepted" for t in turns),
+        right=sum(t.right for t in shown),
+        saved_chars=sum(t.saved_chars for t in turns),
+        typed_chars=typed_chars,
         mean_len=sum(len(t.suggestion) for t in shown) / len(shown) if shown else 0.0,
     )
 
@@ -328,15 +356,19 @@ def merge_typing(parts: Sequence[TypingSummary]) -> TypingSummary:
     """One summary of several (arms); mean length weighted by shown suggestions."""
     shown = sum(p.shown for p in parts)
     return TypingSummary(
-        requests=sum(p.requests for p in parts), shown=shown, accepted=sum(p.accepted for p in parts),
-        right=sum(p.right for p in parts), saved_chars=sum(p.saved_chars for p in parts),
+        requests=sum(p.requests for p in parts),
+        shown=shown,
+        accepted=sum(p.accepted for p in parts),
+        right=sum(p.right for p in parts),
+        saved_chars=sum(p.saved_chars for p in parts),
         typed_chars=sum(p.typed_chars for p in parts),
         mean_len=sum(p.mean_len * p.shown for p in parts) / shown if shown else 0.0,
     )
 
 
-def training_samples(regions: Sequence[Region], n: int, traffic: TrafficParams, stop_weights: dict[str, float],
-                     seed: int) -> list[dict]:
+def training_samples(
+    regions: Sequence[Region], n: int, traffic: TrafficParams, stop_weights: dict[str, float], seed: int
+) -> list[dict]:
     """FIM samples whose cursor sits where an editor asks (pause positions of typing sessions).
 
     The suffix is the file after the region, as at serving time; the middle runs from the cursor to
@@ -379,6 +411,8 @@ def stop_of(truth: str, kind: str, min_nonblank: int) -> int:
                 i += 1
         else:
             i += 1
-        if nonblank(truth[:i]) >= min_nonblank and (i >= line_end or not (_is_word(truth[i - 1]) and _is_word(truth[i]))):
+        if nonblank(truth[:i]) >= min_nonblank and (
+            i >= line_end or not (_is_word(truth[i - 1]) and _is_word(truth[i]))
+        ):
             return i
     return line_end

@@ -49,7 +49,7 @@ def parse_prompt(prompt: str) -> FimPrompt:
     start = prompt.rfind(FIM_PREFIX)
     if start < 0:
         raise FimFormatError(f"prompt has no {FIM_PREFIX} marker")
-    rest = prompt[start + len(FIM_PREFIX):]
+    rest = prompt[start + len(FIM_PREFIX) :]
     prefix, sep, rest = rest.partition(FIM_SUFFIX)
     if not sep:
         raise FimFormatError(f"prompt has no {FIM_SUFFIX} after {FIM_PREFIX}")

@@ -9,9 +9,9 @@ decoding reports temperature 1). The stop token that ended a completion is kept 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -37,7 +37,9 @@ def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch
     """(model, tokenizer) from a local checkpoint directory; never downloads."""
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise ModelLoadError(f"{path} is not a model directory (no config.json); build it with `make demo` or `dvc repro base`")
+        raise ModelLoadError(
+            f"{path} is not a model directory (no config.json); build it with `make demo` or `dvc repro base`"
+        )
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
     model.to(device).eval()
@@ -54,7 +56,7 @@ def fit_prompt(ids: list[int], limit: int) -> list[int]:
     """Prompt ids within limit tokens: keep the first (a FIM or repo marker) and drop the oldest after it."""
     if len(ids) <= limit:
         return ids
-    return ids[:1] + ids[len(ids) - limit + 1:]
+    return ids[:1] + ids[len(ids) - limit + 1 :]
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, limit: int) -> list[int]:
@@ -90,8 +92,8 @@ def generate(
     input_ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(encoded), width), dtype=torch.long)
     for row, ids in enumerate(encoded):
-        input_ids[row, width - len(ids):] = torch.tensor(ids)
-        attention[row, width - len(ids):] = 1
+        input_ids[row, width - len(ids) :] = torch.tensor(ids)
+        attention[row, width - len(ids) :] = 1
     if seed is not None:
         torch.manual_seed(seed)
     sample = temperature > 0
@@ -118,7 +120,7 @@ def generate(
     for row in range(len(prompts)):
         ids, lps = [], []
         finish = "length"
-        for tok, lp in zip(new_tokens[row].tolist(), logps[row].tolist()):
+        for tok, lp in zip(new_tokens[row].tolist(), logps[row].tolist(), strict=True):
             ids.append(tok)
             lps.append(lp)
             if tok in stop_set:

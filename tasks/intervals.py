@@ -13,8 +13,8 @@ resamples of each setting) and whether it excludes 0.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -30,6 +30,7 @@ def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
 
 def metric_fns(reward: RewardParams) -> dict[str, Callable[[np.ndarray], np.ndarray]]:
     """Metric name -> function of column sums (..., 6) -> value (...)."""
+
     def reward_per_request(t: np.ndarray) -> np.ndarray:
         rejected, abstained = t[..., SHOWN] - t[..., ACC], t[..., REQ] - t[..., SHOWN]
         total = t[..., ACC] * reward.accepted + rejected * reward.rejected + abstained * reward.abstained
@@ -76,15 +77,22 @@ def _point(sessions: Sessions) -> np.ndarray:
     return np.sum([np.asarray(s, dtype=float).reshape(-1, 6).sum(axis=0) for s in sessions], axis=0)
 
 
-def interval(sessions: Sessions, metric: Callable[[np.ndarray], np.ndarray], n_boot: int = 2000,
-             seed: int = 0) -> Interval:
+def interval(
+    sessions: Sessions, metric: Callable[[np.ndarray], np.ndarray], n_boot: int = 2000, seed: int = 0
+) -> Interval:
     boot = metric(_resampled_totals(sessions, n_boot, np.random.default_rng(seed)))
     low, high = np.percentile(boot, [2.5, 97.5])
     return Interval(float(metric(_point(sessions))), float(low), float(high))
 
 
-def difference(a: Sessions, b: Sessions, metric: Callable[[np.ndarray], np.ndarray], n_boot: int = 2000,
-               seed: int = 0, relative: bool = False) -> Interval:
+def difference(
+    a: Sessions,
+    b: Sessions,
+    metric: Callable[[np.ndarray], np.ndarray],
+    n_boot: int = 2000,
+    seed: int = 0,
+    relative: bool = False,
+) -> Interval:
     """CI of metric(a) - metric(b), or of metric(a) / metric(b) - 1 when relative."""
     rng = np.random.default_rng(seed)
     ma, mb = metric(_resampled_totals(a, n_boot, rng)), metric(_resampled_totals(b, n_boot, rng))

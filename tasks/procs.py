@@ -24,8 +24,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_until_up(url: str, proc: subprocess.Popen | None, timeout_s: float, interval_s: float = 0.5,
-                  any_status: bool = False) -> None:
+def wait_until_up(
+    url: str, proc: subprocess.Popen | None, timeout_s: float, interval_s: float = 0.5, any_status: bool = False
+) -> None:
     """Poll url until it answers 200 (any status with any_status), proc exits, or timeout_s passes.
 
     Raises NotUp naming the URL and what happened; the caller decides whether to kill proc."""

@@ -21,6 +21,9 @@ from tasks.ingest.corpus import SourceFile, sample_spans, split_files, stdlib_ro
 # terminal, the worst case, whatever the machine's COLUMNS; `COLUMNS=300 pytest` must pass too.
 CLI_COLUMNS = os.environ.get("TABRL_TEST_COLUMNS", "40")
 
+# Fixtures shared by the serving tests (store_url: SQLite, and PostgreSQL when configured).
+pytest_plugins = ["tests.serving_util"]
+
 
 @pytest.fixture(autouse=True)
 def _narrow_terminal(monkeypatch):
@@ -29,9 +32,19 @@ def _narrow_terminal(monkeypatch):
 
 
 TINY_MODEL = {
-    "vocab_size": 600, "hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1,
-    "intermediate_size": 128, "max_position": 512, "pretrain_steps": 30, "pretrain_batch": 8,
-    "pretrain_seq_len": 128, "pretrain_lr": 3e-3, "pretrain_samples_per_file": 10, "tokenizer_max_files": 40,
+    "vocab_size": 600,
+    "hidden_size": 64,
+    "num_layers": 2,
+    "num_heads": 2,
+    "num_kv_heads": 1,
+    "intermediate_size": 128,
+    "max_position": 512,
+    "pretrain_steps": 30,
+    "pretrain_batch": 8,
+    "pretrain_seq_len": 128,
+    "pretrain_lr": 3e-3,
+    "pretrain_samples_per_file": 10,
+    "tokenizer_max_files": 40,
 }
 # A few stdlib packages: real code, small enough to read in well under a second.
 TINY_CORPUS = "email"
@@ -46,8 +59,13 @@ def tiny_params(tmp: Path | None = None, **sections) -> Params:
         "evaluate": {"n_samples": 16, "n_requests": 16, "max_new_tokens": 12, "batch_size": 8},
     }
     if tmp is not None:
-        tree["paths"] = {"database_url": f"sqlite:///{tmp}/tabrl.db", "mlflow_tracking_uri": f"sqlite:///{tmp}/mlflow.db",
-                         "state_dir": str(tmp / "state"), "data_dir": str(tmp / "data"), "models_dir": str(tmp / "models")}
+        tree["paths"] = {
+            "database_url": f"sqlite:///{tmp}/tabrl.db",
+            "mlflow_tracking_uri": f"sqlite:///{tmp}/mlflow.db",
+            "state_dir": str(tmp / "state"),
+            "data_dir": str(tmp / "data"),
+            "models_dir": str(tmp / "models"),
+        }
     for name, values in sections.items():
         tree.setdefault(name, {}).update(values)
     overrides = [f"{section}.{key}={_yaml(value)}" for section, kv in tree.items() for key, value in kv.items()]

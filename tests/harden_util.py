@@ -22,8 +22,8 @@ import random
 import statistics
 import subprocess
 import sys
-import time
 import tempfile
+import time
 import uuid
 from collections import Counter
 from contextlib import contextmanager
@@ -50,8 +50,12 @@ class FastBackend:
         self.arm = arm
 
     async def complete(self, prompt, max_tokens, temperature, top_p, stop) -> Generation:
-        return Generation(text="return a + b", token_ids=[11, 12, 13, 14, 15, 16, 17, 0],
-                          logprobs=[-0.1, -0.2, -0.05, -0.3, -0.1, -0.2, -0.1, -0.01], raw_text="return a + b")
+        return Generation(
+            text="return a + b",
+            token_ids=[11, 12, 13, 14, 15, 16, 17, 0],
+            logprobs=[-0.1, -0.2, -0.05, -0.3, -0.1, -0.2, -0.1, -0.01],
+            raw_text="return a + b",
+        )
 
     async def aclose(self) -> None:
         return None
@@ -96,11 +100,27 @@ def _serve_backend(model_dir: str, port: int) -> None:
     @app.post("/v1/completions")
     async def complete(request: Request):
         body = await request.json()
-        gen = await backend.complete(body["prompt"], body.get("max_tokens", 8), body.get("temperature", 0.7),
-                                     body.get("top_p", 1.0), body.get("stop") or [])
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "model": "tiny", "choices": [{
-            "index": 0, "text": gen.raw_text, "finish_reason": gen.finish_reason, "token_ids": gen.token_ids,
-            "logprobs": {"token_logprobs": gen.logprobs}}]}
+        gen = await backend.complete(
+            body["prompt"],
+            body.get("max_tokens", 8),
+            body.get("temperature", 0.7),
+            body.get("top_p", 1.0),
+            body.get("stop") or [],
+        )
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "model": "tiny",
+            "choices": [
+                {
+                    "index": 0,
+                    "text": gen.raw_text,
+                    "finish_reason": gen.finish_reason,
+                    "token_ids": gen.token_ids,
+                    "logprobs": {"token_logprobs": gen.logprobs},
+                }
+            ],
+        }
 
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
@@ -116,12 +136,14 @@ def bench_stores(postgres_url: str | None, prefix: str):
         yield stores | {"postgres": schema_url}
 
 
-def start_process(kind: str, port: int, *args: str, ready_path: str = "/v1/models",
-                  timeout_s: float = 60.0) -> subprocess.Popen:
+def start_process(
+    kind: str, port: int, *args: str, ready_path: str = "/v1/models", timeout_s: float = 60.0
+) -> subprocess.Popen:
     """Start `python -m tests.harden_util KIND` on port and wait until ready_path answers (any status)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.Popen([sys.executable, "-m", "tests.harden_util", kind, "--port", str(port), *args], cwd=ROOT,
-                            env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.harden_util", kind, "--port", str(port), *args], cwd=ROOT, env=env
+    )
     try:
         wait_until_up(f"http://127.0.0.1:{port}{ready_path}", proc, timeout_s, interval_s=0.2, any_status=True)
     except NotUp as err:
@@ -164,12 +186,16 @@ class LoadResult:
     def summary(self) -> dict:
         lat = sorted(self.latencies_ms)
         return {
-            "requests": self.requests, "acked_completions": len(self.acked), "acked_feedback": len(self.acked_feedback),
-            "errors": self.errors, "statuses": {str(k): v for k, v in sorted(self.statuses.items(), key=str)},
+            "requests": self.requests,
+            "acked_completions": len(self.acked),
+            "acked_feedback": len(self.acked_feedback),
+            "errors": self.errors,
+            "statuses": {str(k): v for k, v in sorted(self.statuses.items(), key=str)},
             "elapsed_s": round(self.elapsed_s, 3),
             "completions_per_s": len(self.acked) / self.elapsed_s if self.elapsed_s else 0.0,
             "events_per_s": (len(self.acked) + len(self.acked_feedback)) / self.elapsed_s if self.elapsed_s else 0.0,
-            "p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99),
+            "p50_ms": percentile(lat, 50),
+            "p99_ms": percentile(lat, 99),
         }
 
 
@@ -181,9 +207,16 @@ def percentile(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
-async def drive_editors(url: str, editors: list[tuple[str, str | None]], total: int, feedback_rate: float = 0.7,
-                        seed: int = 0, timeout_s: float = 10.0, pause_on_error_s: float = 0.05,
-                        on_progress=None) -> LoadResult:
+async def drive_editors(
+    url: str,
+    editors: list[tuple[str, str | None]],
+    total: int,
+    feedback_rate: float = 0.7,
+    seed: int = 0,
+    timeout_s: float = 10.0,
+    pause_on_error_s: float = 0.05,
+    on_progress=None,
+) -> LoadResult:
     """`len(editors)` concurrent editors (user, API key or None) share `total` completion requests.
 
     Each: request a completion; when it is acknowledged, send feedback (accepted at random) with
@@ -200,8 +233,9 @@ async def drive_editors(url: str, editors: list[tuple[str, str | None]], total: 
             result.requests += 1
             started = time.perf_counter()
             try:
-                r = await client.post("/v1/completions", headers=headers,
-                                      json={"prompt": editor_prompt(i), "max_tokens": 8, "user": user})
+                r = await client.post(
+                    "/v1/completions", headers=headers, json={"prompt": editor_prompt(i), "max_tokens": 8, "user": user}
+                )
             except httpx.HTTPError:
                 result.statuses["conn"] += 1
                 await asyncio.sleep(pause_on_error_s)
@@ -221,8 +255,9 @@ async def drive_editors(url: str, editors: list[tuple[str, str | None]], total: 
                 continue
             accepted = rng.random() < 0.5
             try:
-                f = await client.post("/v1/feedback", headers=headers,
-                                      json={"completion_id": body["id"], "accepted": accepted})
+                f = await client.post(
+                    "/v1/feedback", headers=headers, json={"completion_id": body["id"], "accepted": accepted}
+                )
             except httpx.HTTPError:
                 result.statuses["conn"] += 1
                 continue
@@ -316,8 +351,16 @@ def run_load(db_url: str, users: int, total: int, feedback_rate: float = 0.7, se
     seed_arms(db_url, [Arm("champion", "fast/1", "fast", "embedded", 1.0)])
     editors = make_keys(db_url, users)
     port = free_port()
-    proc = start_process("gateway", port, "--db", db_url, "--set", "serving.rate_limit_per_minute=1000000",
-                         "--set", "serving.rate_limit_per_key_per_minute=1000000")
+    proc = start_process(
+        "gateway",
+        port,
+        "--db",
+        db_url,
+        "--set",
+        "serving.rate_limit_per_minute=1000000",
+        "--set",
+        "serving.rate_limit_per_key_per_minute=1000000",
+    )
     try:
         result = asyncio.run(drive_editors(f"http://127.0.0.1:{port}", editors, total, feedback_rate, seed))
     finally:
@@ -331,8 +374,10 @@ def run_load(db_url: str, users: int, total: int, feedback_rate: float = 0.7, se
     finally:
         engine.dispose()
     if stored != len(result.acked) or stored_fb != len(result.acked_feedback):
-        problems.append(f"store holds {stored} completions / {stored_fb} feedback; acknowledged "
-                        f"{len(result.acked)} / {len(result.acked_feedback)}")
+        problems.append(
+            f"store holds {stored} completions / {stored_fb} feedback; acknowledged "
+            f"{len(result.acked)} / {len(result.acked_feedback)}"
+        )
     return {**result.summary(), "users": users, "stored_completions": stored, "stored_feedback": stored_fb}, problems
 
 

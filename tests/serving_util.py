@@ -44,5 +44,3 @@ def serve_app(app, timeout_s: float = 20.0):
     finally:
         server.should_exit = True
         thread.join(timeout_s)
-
-

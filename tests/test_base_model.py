@@ -1,7 +1,6 @@
 import json
 
 import pytest
-
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -46,7 +45,7 @@ def test_sampled_logprobs_match_a_fresh_forward(tiny_model_dir):
     ids = tok(prompt, add_special_tokens=False)["input_ids"]
     full = torch.tensor([ids + gen.token_ids])
     with torch.no_grad():
-        logits = model(full).logits[0, len(ids) - 1:-1] / 0.8
+        logits = model(full).logits[0, len(ids) - 1 : -1] / 0.8
     expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(gen.token_ids)[:, None]).squeeze(-1)
     assert torch.allclose(expected, torch.tensor(gen.logprobs), atol=1e-4)
 
@@ -65,6 +64,7 @@ def test_long_prompts_are_cut_from_the_oldest_context(tiny_model_dir):
     gen = generate(model, tok, [prompt], max_new_tokens=4)[0]
     assert len(gen.token_ids) >= 1
     from tasks.generate import encode_prompt, prompt_limit
+
     ids = encode_prompt(tok, prompt, prompt_limit(model, 4))
     assert len(ids) == model.config.max_position_embeddings - 4
     assert ids[0] == tok.convert_tokens_to_ids(FIM_PREFIX) and ids[-1] == tok.convert_tokens_to_ids(FIM_MIDDLE)
@@ -74,8 +74,9 @@ class _Killed(Exception):
     """Stands for the process being killed right after a checkpoint was written."""
 
 
-def test_an_interrupted_build_resumes_from_its_checkpoint_and_ends_as_an_uninterrupted_one(stdlib_files, tmp_path,
-                                                                                           monkeypatch):
+def test_an_interrupted_build_resumes_from_its_checkpoint_and_ends_as_an_uninterrupted_one(
+    stdlib_files, tmp_path, monkeypatch
+):
     from safetensors.torch import load_file
 
     import tasks.train.base as base
@@ -92,6 +93,7 @@ def test_an_interrupted_build_resumes_from_its_checkpoint_and_ends_as_an_uninter
     def killed_after_first_checkpoint(*args, **kwargs):
         def die(step):
             raise _Killed(step)
+
         return real_pretrain(*args, **{**kwargs, "snapshot": die})
 
     monkeypatch.setattr(base, "pretrain", killed_after_first_checkpoint)

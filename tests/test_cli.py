@@ -20,9 +20,15 @@ def _sets(params_dict):
 
 def test_pipeline_commands_end_to_end(tmp_path):
     tiny = tiny_params()
-    sets = _sets({"data": {"source": tiny.data.source, "test_fraction": 0.3}, "fim": {"n_train": 40, "n_test": 20},
-                  "model": TINY_MODEL | {"pretrain_steps": 5}, "evaluate": {"n_samples": 8, "n_requests": 8, "max_new_tokens": 8},
-                  "traffic": {"train_regions": 30, "eval_regions": 10}})
+    sets = _sets(
+        {
+            "data": {"source": tiny.data.source, "test_fraction": 0.3},
+            "fim": {"n_train": 40, "n_test": 20},
+            "model": TINY_MODEL | {"pretrain_steps": 5},
+            "evaluate": {"n_samples": 8, "n_requests": 8, "max_new_tokens": 8},
+            "traffic": {"train_regions": 30, "eval_regions": 10},
+        }
+    )
     none = ["--params", str(tmp_path / "none.yaml")]
     assert runner.invoke(app, ["corpus", *none]).exit_code == 2  # missing params file: exit 2 with a sentence
     (tmp_path / "params.yaml").write_text("{}\n")
@@ -35,8 +41,19 @@ def test_pipeline_commands_end_to_end(tmp_path):
     r = runner.invoke(app, ["build-base", "--corpus", corpus, "--out", str(tmp_path / "model"), *common])
     assert r.exit_code == 0, r.output
     out = tmp_path / "acc.json"
-    r = runner.invoke(app, ["acceptance", "--model", str(tmp_path / "model"), "--regions",
-                            str(tmp_path / "fim" / "typing_test.parquet"), "--json", str(out), *common])
+    r = runner.invoke(
+        app,
+        [
+            "acceptance",
+            "--model",
+            str(tmp_path / "model"),
+            "--regions",
+            str(tmp_path / "fim" / "typing_test.parquet"),
+            "--json",
+            str(out),
+            *common,
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "Held-out editor traffic" in r.output and "chars_saved" in r.output and "noise floor" in r.output
     numbers = json.loads(out.read_text())
@@ -44,9 +61,23 @@ def test_pipeline_commands_end_to_end(tmp_path):
     low, high = numbers["intervals"]["suggest_rate"]
     assert low <= numbers["suggest_rate"] <= high
     out = tmp_path / "headroom.json"
-    r = runner.invoke(app, ["headroom", "--model", str(tmp_path / "model"), "--regions",
-                            str(tmp_path / "fim" / "typing_test.parquet"), "--requests", "6", "--k", "2",
-                            "--json", str(out), *common])
+    r = runner.invoke(
+        app,
+        [
+            "headroom",
+            "--model",
+            str(tmp_path / "model"),
+            "--regions",
+            str(tmp_path / "fim" / "typing_test.parquet"),
+            "--requests",
+            "6",
+            "--k",
+            "2",
+            "--json",
+            str(out),
+            *common,
+        ],
+    )
     assert r.exit_code == 0, r.output
     room = json.loads(out.read_text())
     assert room["requests"] == 6 and room["k"] == 2 and 0 <= room["greedy_right"] <= room["greedy_shown"] <= 1
@@ -62,6 +93,16 @@ def test_bad_params_exit_2_with_the_key(tmp_path):
 
 def test_missing_model_is_a_clear_error(tmp_path):
     (tmp_path / "p.yaml").write_text("{}\n")
-    r = runner.invoke(app, ["acceptance", "--params", str(tmp_path / "p.yaml"), "--model", str(tmp_path / "nomodel"),
-                            "--regions", str(tmp_path / "none.parquet")])
+    r = runner.invoke(
+        app,
+        [
+            "acceptance",
+            "--params",
+            str(tmp_path / "p.yaml"),
+            "--model",
+            str(tmp_path / "nomodel"),
+            "--regions",
+            str(tmp_path / "none.parquet"),
+        ],
+    )
     assert r.exit_code == 2 and "not found" in r.output

@@ -4,8 +4,16 @@ import pytest
 
 from tasks.config import load_params
 from tasks.fim import build_prompt
-from tasks.ingest.corpus import (CorpusError, build_fim, read_samples, split_files, split_of, write_corpus,
-                                 write_fim, read_corpus)
+from tasks.ingest.corpus import (
+    CorpusError,
+    build_fim,
+    read_corpus,
+    read_samples,
+    split_files,
+    split_of,
+    write_corpus,
+    write_fim,
+)
 from tests.conftest import tiny_params
 
 
@@ -83,8 +91,10 @@ def test_external_jsonl_fim_sets_load(tmp_path):
     assert (one["prefix"], one["middle"], one["suffix"]) == ("def f3(x):\n    ", "return x * 3 + helper_3(x)", "\n")
 
     plain = tmp_path / "plain.jsonl"
-    plain.write_text("\n".join(json.dumps({"prefix": "a = ", "suffix": "", "middle": f"compute({i}, {i})"})
-                               for i in range(10)) + "\n")
+    plain.write_text(
+        "\n".join(json.dumps({"prefix": "a = ", "suffix": "", "middle": f"compute({i}, {i})"}) for i in range(10))
+        + "\n"
+    )
     params = tiny_params(data={"source": str(plain)}, fim={"n_train": 100, "n_test": 100})
     got = build_fim(params.data, params.fim, split_files(params.data))
     assert len(got["train"]) + len(got["test"]) == 10

@@ -42,18 +42,39 @@ def _log(engine, arm, version, created, *, abstained=False, answer=None, answere
     """One served completion, and its feedback when `answer` is given."""
     cid = f"c{next(_ids)}"
     with engine.begin() as conn:
-        conn.execute(completions.insert().values(
-            id=cid, created_at=created, user_id="u1", arm=arm, model_version=version, prompt="p", prefix="p",
-            suffix="", completion="" if abstained else "x = 1", temperature=0.7, latency_ms=5.0,
-            abstained=abstained, prompt_hash=cid))
+        conn.execute(
+            completions.insert().values(
+                id=cid,
+                created_at=created,
+                user_id="u1",
+                arm=arm,
+                model_version=version,
+                prompt="p",
+                prefix="p",
+                suffix="",
+                completion="" if abstained else "x = 1",
+                temperature=0.7,
+                latency_ms=5.0,
+                abstained=abstained,
+                prompt_hash=cid,
+            )
+        )
         if answer is not None:
-            conn.execute(feedback.insert().values(
-                completion_id=cid, matched=True, accepted=answer, received_at=answered_at, source="api"))
+            conn.execute(
+                feedback.insert().values(
+                    completion_id=cid, matched=True, accepted=answer, received_at=answered_at, source="api"
+                )
+            )
 
 
 def _ab_arms(engine, champion="m/1", challenger="m/2"):
-    replace_arms(engine, [Arm(CHAMPION, champion, "/models/a", "embedded", 0.5),
-                          Arm(CHALLENGER, challenger, "/models/b", "embedded", 0.5)])
+    replace_arms(
+        engine,
+        [
+            Arm(CHAMPION, champion, "/models/a", "embedded", 0.5),
+            Arm(CHALLENGER, challenger, "/models/b", "embedded", 0.5),
+        ],
+    )
 
 
 def test_arm_stats_apply_the_feedback_timeout_and_count_since_the_challenger_went_live(tmp_path):
@@ -93,8 +114,10 @@ def test_reward_stats_from_counts_match_the_raw_samples():
     params = tiny_params()
     a = stats_from_counts(CHAMPION, "m/1", 30, 50, 20, params.reward)
     b = stats_from_counts(CHALLENGER, "m/2", 45, 40, 15, params.reward)
-    raw = [np.repeat([params.reward.accepted, params.reward.rejected, params.reward.abstained], counts)
-           for counts in ((30, 50, 20), (45, 40, 15))]
+    raw = [
+        np.repeat([params.reward.accepted, params.reward.rejected, params.reward.abstained], counts)
+        for counts in ((30, 50, 20), (45, 40, 15))
+    ]
     assert a.reward_per_request == pytest.approx(raw[0].mean())
     assert a.reward_std == pytest.approx(raw[0].std(ddof=1))
     t, p = welch_test(a, b)
@@ -107,8 +130,10 @@ def test_reward_stats_from_counts_match_the_raw_samples():
 
 
 def _pair(champ, chall, params):
-    return (stats_from_counts(CHAMPION, "m/1", *champ, params.reward),
-            stats_from_counts(CHALLENGER, "m/2", *chall, params.reward))
+    return (
+        stats_from_counts(CHAMPION, "m/1", *champ, params.reward),
+        stats_from_counts(CHALLENGER, "m/2", *chall, params.reward),
+    )
 
 
 def test_decision_rule_minimum_samples_promote_rollback_and_continue():
@@ -168,8 +193,13 @@ def _registry_with_challenger(params, model_dir):
 
 
 def _live_arms(engine, champion, challenger):
-    replace_arms(engine, [Arm(CHAMPION, champion.label, "/models/champ", "embedded", 0.5),
-                          Arm(CHALLENGER, challenger.label, "/models/chall", "embedded", 0.5)])
+    replace_arms(
+        engine,
+        [
+            Arm(CHAMPION, champion.label, "/models/champ", "embedded", 0.5),
+            Arm(CHALLENGER, challenger.label, "/models/chall", "embedded", 0.5),
+        ],
+    )
 
 
 def _decision_runs(params):
@@ -186,8 +216,14 @@ def test_promote_and_rollback_change_arms_and_aliases(tmp_path, mlflow_store, ti
         set_alias(params, CHALLENGER, challenger.version)
         _live_arms(engine, champion, challenger)
         for i in range(4):
-            _log(engine, CHALLENGER, challenger.label, live_since(engine) - 5 + i, answer=True,
-                 answered_at=live_since(engine) - 4 + i)
+            _log(
+                engine,
+                CHALLENGER,
+                challenger.label,
+                live_since(engine) - 5 + i,
+                answer=True,
+                answered_at=live_since(engine) - 4 + i,
+            )
         change = promote(engine, params)
         assert read_arms(engine) == [Arm(CHAMPION, challenger.label, "/models/chall", "embedded", 1.0)]
         assert get_alias_version(params, CHAMPION) == challenger and get_alias_version(params, CHALLENGER) is None
@@ -219,7 +255,9 @@ def test_promote_restores_aliases_when_the_arm_swap_fails(tmp_path, mlflow_store
     engine = next(_engines(tmp_path))
     _live_arms(engine, champion, challenger)
     with engine.begin() as conn:  # a real database failure inside the arm swap
-        conn.execute(sa.text("CREATE TRIGGER arms_fail BEFORE INSERT ON arms BEGIN SELECT RAISE(ABORT, 'disk full'); END"))
+        conn.execute(
+            sa.text("CREATE TRIGGER arms_fail BEFORE INSERT ON arms BEGIN SELECT RAISE(ABORT, 'disk full'); END")
+        )
     with pytest.raises(sa.exc.IntegrityError, match="disk full"):
         promote(engine, params)
     assert get_alias_version(params, CHAMPION) == champion and get_alias_version(params, CHALLENGER) == challenger

@@ -5,7 +5,15 @@ from prefect import flow
 
 import tasks.deploy.rollout as rollout_mod
 from serving.store import Arm, init_schema, make_engine, read_arms, replace_arms
-from tasks.deploy.registry import CHALLENGER, CHAMPION, DeployError, ensure_champion, get_alias_version, register_candidate, start_cycle_run
+from tasks.deploy.registry import (
+    CHALLENGER,
+    CHAMPION,
+    DeployError,
+    ensure_champion,
+    get_alias_version,
+    register_candidate,
+    start_cycle_run,
+)
 from tasks.deploy.rollout import challenger_arms, rollout
 from tests.conftest import tiny_params
 
@@ -30,7 +38,9 @@ def test_rollout_makes_the_challenger_live_at_its_share(tmp_path, mlflow_store, 
     done = _rollout_flow(version, str(tiny_model_dir), params)
     arms = {a.name: a for a in read_arms(engine)}
     assert arms[CHAMPION].share == pytest.approx(0.75) and arms[CHALLENGER].share == pytest.approx(0.25)
-    assert arms[CHALLENGER].model_version == version.label and done.arms == sorted(arms.values(), key=lambda a: a.name, reverse=True)
+    assert arms[CHALLENGER].model_version == version.label and done.arms == sorted(
+        arms.values(), key=lambda a: a.name, reverse=True
+    )
     assert get_alias_version(params, CHALLENGER).version == version.version
 
 

@@ -4,8 +4,19 @@ import pytest
 
 from serving.simulator import SimUser
 from tasks.config import Persona, load_params
-from tasks.editor import (Region, Session, covered_chars, pause_requests, pick_regions, read_regions, run_sessions,
-                          stop_of, summarise_turns, training_samples, write_regions)
+from tasks.editor import (
+    Region,
+    Session,
+    covered_chars,
+    pause_requests,
+    pick_regions,
+    read_regions,
+    run_sessions,
+    stop_of,
+    summarise_turns,
+    training_samples,
+    write_regions,
+)
 
 TRAFFIC = load_params(None, ["traffic.p_midword_pause=0"], environ={}).traffic
 FILE = "import os\n\ndef main(path):\n    value = os.path.join(path, 'x')\n    return value\n"
@@ -20,12 +31,12 @@ def region_of(first_line: str, last_line: str) -> Region:
 
 def test_pauses_sit_where_an_editor_asks():
     region = region_of("value = os", "return value")
-    asked = [q["prefix"][len(FILE[:region.start]):] for q in pause_requests(region, TRAFFIC)]
+    asked = [q["prefix"][len(FILE[: region.start]) :] for q in pause_requests(region, TRAFFIC)]
     # the line start, after '=', '.', '(', ',' and at word boundaries; the new line is auto-indented
     assert asked[:6] == ["", "value ", "value = ", "value = os.", "value = os.path.", "value = os.path.join("]
     assert "value = os.path.join(path, 'x')\n    " in asked  # cursor skipped the indentation
     q = next(pause_requests(region, TRAFFIC))
-    assert q["middle"] == FILE[region.start:region.end] and q["suffix"] == FILE[region.end:]
+    assert q["middle"] == FILE[region.start : region.end] and q["suffix"] == FILE[region.end :]
     # mid-word pauses are a pure function of (region, position): the same in every run
     some = load_params(None, ["traffic.p_midword_pause=0.5"], environ={}).traffic
     assert list(pause_requests(region, some)) == list(pause_requests(region, some))
@@ -76,8 +87,9 @@ def test_regions_are_held_out_by_file_and_round_trip(stdlib_files, tmp_path):
     regions = pick_regions(stdlib_files, 20, TRAFFIC, seed=0, tag="t")
     assert len({r.region_id for r in regions}) == 20
     back = read_regions(write_regions(regions, tmp_path / "r.parquet", TRAFFIC))
-    for a, b in zip(regions, back):
-        assert [q["prefix"][-50:] + "|" + q["middle"] for q in pause_requests(a, TRAFFIC)] == \
-               [q["prefix"][-50:] + "|" + q["middle"] for q in pause_requests(b, TRAFFIC)]
+    for a, b in zip(regions, back, strict=True):
+        assert [q["prefix"][-50:] + "|" + q["middle"] for q in pause_requests(a, TRAFFIC)] == [
+            q["prefix"][-50:] + "|" + q["middle"] for q in pause_requests(b, TRAFFIC)
+        ]
     with pytest.raises(FileNotFoundError, match="dvc repro fim"):
         read_regions(tmp_path / "missing.parquet")

@@ -12,7 +12,15 @@ import pytest
 
 from tasks.config import JudgeParams
 from tasks.evaluate.judge import (
-    JudgeCache, JudgeError, JudgeUnavailable, Verdict, judge, judge_prompt, llm_judge, parse_verdict, reference_judge,
+    JudgeCache,
+    JudgeError,
+    JudgeUnavailable,
+    Verdict,
+    judge,
+    judge_prompt,
+    llm_judge,
+    parse_verdict,
+    reference_judge,
 )
 
 KEY_ENV = "TABRL_TEST_JUDGE_KEY"
@@ -66,8 +74,9 @@ class FakeJudge:
                 if fake.status_always is not None:
                     return self._send(fake.status_always, {"error": {"message": "nope", "type": "test"}})
                 if completion == "ratelimit-once" and attempt == 1:
-                    return self._send(429, {"error": {"message": "slow down", "type": "rate_limit"}},
-                                      {"retry-after-ms": "20"})
+                    return self._send(
+                        429, {"error": {"message": "slow down", "type": "rate_limit"}}, {"retry-after-ms": "20"}
+                    )
                 if completion == "slow-always" or (completion == "slow-once" and attempt == 1):
                     time.sleep(1.5)
                 if completion == "malformed":
@@ -75,13 +84,19 @@ class FakeJudge:
                 else:
                     match = re.fullmatch(r"score:(\d+)", completion)
                     content = answer(match.group(1) if match else 8)
-                self._send(200, {
-                    "id": f"chatcmpl-{len(fake.requests)}", "object": "chat.completion", "created": int(time.time()),
-                    "model": body["model"],
-                    "choices": [{"index": 0, "finish_reason": "stop",
-                                 "message": {"role": "assistant", "content": content}}],
-                    "usage": {"prompt_tokens": 10, "completion_tokens": 10, "total_tokens": 20},
-                })
+                self._send(
+                    200,
+                    {
+                        "id": f"chatcmpl-{len(fake.requests)}",
+                        "object": "chat.completion",
+                        "created": int(time.time()),
+                        "model": body["model"],
+                        "choices": [
+                            {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}
+                        ],
+                        "usage": {"prompt_tokens": 10, "completion_tokens": 10, "total_tokens": 20},
+                    },
+                )
 
             def _send(self, status, payload, headers=None):
                 data = json.dumps(payload).encode()
@@ -99,8 +114,10 @@ class FakeJudge:
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def completions_sent(self) -> list[str]:
-        return [re.search(r"<completion>\n(.*)\n</completion>", r["body"]["messages"][0]["content"], re.DOTALL).group(1)
-                for r in self.requests]
+        return [
+            re.search(r"<completion>\n(.*)\n</completion>", r["body"]["messages"][0]["content"], re.DOTALL).group(1)
+            for r in self.requests
+        ]
 
 
 @pytest.fixture
@@ -114,15 +131,29 @@ def fake_judge(monkeypatch):
 
 
 def params_for(fake: FakeJudge, tmp_path, **kw) -> JudgeParams:
-    values = dict(kind="llm", base_url=fake.url, model="judge-test", api_key_env=KEY_ENV, concurrency=4,
-                  timeout_s=5.0, max_retries=2, cache_path=str(tmp_path / "cache.sqlite"))
+    values = dict(
+        kind="llm",
+        base_url=fake.url,
+        model="judge-test",
+        api_key_env=KEY_ENV,
+        concurrency=4,
+        timeout_s=5.0,
+        max_retries=2,
+        cache_path=str(tmp_path / "cache.sqlite"),
+    )
     values.update(kw)
     return JudgeParams(**values)
 
 
 def sample(i: int) -> dict:
-    return {"sample_id": f"s{i}", "path": "m.py", "span_kind": "line",
-            "prefix": f"def f{i}(x):\n    ", "suffix": "\n", "middle": "return x + 1"}
+    return {
+        "sample_id": f"s{i}",
+        "path": "m.py",
+        "span_kind": "line",
+        "prefix": f"def f{i}(x):\n    ",
+        "suffix": "\n",
+        "middle": "return x + 1",
+    }
 
 
 def test_well_formed_answers_are_scored_and_abstentions_not_sent(fake_judge, tmp_path):
@@ -181,8 +212,15 @@ def test_endpoint_down_fails_loudly(tmp_path, monkeypatch):
     monkeypatch.setenv(KEY_ENV, "sk-test")
     fake = FakeJudge()  # bound but never served, then closed: connection refused
     fake.server.server_close()
-    params = JudgeParams(kind="llm", base_url=fake.url, model="m", api_key_env=KEY_ENV, max_retries=0,
-                         timeout_s=2.0, cache_path=str(tmp_path / "c.sqlite"))
+    params = JudgeParams(
+        kind="llm",
+        base_url=fake.url,
+        model="m",
+        api_key_env=KEY_ENV,
+        max_retries=0,
+        timeout_s=2.0,
+        cache_path=str(tmp_path / "c.sqlite"),
+    )
     with pytest.raises(JudgeUnavailable, match="APIConnectionError"):
         judge([(sample(0), "x = 1")], params)
 
@@ -235,21 +273,24 @@ def test_concurrency_is_limited(fake_judge, tmp_path):
     assert fake_judge.max_in_flight == 2
 
 
-@pytest.mark.parametrize("text, score", [
-    (answer(10), 10),
-    ("Sure!\n" + answer(6) + "\n", 6),
-    (answer(" 3 "), 3),
-    (answer(7), None),  # off-level
-    (answer(11), None),
-    (answer("8.0"), None),
-    (answer("eight"), None),
-    ("<evaluation><score>8</score></evaluation>", None),  # no justification
-    ("<evaluation><score>8</score><justification> </justification></evaluation>", None),
-    (answer(8) + answer(3), None),  # two blocks
-    ("<evaluation><score>8</score><score>3</score><justification>x</justification></evaluation>", None),
-    ("<score>8</score><justification>x</justification>", None),  # no evaluation block
-    ("", None),
-])
+@pytest.mark.parametrize(
+    "text, score",
+    [
+        (answer(10), 10),
+        ("Sure!\n" + answer(6) + "\n", 6),
+        (answer(" 3 "), 3),
+        (answer(7), None),  # off-level
+        (answer(11), None),
+        (answer("8.0"), None),
+        (answer("eight"), None),
+        ("<evaluation><score>8</score></evaluation>", None),  # no justification
+        ("<evaluation><score>8</score><justification> </justification></evaluation>", None),
+        (answer(8) + answer(3), None),  # two blocks
+        ("<evaluation><score>8</score><score>3</score><justification>x</justification></evaluation>", None),
+        ("<score>8</score><justification>x</justification>", None),  # no evaluation block
+        ("", None),
+    ],
+)
 def test_parse_verdict_is_strict(text, score):
     verdict = parse_verdict(text)
     assert isinstance(verdict, Verdict)

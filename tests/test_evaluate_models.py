@@ -9,8 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from tasks.cli import app
-from tasks.evaluate.evaluate import METRICS, compare, evaluate_model
 from tasks.editor import write_regions
+from tasks.evaluate.evaluate import METRICS, compare, evaluate_model
 from tasks.ingest.corpus import write_samples
 from tests.conftest import tiny_params
 from tests.test_evaluate_judge import KEY_ENV, FakeJudge
@@ -25,7 +25,9 @@ def mlflow_run(tmp_path):
     mlflow.set_tracking_uri(None)
 
 
-def test_tiny_model_against_itself_passes_no_gate_and_logs_to_mlflow(tiny_model_dir, fim_samples, typing_regions, tmp_path, mlflow_run):
+def test_tiny_model_against_itself_passes_no_gate_and_logs_to_mlflow(
+    tiny_model_dir, fim_samples, typing_regions, tmp_path, mlflow_run
+):
     params = tiny_params(tmp_path, evaluate={"n_samples": 8, "max_new_tokens": 8})
     result = compare(tiny_model_dir, tiny_model_dir, fim_samples, typing_regions, params)
     cand, champ = result.candidate, result.champion
@@ -48,7 +50,8 @@ def test_tiny_model_against_itself_passes_no_gate_and_logs_to_mlflow(tiny_model_
     typed = cand.typing  # editor traffic: at least evaluate.n_requests, the summary is the turns' own
     assert m["eval/typing/requests"] == len(typed.turns) == params.evaluate.n_requests
     assert m["eval/typing/chars_saved"] == pytest.approx(
-        sum(t.saved_chars for t in typed.turns) / sum(s[5] for s in typed.sessions))
+        sum(t.saved_chars for t in typed.turns) / sum(s[5] for s in typed.sessions)
+    )
     assert 0 <= m["eval/typing/right_rate"] <= 1 and sum(s[0] for s in typed.sessions) == len(typed.turns)
 
     client = mlflow.tracking.MlflowClient()
@@ -64,14 +67,28 @@ def test_tiny_model_against_itself_passes_no_gate_and_logs_to_mlflow(tiny_model_
     assert len(table["data"]) == 16 and "judge_score" in table["columns"] and "model" in table["columns"]
 
 
-def test_llm_judged_self_comparison_is_cached_and_not_better(babbler_dir, fim_samples, typing_regions, tmp_path, monkeypatch):
+def test_llm_judged_self_comparison_is_cached_and_not_better(
+    babbler_dir, fim_samples, typing_regions, tmp_path, monkeypatch
+):
     monkeypatch.setenv(KEY_ENV, "sk-test")
     fake = FakeJudge()
     fake.thread.start()
     try:
-        params = tiny_params(tmp_path, evaluate={"n_samples": 8, "max_new_tokens": 8, "judge": {
-            "kind": "llm", "base_url": fake.url, "model": "judge-test", "api_key_env": KEY_ENV,
-            "cache_path": str(tmp_path / "judge.sqlite"), "max_retries": 0}})
+        params = tiny_params(
+            tmp_path,
+            evaluate={
+                "n_samples": 8,
+                "max_new_tokens": 8,
+                "judge": {
+                    "kind": "llm",
+                    "base_url": fake.url,
+                    "model": "judge-test",
+                    "api_key_env": KEY_ENV,
+                    "cache_path": str(tmp_path / "judge.sqlite"),
+                    "max_retries": 0,
+                },
+            },
+        )
         result = compare(babbler_dir, babbler_dir, fim_samples, typing_regions, params)
         cand = result.candidate
         assert all(r["completion"].strip() for r in cand.rows)  # every request shows a suggestion
@@ -98,9 +115,21 @@ def test_cli_prints_side_by_side_table_and_gate(babbler_dir, tiny_model_dir, fim
     regions = write_regions(typing_regions, tmp_path / "typing.parquet", tiny_params().traffic)
     out = tmp_path / "eval.json"
     sets = ["evaluate.n_samples=6", "evaluate.n_requests=12", "evaluate.max_new_tokens=8", "evaluate.batch_size=6"]
-    args = ["evaluate", "--model", str(babbler_dir), "--against", str(tiny_model_dir), "--test", str(test),
-            "--regions", str(regions),
-            "--json", str(out), "--params", "params.yaml"] + [x for s in sets for x in ("--set", s)]
+    args = [
+        "evaluate",
+        "--model",
+        str(babbler_dir),
+        "--against",
+        str(tiny_model_dir),
+        "--test",
+        str(test),
+        "--regions",
+        str(regions),
+        "--json",
+        str(out),
+        "--params",
+        "params.yaml",
+    ] + [x for s in sets for x in ("--set", s)]
     result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert "eval/typing/chars_saved" in result.output and "champion" in result.output
@@ -109,7 +138,9 @@ def test_cli_prints_side_by_side_table_and_gate(babbler_dir, tiny_model_dir, fim
     assert saved["gate"]["passed"] is False
     assert saved["candidate"]["eval/suggest_rate"] == 1.0 and saved["champion"]["eval/suggest_rate"] == 0.0
     assert saved["candidate"]["eval/reward_per_request"] < 0 == saved["champion"]["eval/reward_per_request"]
-    assert saved["candidate"]["eval/typing/reward_per_request"] < 0 == saved["champion"]["eval/typing/reward_per_request"]
+    assert (
+        saved["candidate"]["eval/typing/reward_per_request"] < 0 == saved["champion"]["eval/typing/reward_per_request"]
+    )
     assert saved["candidate"]["eval/typing/requests"] == 12
 
     missing = CliRunner().invoke(app, ["evaluate", "--model", str(tmp_path / "nope"), "--test", str(test)])

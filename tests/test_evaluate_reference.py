@@ -18,18 +18,21 @@ def case(middle=MIDDLE, prefix=PREFIX, suffix=SUFFIX, path="geometry.py") -> dic
     return {"sample_id": "x", "path": path, "span_kind": "line", "prefix": prefix, "suffix": suffix, "middle": middle}
 
 
-@pytest.mark.parametrize("completion, score", [
-    ("return width * height", 10),  # exact
-    ("return width * height\n", 10),  # trailing whitespace is invisible in the editor
-    ("return  width *  height", 8),  # same code up to whitespace, still parses
-    ("return width * heigth", 8),  # a typo: near match (sim >= 0.8) that parses
-    ("return width *", 6),  # a right start covering over half the middle (does not parse alone: allowed)
-    ("return width + height", 8),  # one operator off: near match that parses
-    ("return height", 6),  # related, parses, sim >= 0.5
-    ("return", 3),  # a right start, but too short to count; some similarity
-    ("width * height)", 3),  # similar but breaks the parse
-    ("import os", 0),  # unrelated
-])
+@pytest.mark.parametrize(
+    "completion, score",
+    [
+        ("return width * height", 10),  # exact
+        ("return width * height\n", 10),  # trailing whitespace is invisible in the editor
+        ("return  width *  height", 8),  # same code up to whitespace, still parses
+        ("return width * heigth", 8),  # a typo: near match (sim >= 0.8) that parses
+        ("return width *", 6),  # a right start covering over half the middle (does not parse alone: allowed)
+        ("return width + height", 8),  # one operator off: near match that parses
+        ("return height", 6),  # related, parses, sim >= 0.5
+        ("return", 3),  # a right start, but too short to count; some similarity
+        ("width * height)", 3),  # similar but breaks the parse
+        ("import os", 0),  # unrelated
+    ],
+)
 def test_reference_scores_by_hand(completion, score):
     assert reference_score(checks(case(), completion)) == score
 
@@ -60,33 +63,41 @@ def test_abstentions_are_not_judged_and_helpers_are_sane():
 
 
 def metrics(reward: float, judge: float, scored: float = 100.0, chars: float = 0.10) -> dict[str, float]:
-    return {"eval/typing/reward_per_request": reward, "eval/judge_mean": judge, "eval/judge_scored": scored,
-            "eval/typing/chars_saved": chars}
+    return {
+        "eval/typing/reward_per_request": reward,
+        "eval/judge_mean": judge,
+        "eval/judge_scored": scored,
+        "eval/typing/chars_saved": chars,
+    }
 
 
 GATE = EvaluateParams(gate_tolerance=0.02, gate_margin=0.005)
 
 
-@pytest.mark.parametrize("cand, champ, passed, why", [
-    (metrics(0.10, 5.0), metrics(0.10, 5.0), False, "equal is not better"),
-    (metrics(0.12, 5.0), metrics(0.10, 5.0), True, "reward_per_request improves"),
-    (metrics(0.10, 5.2), metrics(0.10, 5.0), True, "judge_mean improves"),
-    (metrics(0.103, 5.0), metrics(0.10, 5.0), False, "equal is not better"),  # below the margin
-    (metrics(0.15, 4.7), metrics(0.10, 5.0), False, "judge_mean drops"),  # judge drop 0.3 > tolerance 0.2
-    (metrics(0.15, 4.85), metrics(0.10, 5.0), True, "reward_per_request improves"),  # judge drop within 0.2
-    (metrics(0.07, 6.0), metrics(0.10, 5.0), False, "reward_per_request drops"),
-    (metrics(0.09, 6.0), metrics(0.10, 5.0), True, "judge_mean improves"),  # reward drop within tolerance
-    (metrics(0.20, 6.0, scored=0), metrics(0.10, 5.0), False, "no judge evidence"),
-    (metrics(0.20, 6.0), metrics(0.10, 0.0, scored=0), True, "judge mean not compared"),  # champion showed nothing
-    (metrics(0.10, 6.0), metrics(0.10, 0.0, scored=0), False, "equal is not better"),  # then reward must improve
-])
+@pytest.mark.parametrize(
+    "cand, champ, passed, why",
+    [
+        (metrics(0.10, 5.0), metrics(0.10, 5.0), False, "equal is not better"),
+        (metrics(0.12, 5.0), metrics(0.10, 5.0), True, "reward_per_request improves"),
+        (metrics(0.10, 5.2), metrics(0.10, 5.0), True, "judge_mean improves"),
+        (metrics(0.103, 5.0), metrics(0.10, 5.0), False, "equal is not better"),  # below the margin
+        (metrics(0.15, 4.7), metrics(0.10, 5.0), False, "judge_mean drops"),  # judge drop 0.3 > tolerance 0.2
+        (metrics(0.15, 4.85), metrics(0.10, 5.0), True, "reward_per_request improves"),  # judge drop within 0.2
+        (metrics(0.07, 6.0), metrics(0.10, 5.0), False, "reward_per_request drops"),
+        (metrics(0.09, 6.0), metrics(0.10, 5.0), True, "judge_mean improves"),  # reward drop within tolerance
+        (metrics(0.20, 6.0, scored=0), metrics(0.10, 5.0), False, "no judge evidence"),
+        (metrics(0.20, 6.0), metrics(0.10, 0.0, scored=0), True, "judge mean not compared"),  # champion showed nothing
+        (metrics(0.10, 6.0), metrics(0.10, 0.0, scored=0), False, "equal is not better"),  # then reward must improve
+    ],
+)
 def test_gate_decisions(cand, champ, passed, why):
     decision = gate(cand, champ, GATE)
     assert decision.passed is passed
     assert any(why in reason for reason in decision.reasons), decision.reasons
     assert decision.reasons[-1].startswith("PASS" if passed else "FAIL")
-    assert decision.numbers["delta/reward_per_request"] == pytest.approx(cand["eval/typing/reward_per_request"]
-                                                                         - champ["eval/typing/reward_per_request"])
+    assert decision.numbers["delta/reward_per_request"] == pytest.approx(
+        cand["eval/typing/reward_per_request"] - champ["eval/typing/reward_per_request"]
+    )
     assert decision.numbers["tolerance/judge_mean"] == pytest.approx(0.2)
 
 

@@ -20,8 +20,12 @@ def test_continue_repo_level_prompt_parses():
 
 @pytest.mark.parametrize(
     "bad, why",
-    [("plain text", "no <|fim_prefix|>"), ("<|fim_prefix|>a<|fim_middle|>", "no <|fim_suffix|>"),
-     ("<|fim_prefix|>a<|fim_suffix|>b", "no <|fim_middle|>"), ("<|fim_prefix|>a<|fim_suffix|>b<|fim_middle|>c", "must end")],
+    [
+        ("plain text", "no <|fim_prefix|>"),
+        ("<|fim_prefix|>a<|fim_middle|>", "no <|fim_suffix|>"),
+        ("<|fim_prefix|>a<|fim_suffix|>b", "no <|fim_middle|>"),
+        ("<|fim_prefix|>a<|fim_suffix|>b<|fim_middle|>c", "must end"),
+    ],
 )
 def test_malformed_prompts_name_the_problem(bad, why):
     with pytest.raises(FimFormatError, match=why.replace("|", r"\|")):

@@ -9,8 +9,8 @@ rewards, and the candidate would greedily show a blank then stop (a blank counts
 """
 
 import subprocess
-from pathlib import Path
 import sys
+from pathlib import Path
 
 import mlflow
 import pytest
@@ -32,29 +32,47 @@ ACCEPT_ALL = [{"name": "easy", "weight": 1.0, "min_accept_chars": 1, "p_accept_w
 
 def _dvc_repo(path):
     path.mkdir()
-    for cmd in (["git", "init", "-q"], ["git", "config", "user.name", "t"], ["git", "config", "user.email", "t@x"],
-                [sys.executable, "-m", "dvc", "init", "-q"], [sys.executable, "-m", "dvc", "config", "core.analytics", "false"],
-                ["git", "commit", "-qm", "init"]):
+    for cmd in (
+        ["git", "init", "-q"],
+        ["git", "config", "user.name", "t"],
+        ["git", "config", "user.email", "t@x"],
+        [sys.executable, "-m", "dvc", "init", "-q"],
+        [sys.executable, "-m", "dvc", "config", "core.analytics", "false"],
+        ["git", "commit", "-qm", "init"],
+    ):
         subprocess.run(cmd, cwd=path, check=True)
     return path
 
 
-def test_cycle_registers_and_rolls_out_a_challenger(tmp_path, tiny_model_dir, fim_samples, typing_regions, mlflow_store, prefect_harness,
-                                                    monkeypatch):
+def test_cycle_registers_and_rolls_out_a_challenger(
+    tmp_path, tiny_model_dir, fim_samples, typing_regions, mlflow_store, prefect_harness, monkeypatch
+):
     repo = _dvc_repo(tmp_path / "repo")
     monkeypatch.chdir(repo)
-    sections = {"simulator": {"personas": ACCEPT_ALL},
-                "serving": {"auth": False, "temperature": 1.0, "max_tokens": 1},
-                "ingest": {"feedback_timeout_s": 0.5},
-                "train": {"lr": 1e-2, "max_approx_kl": 20.0, "target_kl": 20.0, "epochs": 4, "min_rows": 8, "micro_batch": 8, "grad_accum": 1},
-                "reward": {"advantage": "raw"},  # every shown suggestion is accepted: raw rewards push away from abstaining
-                "evaluate": {"n_samples": 16, "n_requests": 32, "max_new_tokens": 1, "gate_tolerance": 1.0},
-                "deploy": {"challenger_share": 0.3},
-                "paths": {"data_dir": str(repo / "data")}}  # snapshots inside the DVC repo
+    sections = {
+        "simulator": {"personas": ACCEPT_ALL},
+        "serving": {"auth": False, "temperature": 1.0, "max_tokens": 1},
+        "ingest": {"feedback_timeout_s": 0.5},
+        "train": {
+            "lr": 1e-2,
+            "max_approx_kl": 20.0,
+            "target_kl": 20.0,
+            "epochs": 4,
+            "min_rows": 8,
+            "micro_batch": 8,
+            "grad_accum": 1,
+        },
+        "reward": {"advantage": "raw"},  # every shown suggestion is accepted: raw rewards push away from abstaining
+        "evaluate": {"n_samples": 16, "n_requests": 32, "max_new_tokens": 1, "gate_tolerance": 1.0},
+        "deploy": {"challenger_share": 0.3},
+        "paths": {"data_dir": str(repo / "data")},
+    }  # snapshots inside the DVC repo
     params = tiny_params(tmp_path, **sections)
     params_file = tmp_path / "params.yaml"
     params_file.write_text(yaml.safe_dump(params.model_dump(mode="json")))
-    write_samples([dict(s, split="test") for s in fim_samples[:16]], repo / params.paths.data_dir / "fim" / "test.parquet")
+    write_samples(
+        [dict(s, split="test") for s in fim_samples[:16]], repo / params.paths.data_dir / "fim" / "test.parquet"
+    )
     write_regions(typing_regions, regions_path(repo / params.paths.data_dir, "test"), params.traffic)
 
     champion = ensure_champion(tiny_model_dir, params)
@@ -62,8 +80,16 @@ def test_cycle_registers_and_rolls_out_a_challenger(tmp_path, tiny_model_dir, fi
     init_schema(engine)
     replace_arms(engine, [Arm(CHAMPION, champion.label, str(resolve_model_dir(champion.uri, params)), "embedded", 1.0)])
     with serve_app(create_app(params, engine=engine, auth=False)) as url:
-        run_simulation(url, typing_regions, make_users(4, params.simulator), 48, api_keys=None, concurrency=4, seed=0,
-                       traffic=params.traffic)
+        run_simulation(
+            url,
+            typing_regions,
+            make_users(4, params.simulator),
+            48,
+            api_keys=None,
+            concurrency=4,
+            seed=0,
+            traffic=params.traffic,
+        )
     import time
 
     time.sleep(params.ingest.feedback_timeout_s + 0.2)
@@ -89,8 +115,16 @@ def test_cycle_registers_and_rolls_out_a_challenger(tmp_path, tiny_model_dir, fi
     # More traffic, then a forced cycle whose update trips the approx-KL guard: the champion and the
     # challenger under test stay as they are, and the run says why.
     with serve_app(create_app(params, engine=engine, auth=False)) as url:
-        run_simulation(url, typing_regions[::-1], make_users(4, params.simulator), 48, api_keys=None, concurrency=4,
-                       seed=1, traffic=params.traffic)
+        run_simulation(
+            url,
+            typing_regions[::-1],
+            make_users(4, params.simulator),
+            48,
+            api_keys=None,
+            concurrency=4,
+            seed=1,
+            traffic=params.traffic,
+        )
     time.sleep(params.ingest.feedback_timeout_s + 0.2)
     # (raw rewards with abstaining worth 1: every row moves the weights, so step 2's approx-KL is > 0)
     trip = ["train.max_approx_kl=1e-9", "reward.advantage=raw", "reward.abstained=1.0", "reward.rejected=-1.0"]

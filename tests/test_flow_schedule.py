@@ -16,18 +16,29 @@ from tests.conftest import tiny_params
 
 
 def _cli(*args, env, timeout=120):
-    return subprocess.run([sys.executable, "-m", "prefect", *args], env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "prefect", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture
 def prefect_server(tmp_path):
     port = free_port()
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+    }
     env.pop("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", None)
     log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         wait_until_up(f"http://127.0.0.1:{port}/api/health", proc, 120)
         yield env
@@ -43,8 +54,13 @@ def test_schedule_serves_both_flows_and_runs_a_manual_run(tmp_path, prefect_serv
     params_file = tmp_path / "params.yaml"
     params_file.write_text(yaml.safe_dump(params.model_dump(mode="json")))
     log = open(tmp_path / "runner.log", "w")
-    runner = subprocess.Popen([sys.executable, "-m", "tasks", "schedule", "--params", str(params_file)], env=env,
-                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    runner = subprocess.Popen(
+        [sys.executable, "-m", "tasks", "schedule", "--params", str(params_file)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         api = env["PREFECT_API_URL"]
         deadline, found = time.monotonic() + 120, {}

@@ -23,14 +23,32 @@ import tasks.deploy.rollout as rollout_mod
 from serving.auth import add_key
 from serving.gateway import create_app
 from serving.store import Arm, completions, init_schema, make_engine, read_arms, replace_arms
-from tasks.deploy.registry import CHALLENGER, CHAMPION, DeployError, ensure_champion, get_alias_version, register_candidate, start_cycle_run
+from tasks.deploy.registry import (
+    CHALLENGER,
+    CHAMPION,
+    DeployError,
+    ensure_champion,
+    get_alias_version,
+    register_candidate,
+    start_cycle_run,
+)
 from tasks.evaluate.evaluate import compare
 from tasks.evaluate.judge import JudgeUnavailable
 from tasks.train.ppo import RESULT_FILE
 from tests.conftest import tiny_params
-from tests.harden_util import (ROOT, drive_editors, editor_prompt, fast_backend_factory, free_port, make_keys, seed_arms,
-                               start_process, stop_process, store_problems)
-from tests.serving_util import serve_app, store_url  # noqa: F401  (fixture)
+from tests.harden_util import (
+    ROOT,
+    drive_editors,
+    editor_prompt,
+    fast_backend_factory,
+    free_port,
+    make_keys,
+    seed_arms,
+    start_process,
+    stop_process,
+    store_problems,
+)
+from tests.serving_util import serve_app
 from tests.test_train_job import snapshot  # noqa: F401  (fixture)
 
 FAST = Arm(CHAMPION, "fast/1", "fast", "embedded", 1.0)
@@ -63,13 +81,18 @@ def test_backend_killed_mid_load_fails_over_to_the_champion_then_502(tmp_path, t
     backend = start_process("backend", port, "--model", str(tiny_model_dir))
     try:
         url_b = f"http://127.0.0.1:{port}"
-        assert httpx.post(f"{url_b}/v1/completions", json={"prompt": editor_prompt(0), "max_tokens": 4},
-                          timeout=60).status_code == 200  # the model is loaded before the load starts
+        assert (
+            httpx.post(
+                f"{url_b}/v1/completions", json={"prompt": editor_prompt(0), "max_tokens": 4}, timeout=60
+            ).status_code
+            == 200
+        )  # the model is loaded before the load starts
         params = tiny_params(tmp_path, serving={"config_ttl_s": 0, "backend_timeout_s": 10})
         engine = make_engine(params.paths.database_url)
         init_schema(engine)
-        replace_arms(engine, [Arm(CHAMPION, "fast/1", "fast", "embedded", 0.5),
-                              Arm(CHALLENGER, "tiny/2", url_b, "vllm", 0.5)])
+        replace_arms(
+            engine, [Arm(CHAMPION, "fast/1", "fast", "embedded", 0.5), Arm(CHALLENGER, "tiny/2", url_b, "vllm", 0.5)]
+        )
         app = create_app(params, engine=engine, auth=False, backend_factory=fast_backend_factory)
         editors = [(f"u{i}", None) for i in range(8)]
         with serve_app(app) as url:
@@ -98,8 +121,16 @@ def test_gateway_sigkilled_mid_load_loses_no_acknowledged_row(store_url):  # noq
     gateway = start_process("gateway", port, "--db", store_url)
     try:
         url = f"http://127.0.0.1:{port}"
-        result = asyncio.run(drive_editors(url, editors, 300, timeout_s=5, pause_on_error_s=0.01,
-                                           on_progress=_kill_after(60, lambda: os.kill(gateway.pid, signal.SIGKILL))))
+        result = asyncio.run(
+            drive_editors(
+                url,
+                editors,
+                300,
+                timeout_s=5,
+                pause_on_error_s=0.01,
+                on_progress=_kill_after(60, lambda: os.kill(gateway.pid, signal.SIGKILL)),
+            )
+        )
         assert gateway.wait(5) == -signal.SIGKILL
         assert result.statuses["conn"] > 0 and len(result.acked) >= 20, result.statuses
         gateway = start_process("gateway", port, "--db", store_url)  # restart on the same store
@@ -107,8 +138,11 @@ def test_gateway_sigkilled_mid_load_loses_no_acknowledged_row(store_url):  # noq
         assert store_problems(engine, result, {CHAMPION}) == []  # every acknowledged row survived
         stored = _count(engine)
         assert stored >= len(result.acked)  # (a row committed whose answer the kill cut off may be extra)
-        r = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {editors[0][1]}"},
-                       json={"prompt": editor_prompt(0)})
+        r = httpx.post(
+            f"{url}/v1/completions",
+            headers={"Authorization": f"Bearer {editors[0][1]}"},
+            json={"prompt": editor_prompt(0)},
+        )
         assert r.status_code == 200 and _count(engine) == stored + 1
         engine.dispose()
     finally:
@@ -172,9 +206,14 @@ def test_postgres_connections_terminated_answer_503_and_recover(tmp_path):
             deadline = time.monotonic() + 3
             with admin.connect() as conn:
                 while time.monotonic() < deadline and not stop.is_set():
-                    killed.extend(conn.execute(sa.text(
-                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = :a"),
-                        {"a": schema}).scalars())
+                    killed.extend(
+                        conn.execute(
+                            sa.text(
+                                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = :a"
+                            ),
+                            {"a": schema},
+                        ).scalars()
+                    )
                     time.sleep(0.05)
 
         with serve_app(app) as gw:
@@ -185,8 +224,9 @@ def test_postgres_connections_terminated_answer_503_and_recover(tmp_path):
                 if not thread.is_alive() and not killed and sum(result.statuses.values()) >= 20:
                     thread.start()
 
-            result = asyncio.run(drive_editors(gw, [(f"u{i}", None) for i in range(6)], 240, timeout_s=10,
-                                               on_progress=start_killing))
+            result = asyncio.run(
+                drive_editors(gw, [(f"u{i}", None) for i in range(6)], 240, timeout_s=10, on_progress=start_killing)
+            )
             stop.set()
             thread.join()
             result_holder["r"] = result
@@ -208,15 +248,24 @@ def test_postgres_connections_terminated_answer_503_and_recover(tmp_path):
 def test_training_job_killed_mid_run_leaves_no_checkpoint_and_reruns(tmp_path, tiny_model_dir, snapshot):  # noqa: F811
     """torchrun with two gloo ranks, killed (SIGKILL to the whole process group) once the ranks train."""
     out = tmp_path / "candidate"
-    script = ("import sys; from pathlib import Path; from tests.conftest import tiny_params; "
-              "from tasks.train.launch import launch_train; "
-              f"p = tiny_params(Path(sys.argv[1]), train={{'nproc': 2, 'micro_batch': 4, 'epochs': 200, 'lr': 1e-4}}); "
-              "launch_train(sys.argv[2], sys.argv[3], sys.argv[4], p)")
+    script = (
+        "import sys; from pathlib import Path; from tests.conftest import tiny_params; "
+        "from tasks.train.launch import launch_train; "
+        "p = tiny_params(Path(sys.argv[1]), train={'nproc': 2, 'micro_batch': 4, 'epochs': 200, 'lr': 1e-4}); "
+        "launch_train(sys.argv[2], sys.argv[3], sys.argv[4], p)"
+    )
     from pathlib import Path
+
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    job = subprocess.Popen([sys.executable, "-c", script, str(tmp_path), str(snapshot), str(tiny_model_dir), str(out)],
-                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           start_new_session=True)
+    job = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path), str(snapshot), str(tiny_model_dir), str(out)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     seen = []
     deadline = time.monotonic() + 120
     for line in job.stdout:  # the launcher echoes the ranks' output; the progress bar shows training started
@@ -240,20 +289,35 @@ def dead_url():
     return f"http://127.0.0.1:{free_port()}/v1"  # bound once, closed: connection refused
 
 
-def test_judge_down_fails_the_evaluation_loudly(tmp_path, babbler_dir, fim_samples, typing_regions, dead_url, monkeypatch):
+def test_judge_down_fails_the_evaluation_loudly(
+    tmp_path, babbler_dir, fim_samples, typing_regions, dead_url, monkeypatch
+):
     monkeypatch.setenv("TABRL_JUDGE_API_KEY", "sk-test")
-    judge = {"kind": "llm", "base_url": dead_url, "max_retries": 0, "timeout_s": 2,
-             "cache_path": str(tmp_path / "judge.sqlite"), "on_failure": "fail"}
+    judge = {
+        "kind": "llm",
+        "base_url": dead_url,
+        "max_retries": 0,
+        "timeout_s": 2,
+        "cache_path": str(tmp_path / "judge.sqlite"),
+        "on_failure": "fail",
+    }
     params = tiny_params(tmp_path, evaluate={"n_samples": 4, "max_new_tokens": 6, "judge": judge})
     with pytest.raises(JudgeUnavailable, match="unavailable"):
         compare(babbler_dir, babbler_dir, fim_samples, typing_regions, params)
 
 
 def test_judge_down_falls_back_to_the_reference_judge_and_never_passes_on_no_evidence(
-        tmp_path, babbler_dir, fim_samples, typing_regions, dead_url, monkeypatch):
+    tmp_path, babbler_dir, fim_samples, typing_regions, dead_url, monkeypatch
+):
     monkeypatch.setenv("TABRL_JUDGE_API_KEY", "sk-test")
-    judge = {"kind": "llm", "base_url": dead_url, "max_retries": 0, "timeout_s": 2,
-             "cache_path": str(tmp_path / "judge.sqlite"), "on_failure": "reference"}
+    judge = {
+        "kind": "llm",
+        "base_url": dead_url,
+        "max_retries": 0,
+        "timeout_s": 2,
+        "cache_path": str(tmp_path / "judge.sqlite"),
+        "on_failure": "reference",
+    }
     params = tiny_params(tmp_path, evaluate={"n_samples": 4, "max_new_tokens": 6, "judge": judge})
     done = compare(babbler_dir, babbler_dir, fim_samples, typing_regions, params)
     assert done.candidate.judge.startswith("reference (fallback: ") and done.champion.judge == done.candidate.judge
@@ -262,8 +326,10 @@ def test_judge_down_falls_back_to_the_reference_judge_and_never_passes_on_no_evi
     # No evidence at all (every completion empty: nothing judged) never passes, however the numbers look.
     from tasks.evaluate.gate import gate
 
-    empty = {k: 0.0 for k in ("eval/typing/reward_per_request", "eval/judge_mean", "eval/judge_scored",
-                              "eval/typing/chars_saved")}
+    empty = {
+        k: 0.0
+        for k in ("eval/typing/reward_per_request", "eval/judge_mean", "eval/judge_scored", "eval/typing/chars_saved")
+    }
     better = {**empty, "eval/typing/reward_per_request": 0.5, "eval/judge_mean": 9.0, "eval/typing/chars_saved": 0.5}
     assert not gate(better, empty, params.evaluate).passed
 
@@ -288,12 +354,14 @@ def _deploy_setup(tmp_path, tiny_model_dir):
 def _down(params, monkeypatch):
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "3")
-    return params.model_copy(update={"paths": params.paths.model_copy(
-        update={"mlflow_tracking_uri": f"http://127.0.0.1:{free_port()}"})})
+    return params.model_copy(
+        update={"paths": params.paths.model_copy(update={"mlflow_tracking_uri": f"http://127.0.0.1:{free_port()}"})}
+    )
 
 
-def test_mlflow_down_before_rollout_leaves_arms_unchanged(tmp_path, mlflow_store, tiny_model_dir, prefect_harness,
-                                                          monkeypatch):
+def test_mlflow_down_before_rollout_leaves_arms_unchanged(
+    tmp_path, mlflow_store, tiny_model_dir, prefect_harness, monkeypatch
+):
     params, engine = _deploy_setup(tmp_path, tiny_model_dir)
     version = register_candidate(tiny_model_dir, params, start_cycle_run(params))
     before = read_arms(engine)
@@ -304,7 +372,9 @@ def test_mlflow_down_before_rollout_leaves_arms_unchanged(tmp_path, mlflow_store
     assert get_alias_version(params, CHALLENGER) is None
 
 
-def test_mlflow_down_mid_rollout_restores_the_arms(tmp_path, mlflow_store, tiny_model_dir, prefect_harness, monkeypatch):
+def test_mlflow_down_mid_rollout_restores_the_arms(
+    tmp_path, mlflow_store, tiny_model_dir, prefect_harness, monkeypatch
+):
     """MLflow goes away after the alias was set and the arms swapped; the last step fails. The arms
     are restored even though the alias rollback cannot reach MLflow."""
     params, engine = _deploy_setup(tmp_path, tiny_model_dir)
@@ -317,8 +387,11 @@ def test_mlflow_down_mid_rollout_restores_the_arms(tmp_path, mlflow_store, tiny_
         import mlflow
 
         mlflow.set_tracking_uri(down.paths.mlflow_tracking_uri)
-        monkeypatch.setattr(rollout_mod, "set_alias", lambda *a, **k: (_ for _ in ()).throw(
-            DeployError("MLflow at http://127.0.0.1 unreachable")))
+        monkeypatch.setattr(
+            rollout_mod,
+            "set_alias",
+            lambda *a, **k: (_ for _ in ()).throw(DeployError("MLflow at http://127.0.0.1 unreachable")),
+        )
         raise DeployError("injected: MLflow went down during the rollout")
 
     monkeypatch.setattr(rollout_mod, "check_arms", mlflow_goes_down)

@@ -34,7 +34,9 @@ def _gateway(tmp_path, **serving):
 
 def _counts(engine) -> dict[str, int]:
     with engine.connect() as conn:
-        return {t.name: conn.execute(sa.select(sa.func.count()).select_from(t)).scalar() for t in metadata.sorted_tables}
+        return {
+            t.name: conn.execute(sa.select(sa.func.count()).select_from(t)).scalar() for t in metadata.sorted_tables
+        }
 
 
 def test_keys_are_hashed_and_nothing_secret_reaches_the_logs(tmp_path, caplog):
@@ -48,26 +50,43 @@ def test_keys_are_hashed_and_nothing_secret_reaches_the_logs(tmp_path, caplog):
         assert r.status_code == 200
         cid = r.json()["id"]
         # Answers that log: bad key, someone else's completion, bad body with the secret, a locked store.
-        assert client.post("/v1/completions", headers={"Authorization": f"Bearer {alice}x"},
-                           json={"prompt": prompt}).status_code == 401
-        assert client.post("/v1/feedback", headers={"Authorization": f"Bearer {bob}"},
-                           json={"completion_id": cid, "accepted": True}).status_code == 403
-        assert client.post("/api/training/submit", headers={"Authorization": f"Bearer {alice}"},
-                           json={"prompt": prompt, "completion": SECRET, "accepted": "maybe"}).status_code == 422
+        assert (
+            client.post(
+                "/v1/completions", headers={"Authorization": f"Bearer {alice}x"}, json={"prompt": prompt}
+            ).status_code
+            == 401
+        )
+        assert (
+            client.post(
+                "/v1/feedback",
+                headers={"Authorization": f"Bearer {bob}"},
+                json={"completion_id": cid, "accepted": True},
+            ).status_code
+            == 403
+        )
+        assert (
+            client.post(
+                "/api/training/submit",
+                headers={"Authorization": f"Bearer {alice}"},
+                json={"prompt": prompt, "completion": SECRET, "accepted": "maybe"},
+            ).status_code
+            == 422
+        )
         import sqlite3
 
         locker = sqlite3.connect(str(tmp_path / "tabrl.db"))
         locker.execute("BEGIN EXCLUSIVE")
         try:
-            locked = client.post("/v1/completions", headers={"Authorization": f"Bearer {alice}"},
-                                      json={"prompt": prompt})
+            locked = client.post(
+                "/v1/completions", headers={"Authorization": f"Bearer {alice}"}, json={"prompt": prompt}
+            )
         finally:
             locker.rollback()
             locker.close()
         assert locked.status_code in (200, 503)
     text = "\n".join(r.getMessage() + " " + str(r.args) for r in caplog.records)
     assert caplog.records  # something was logged, and none of it is a secret
-    for secret in (alice, bob, alice[len("tabrl-"):], SECRET, "def f0"):
+    for secret in (alice, bob, alice[len("tabrl-") :], SECRET, "def f0"):
         assert secret not in text
     # The store keeps only sha256 hashes of keys: no table, no byte of the database file holds a key.
     with engine.connect() as conn:
@@ -83,14 +102,23 @@ def test_feedback_only_from_the_owner(tmp_path):
     alice, bob = add_key(engine, "alice"), add_key(engine, "bob")
     app = create_app(params, engine=engine, auth=True, backend_factory=fast_backend_factory)
     with serve_app(app) as url, httpx.Client(base_url=url, timeout=10) as client:
-        cid = client.post("/v1/completions", headers={"Authorization": f"Bearer {alice}"},
-                          json={"prompt": editor_prompt(0)}).json()["id"]
+        cid = client.post(
+            "/v1/completions", headers={"Authorization": f"Bearer {alice}"}, json={"prompt": editor_prompt(0)}
+        ).json()["id"]
         assert client.post("/v1/feedback", json={"completion_id": cid, "accepted": True}).status_code == 401
-        r = client.post("/v1/feedback", headers={"Authorization": f"Bearer {bob}"}, json={"completion_id": cid, "accepted": True})
+        r = client.post(
+            "/v1/feedback", headers={"Authorization": f"Bearer {bob}"}, json={"completion_id": cid, "accepted": True}
+        )
         assert r.status_code == 403 and "another user" in r.json()["error"]["message"]
         assert _counts(engine)["feedback"] == 0
-        assert client.post("/v1/feedback", headers={"Authorization": f"Bearer {alice}"},
-                           json={"completion_id": cid, "accepted": False}).status_code == 200
+        assert (
+            client.post(
+                "/v1/feedback",
+                headers={"Authorization": f"Bearer {alice}"},
+                json={"completion_id": cid, "accepted": False},
+            ).status_code
+            == 200
+        )
     with engine.connect() as conn:
         assert conn.execute(sa.select(feedback.c.accepted, feedback.c.user_id)).all() == [(False, "alice")]
     engine.dispose()
@@ -101,8 +129,11 @@ def test_rate_limits_per_user_and_per_key(tmp_path):
     first, second = add_key(engine, "alice"), add_key(engine, "alice")  # one user, two keys
     app = create_app(params, engine=engine, auth=True, backend_factory=fast_backend_factory)
     with serve_app(app) as url, httpx.Client(base_url=url, timeout=10) as client:
+
         def ask(key):
-            return client.post("/v1/completions", headers={"Authorization": f"Bearer {key}"}, json={"prompt": editor_prompt(0)})
+            return client.post(
+                "/v1/completions", headers={"Authorization": f"Bearer {key}"}, json={"prompt": editor_prompt(0)}
+            )
 
         assert [ask(first).status_code for _ in range(4)] == [200, 200, 200, 429]  # the key's limit
         limited = ask(first)
@@ -148,19 +179,41 @@ def test_opt_out_stores_nothing(tmp_path):
             h = {"Authorization": f"Bearer {key}", **headers}
             r = client.post("/v1/completions", headers=h, json={"prompt": editor_prompt(1)})
             assert r.status_code == 200 and r.json()["choices"][0]["text"] and r.json()["tabrl"]["logged"] is False
-            assert client.post("/v1/feedback", headers=h, json={"completion_id": r.json()["id"], "accepted": True}).json() == {"logged": False}
-            assert client.post("/api/training/submit", headers=h, json={"accepted": True, "prompt": "p", "completion": "c"}).json() == {"logged": False}
+            assert client.post(
+                "/v1/feedback", headers=h, json={"completion_id": r.json()["id"], "accepted": True}
+            ).json() == {"logged": False}
+            assert client.post(
+                "/api/training/submit", headers=h, json={"accepted": True, "prompt": "p", "completion": "c"}
+            ).json() == {"logged": False}
         assert _counts(engine) == before  # every table: not one row more
-        assert client.post("/v1/completions", headers={"Authorization": f"Bearer {alice}"},
-                           json={"prompt": editor_prompt(1)}).json()["tabrl"]["logged"] is True
+        assert (
+            client.post(
+                "/v1/completions", headers={"Authorization": f"Bearer {alice}"}, json={"prompt": editor_prompt(1)}
+            ).json()["tabrl"]["logged"]
+            is True
+        )
     assert _counts(engine)["completions"] == before["completions"] + 1
     engine.dispose()
 
 
 def _row(i: int, created_at: float) -> dict:
-    return {"id": f"cmpl-{i:032x}", "created_at": created_at, "user_id": "u", "arm": "champion", "model_version": "v",
-            "prompt": "p", "prefix": "p", "suffix": "s", "completion": "c", "token_ids": [1], "logprobs": [-0.1],
-            "temperature": 0.7, "latency_ms": 1.0, "abstained": False, "prompt_hash": prompt_hash("p", "c")}
+    return {
+        "id": f"cmpl-{i:032x}",
+        "created_at": created_at,
+        "user_id": "u",
+        "arm": "champion",
+        "model_version": "v",
+        "prompt": "p",
+        "prefix": "p",
+        "suffix": "s",
+        "completion": "c",
+        "token_ids": [1],
+        "logprobs": [-0.1],
+        "temperature": 0.7,
+        "latency_ms": 1.0,
+        "abstained": False,
+        "prompt_hash": prompt_hash("p", "c"),
+    }
 
 
 def test_purge_deletes_old_rows_in_batches_and_the_cli_prints_counts(tmp_path):
@@ -170,27 +223,55 @@ def test_purge_deletes_old_rows_in_batches_and_the_cli_prints_counts(tmp_path):
     with engine.begin() as conn:
         for i in range(25):  # 20 old, 5 recent
             insert_completion(_row(i, now - (40 if i < 20 else 1) * day))(conn)
-        conn.execute(feedback.insert(), [
-            {"completion_id": f"cmpl-{i:032x}", "matched": True, "accepted": True, "received_at": now - (1 if i % 2 else 40) * day,
-             "source": "api", "user_id": "u", "trainable": True} for i in range(0, 25, 1)] + [
-            {"completion_id": "rlinf-old", "matched": False, "accepted": False, "received_at": now - 40 * day,
-             "source": "rlinf", "user_id": "u", "trainable": True, "payload": {"prompt": "secret"}}])
+        conn.execute(
+            feedback.insert(),
+            [
+                {
+                    "completion_id": f"cmpl-{i:032x}",
+                    "matched": True,
+                    "accepted": True,
+                    "received_at": now - (1 if i % 2 else 40) * day,
+                    "source": "api",
+                    "user_id": "u",
+                    "trainable": True,
+                }
+                for i in range(0, 25, 1)
+            ]
+            + [
+                {
+                    "completion_id": "rlinf-old",
+                    "matched": False,
+                    "accepted": False,
+                    "received_at": now - 40 * day,
+                    "source": "rlinf",
+                    "user_id": "u",
+                    "trainable": True,
+                    "payload": {"prompt": "secret"},
+                }
+            ],
+        )
     assert purge(engine, 30 * day, batch=7, dry_run=True).completions == 20 and _counts(engine)["completions"] == 25
     runner = CliRunner()
-    result = runner.invoke(cli, ["purge", "--older-than", "30d", "--batch", "7", "--set",
-                                 f"paths.database_url={params.paths.database_url}"])
+    result = runner.invoke(
+        cli,
+        ["purge", "--older-than", "30d", "--batch", "7", "--set", f"paths.database_url={params.paths.database_url}"],
+    )
     assert result.exit_code == 0, result.output
     assert "deleted 20 completions, 24 feedback" in result.output
     with engine.connect() as conn:
         assert sorted(conn.execute(sa.select(completions.c.id)).scalars()) == [f"cmpl-{i:032x}" for i in range(20, 25)]
         # left: feedback received recently for a recent completion
-        assert sorted(conn.execute(sa.select(feedback.c.completion_id)).scalars()) == [f"cmpl-{i:032x}" for i in (21, 23)]
+        assert sorted(conn.execute(sa.select(feedback.c.completion_id)).scalars()) == [
+            f"cmpl-{i:032x}" for i in (21, 23)
+        ]
     bad = runner.invoke(cli, ["purge", "--older-than", "a month"])
     assert bad.exit_code == 2 and "--older-than" in bad.output
     engine.dispose()
 
 
-@pytest.mark.parametrize("text,seconds", [("30d", 30 * 86400), ("12h", 43200), ("90m", 5400), ("1.5w", 907200), ("45s", 45)])
+@pytest.mark.parametrize(
+    "text,seconds", [("30d", 30 * 86400), ("12h", 43200), ("90m", 5400), ("1.5w", 907200), ("45s", 45)]
+)
 def test_parse_duration(text, seconds):
     assert parse_duration(text) == seconds
 

@@ -37,8 +37,16 @@ def test_each_rule_is_counted_in_order():
         cleaner.keep("u1", "p7", "c"),  # over the cap
     ]
     assert decisions == [True, False, True, False, False, False, False, False, False, True, False]
-    assert cleaner.report == {"rows_in": 11, "not_trainable": 1, "opted_out": 1, "too_long": 2, "duplicate": 1,
-                              "secret": 2, "per_user_cap": 1, "rows_out": 3}
+    assert cleaner.report == {
+        "rows_in": 11,
+        "not_trainable": 1,
+        "opted_out": 1,
+        "too_long": 2,
+        "duplicate": 1,
+        "secret": 2,
+        "per_user_cap": 1,
+        "rows_out": 3,
+    }
     assert set(RULES) <= set(cleaner.report)
 
 
@@ -60,8 +68,16 @@ def test_snapshot_holds_only_clean_rows(tmp_path, backend):
         result = run_ingest(engine, params, tmp_path, 500.0)
     kept = pq.read_table(result.snapshot)
     assert kept.column("completion_id").to_pylist() == ["cap0", "cap1", "cap2", "dup1"]
-    assert result.report == {"rows_in": 11, "not_trainable": 0, "opted_out": 1, "too_long": 1, "duplicate": 1,
-                             "secret": 2, "per_user_cap": 2, "rows_out": 4}
+    assert result.report == {
+        "rows_in": 11,
+        "not_trainable": 0,
+        "opted_out": 1,
+        "too_long": 1,
+        "duplicate": 1,
+        "secret": 2,
+        "per_user_cap": 2,
+        "rows_out": 4,
+    }
     texts = " ".join(kept.column("prompt").to_pylist() + kept.column("completion").to_pylist())
     assert "AKIA" not in texts and "PRIVATE KEY" not in texts
     assert result.arms["all"].requests == 11  # the cycle's stats still count every decided row
@@ -70,8 +86,14 @@ def test_snapshot_holds_only_clean_rows(tmp_path, backend):
 def test_batched_scan_agrees_with_detect_secrets_line_by_line():
     """The joined-text prefilter must never hide a line the plugins flag, wherever the secret sits."""
     scanner = SecretScanner(IngestParams().secret_detectors, cache_lines=1000)
-    secrets = ["AKIAIOSFODNN7EXAMPLE", "ghp_" + "a" * 36, "-----BEGIN OPENSSH PRIVATE KEY-----",
-               "xoxb-1234-5678-abcdefgh", "sk_live_" + "b" * 24, "https://user:hunter2@example.com/x"]
+    secrets = [
+        "AKIAIOSFODNN7EXAMPLE",
+        "ghp_" + "a" * 36,
+        "-----BEGIN OPENSSH PRIVATE KEY-----",
+        "xoxb-1234-5678-abcdefgh",
+        "sk_live_" + "b" * 24,
+        "https://user:hunter2@example.com/x",
+    ]
     lines = []
     for i, secret in enumerate(secrets):
         lines += [secret, f"key = '{secret}'", f"{secret} # tail", "    return value + 1", f"x{i} = {i}"]

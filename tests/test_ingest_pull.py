@@ -19,7 +19,7 @@ def _params(tmp_path, **ingest):
 
 def _outcomes(path) -> dict[str, str]:
     table = pq.read_table(path)
-    return dict(zip(table.column("completion_id").to_pylist(), table.column("outcome").to_pylist()))
+    return dict(zip(table.column("completion_id").to_pylist(), table.column("outcome").to_pylist(), strict=True))
 
 
 def test_outcome_rule_at_the_deadline():
@@ -34,13 +34,16 @@ def test_outcome_rule_at_the_deadline():
 def test_timeout_boundary_abstention_and_deferral(tmp_path, backend):
     params, now = _params(tmp_path), 1000.0
     with store(backend, tmp_path) as engine:
-        add_completions(engine, [
-            completion_row("acc", 900.0),
-            completion_row("timed-out", 990.0),  # deadline == now: decided, rejected
-            completion_row("abstain", 990.0, completion=""),
-            completion_row("young", 990.5),  # deadline after now: left for the next cycle
-            completion_row("after-young", 900.0),  # older clock but later seq: waits behind `young`
-        ])
+        add_completions(
+            engine,
+            [
+                completion_row("acc", 900.0),
+                completion_row("timed-out", 990.0),  # deadline == now: decided, rejected
+                completion_row("abstain", 990.0, completion=""),
+                completion_row("young", 990.5),  # deadline after now: left for the next cycle
+                completion_row("after-young", 900.0),  # older clock but later seq: waits behind `young`
+            ],
+        )
         add_feedback(engine, "acc", True, 905.0)
         add_feedback(engine, "young", True, 991.0)
         result = run_ingest(engine, params, tmp_path, now)
@@ -89,8 +92,14 @@ def test_a_sequence_gap_that_may_still_commit_holds_the_watermark(tmp_path, back
     """seq 3 is handed out but not committed yet (PostgreSQL): the cycle must not skip past it."""
     params, now = _params(tmp_path), 1000.0
     with store(backend, tmp_path) as engine:
-        add_completions(engine, [completion_row("s1", 900.0, seq=1), completion_row("s2", 900.0, seq=2),
-                                 completion_row("s4", 985.0, seq=4)])  # decided, but younger than the grace
+        add_completions(
+            engine,
+            [
+                completion_row("s1", 900.0, seq=1),
+                completion_row("s2", 900.0, seq=2),
+                completion_row("s4", 985.0, seq=4),
+            ],
+        )  # decided, but younger than the grace
         first = run_ingest(engine, params, tmp_path, now)
         assert first.watermark == 2 and set(_outcomes(first.snapshot)) == {"s1", "s2"}
         add_completions(engine, [completion_row("s3", 984.0, seq=3)])  # the slow insert commits

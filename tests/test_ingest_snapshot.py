@@ -18,8 +18,10 @@ from tests.ingest_helpers import add_completions, add_feedback, completion_row, 
 
 
 def _rows(n: int, start: int, t: float) -> list[dict]:
-    return [completion_row(f"r{i:03d}", t, user=f"u{i % 4}", completion="" if i % 5 == 0 else f"y = {i}")
-            for i in range(start, start + n)]
+    return [
+        completion_row(f"r{i:03d}", t, user=f"u{i % 4}", completion="" if i % 5 == 0 else f"y = {i}")
+        for i in range(start, start + n)
+    ]
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
@@ -115,6 +117,7 @@ def test_snapshot_is_versioned_with_dvc_in_a_git_repo(tmp_path):
     rel = result.snapshot.relative_to(repo)
     meta = yaml.safe_load((repo / f"{rel}.dvc").read_text())
     import hashlib
+
     assert meta["outs"][0]["md5"] == hashlib.md5(result.snapshot.read_bytes()).hexdigest()
     assert f"ingest: snapshot {rel.name}" in _git(repo, "log", "--oneline")
     assert _git(repo, "status", "--porcelain") == ""  # the Parquet file is DVC's (git-ignored), the .dvc is committed

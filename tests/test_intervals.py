@@ -23,7 +23,8 @@ def test_interval_covers_the_truth_and_shrinks_with_data():
     assert small.low < 0.3 < small.high and large.low < 0.3 < large.high
     assert large.high - large.low < (small.high - small.low) / 3
     assert interval([sessions(50, 0.3, 2)], FNS["chars_saved"], n_boot=200).value == pytest.approx(
-        sum(r[4] for r in sessions(50, 0.3, 2)) / (50 * 100))
+        sum(r[4] for r in sessions(50, 0.3, 2)) / (50 * 100)
+    )
 
 
 def test_difference_excludes_zero_only_for_a_real_gap():

@@ -10,8 +10,11 @@ from tasks.procs import NotUp, free_port, wait_until_up
 
 def test_up_when_the_server_answers_200():
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_until_up(f"http://127.0.0.1:{port}/", proc, 30, interval_s=0.1)
         assert proc.poll() is None
@@ -34,8 +37,11 @@ def test_nothing_listening_times_out_naming_the_url():
 
 def test_any_status_accepts_a_404():
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         with pytest.raises(NotUp):
             wait_until_up(f"http://127.0.0.1:{port}/missing", proc, 2, interval_s=0.1)

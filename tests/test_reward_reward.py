@@ -35,9 +35,15 @@ def test_advantage_modes():
 def test_rewarded_snapshot_and_summary(tmp_path, mode):
     params = tiny_params(tmp_path, reward={"advantage": mode})
     with store("sqlite", tmp_path) as engine:
-        add_completions(engine, [completion_row("a", 100.0), completion_row("b", 100.0, arm="challenger"),
-                                 completion_row("c", 100.0, arm="challenger", completion=""),
-                                 completion_row("d", 100.0, arm="challenger")])
+        add_completions(
+            engine,
+            [
+                completion_row("a", 100.0),
+                completion_row("b", 100.0, arm="challenger"),
+                completion_row("c", 100.0, arm="challenger", completion=""),
+                completion_row("d", 100.0, arm="challenger"),
+            ],
+        )
         add_feedback(engine, "b", True, 101.0)
         ingest = run_ingest(engine, params, tmp_path, 200.0)
     result = reward_snapshot(ingest.snapshot, params.reward, tmp_path / "rewarded.parquet", ingest.arms)
@@ -56,8 +62,12 @@ def test_rewarded_snapshot_and_summary(tmp_path, mode):
 
 def test_cycle_summary_counts_abstentions_as_requests():
     s = cycle_summary({"x": Summary(requests=10, shown=4, accepted=1, mean_len=3.0)}, RewardParams())["x"]
-    assert s == {"requests": 10, "suggest_rate": 0.4, "accept_rate": 0.25,
-                 "reward_per_request": pytest.approx((0.75 - 3 * 0.25) / 10)}
+    assert s == {
+        "requests": 10,
+        "suggest_rate": 0.4,
+        "accept_rate": 0.25,
+        "reward_per_request": pytest.approx((0.75 - 3 * 0.25) / 10),
+    }
 
 
 def test_reward_task_logs_to_mlflow(tmp_path):

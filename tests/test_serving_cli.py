@@ -31,8 +31,13 @@ def served(tmp_path, tiny_model_dir):
     sets = ["--set", f"paths.database_url={db}", "--set", "serving.max_tokens=8", "--set", "serving.config_ttl_s=0"]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "tasks", "serve", "--model", str(tiny_model_dir), "--port", str(port),
-                             *sets], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tasks", "serve", "--model", str(tiny_model_dir), "--port", str(port), *sets],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         try:
             wait_until_up(f"http://127.0.0.1:{port}/healthz", proc, 60)
@@ -49,8 +54,25 @@ def served(tmp_path, tiny_model_dir):
 def test_serve_and_simulate_over_http(served, tmp_path, typing_regions):
     url, sets, db = served
     regions = write_regions(typing_regions, tmp_path / "typing.parquet", tiny_params().traffic)
-    result = runner.invoke(app, ["simulate", "--users", "4", "--requests", "12", "--url", url, "--regions", str(regions),
-                                 "--concurrency", "3", "--json", str(tmp_path / "sim.json"), *sets])
+    result = runner.invoke(
+        app,
+        [
+            "simulate",
+            "--users",
+            "4",
+            "--requests",
+            "12",
+            "--url",
+            url,
+            "--regions",
+            str(regions),
+            "--concurrency",
+            "3",
+            "--json",
+            str(tmp_path / "sim.json"),
+            *sets,
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "champion" in result.output and "suggestion" in result.output
     summary = json.loads((tmp_path / "sim.json").read_text())
@@ -67,11 +89,35 @@ def test_serve_and_simulate_over_http(served, tmp_path, typing_regions):
     bad = runner.invoke(app, ["arms", "--arm", "name=champion,uri=/models/x,share=0.7", *sets])
     assert bad.exit_code == 2 and "sum to 1" in bad.output
     model_uri = read_arms(engine)[0].model_uri
-    good = runner.invoke(app, ["arms", "--arm", f"name=champion,uri={model_uri},share=0.5,version=tiny/1",
-                               "--arm", f"name=challenger,uri={model_uri},share=0.5,version=tiny/2", *sets])
+    good = runner.invoke(
+        app,
+        [
+            "arms",
+            "--arm",
+            f"name=champion,uri={model_uri},share=0.5,version=tiny/1",
+            "--arm",
+            f"name=challenger,uri={model_uri},share=0.5,version=tiny/2",
+            *sets,
+        ],
+    )
     assert good.exit_code == 0 and "challenger" in good.output
-    again = runner.invoke(app, ["simulate", "--users", "8", "--requests", "16", "--url", url, "--regions", str(regions),
-                                "--json", str(tmp_path / "sim2.json"), *sets])
+    again = runner.invoke(
+        app,
+        [
+            "simulate",
+            "--users",
+            "8",
+            "--requests",
+            "16",
+            "--url",
+            url,
+            "--regions",
+            str(regions),
+            "--json",
+            str(tmp_path / "sim2.json"),
+            *sets,
+        ],
+    )
     assert again.exit_code == 0, again.output
     assert sorted(json.loads((tmp_path / "sim2.json").read_text())) == ["challenger", "champion"]
     engine.dispose()
@@ -85,17 +131,37 @@ def test_keys_and_import_continue(tmp_path):
     assert runner.invoke(app, ["keys", "opt-out", "alice", *sets]).exit_code == 0
     engine = make_engine(db)
     with engine.begin() as conn:  # one completion the gateway had logged
-        conn.execute(completions.insert().values(
-            id="cmpl-1", created_at=0.0, user_id="alice", arm="champion", model_version="tiny/1", prompt="P",
-            prefix="p", suffix="s", completion="C", token_ids=[1], logprobs=[-0.1], temperature=0.7, latency_ms=5.0,
-            abstained=False, prompt_hash=prompt_hash("P", "C")))
+        conn.execute(
+            completions.insert().values(
+                id="cmpl-1",
+                created_at=0.0,
+                user_id="alice",
+                arm="champion",
+                model_version="tiny/1",
+                prompt="P",
+                prefix="p",
+                suffix="s",
+                completion="C",
+                token_ids=[1],
+                logprobs=[-0.1],
+                temperature=0.7,
+                latency_ms=5.0,
+                abstained=False,
+                prompt_hash=prompt_hash("P", "C"),
+            )
+        )
     events = tmp_path / "autocomplete.jsonl"
-    events.write_text("\n".join([
-        json.dumps({"accepted": True, "time": 80, "prompt": "P", "completion": "C", "completionId": "u-1"}),
-        json.dumps({"accepted": False, "time": 90, "prompt": "Q", "completion": "D", "completionId": "u-2"}),
-        "{broken",
-        json.dumps({"accepted": True, "prompt": "P", "completion": "C", "completionId": "u-1"}),
-    ]) + "\n")
+    events.write_text(
+        "\n".join(
+            [
+                json.dumps({"accepted": True, "time": 80, "prompt": "P", "completion": "C", "completionId": "u-1"}),
+                json.dumps({"accepted": False, "time": 90, "prompt": "Q", "completion": "D", "completionId": "u-2"}),
+                "{broken",
+                json.dumps({"accepted": True, "prompt": "P", "completion": "C", "completionId": "u-1"}),
+            ]
+        )
+        + "\n"
+    )
     result = runner.invoke(app, ["import-continue", str(events), *sets])
     assert result.exit_code == 0, result.output
     assert "recorded=2" in result.output and "matched=1" in result.output and "bad=1" in result.output

@@ -14,14 +14,16 @@ from serving.gateway import create_app
 from serving.store import Arm, completions, feedback, init_schema, make_engine, replace_arms
 from tasks.fim import build_prompt
 from tests.conftest import tiny_params
-from tests.serving_util import serve_app, store_url  # noqa: F401  (fixture)
+from tests.serving_util import serve_app
 
 PREFIX = "def add(a, b):\n    "
 SUFFIX = "\n\nprint(add(1, 2))\n"
 FIM = build_prompt(PREFIX, SUFFIX)
 # Continue's repo-level template for qwen...coder models.
-REPO_FIM = (f"<|repo_name|>demo\n<|file_sep|>util.py\ndef helper():\n    return 1\n"
-            f"<|file_sep|>main.py\n<|fim_prefix|>{PREFIX}<|fim_suffix|>{SUFFIX}<|fim_middle|>")
+REPO_FIM = (
+    f"<|repo_name|>demo\n<|file_sep|>util.py\ndef helper():\n    return 1\n"
+    f"<|file_sep|>main.py\n<|fim_prefix|>{PREFIX}<|fim_suffix|>{SUFFIX}<|fim_middle|>"
+)
 
 
 @dataclass
@@ -91,8 +93,13 @@ def test_repo_level_and_prompt_plus_suffix_forms(gw):
 
 
 def test_streaming_sends_sse_chunks_and_done(gw):
-    with httpx.stream("POST", gw.url + "/v1/completions", json={"prompt": FIM, "stream": True, "temperature": 0},
-                      headers={"Authorization": f"Bearer {gw.key}"}, timeout=30) as response:
+    with httpx.stream(
+        "POST",
+        gw.url + "/v1/completions",
+        json={"prompt": FIM, "stream": True, "temperature": 0},
+        headers={"Authorization": f"Bearer {gw.key}"},
+        timeout=30,
+    ) as response:
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in response.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
@@ -159,7 +166,12 @@ BAD_INPUTS = [
     ("/api/training/submit", {"accepted": True, "completion": "y" * 9000}, 413, "completion"),
     ("/api/continue/events", {"name": "autocomplete", "data": {}, "schema": "0.1.0"}, 422, "schema"),
     ("/api/continue/events", {"name": "autocomplete", "schema": "0.2.0"}, 422, "data"),
-    ("/api/continue/events", {"name": "autocomplete", "data": {"accepted": "no"}, "schema": "0.2.0"}, 422, "data.accepted"),
+    (
+        "/api/continue/events",
+        {"name": "autocomplete", "data": {"accepted": "no"}, "schema": "0.2.0"},
+        422,
+        "data.accepted",
+    ),
     ("/api/continue/events", {"name": "autocomplete", "data": {}, "schema": "0.2.0", "level": "some"}, 422, "level"),
 ]
 
@@ -183,15 +195,25 @@ def test_unknown_arm_and_backend_errors(gw):
 
 
 def test_fallback_to_champion_and_share_changes_without_restart(gw):
-    replace_arms(gw.engine, [Arm("champion", "tiny/1", gw.model_dir, "embedded", 0.0),
-                             Arm("challenger", "dead/2", "http://127.0.0.1:9/v1", "vllm", 1.0)])
+    replace_arms(
+        gw.engine,
+        [
+            Arm("champion", "tiny/1", gw.model_dir, "embedded", 0.0),
+            Arm("challenger", "dead/2", "http://127.0.0.1:9/v1", "vllm", 1.0),
+        ],
+    )
     answer = _complete(gw)
     assert answer["tabrl"]["arm"] == "champion"  # the challenger's vLLM is down: the champion answered
     assert gw.rows(completions)[0]["arm"] == "champion"
     metrics = httpx.get(gw.url + "/metrics").text
     assert 'tabrl_fallbacks_total{arm="challenger"} 1.0' in metrics
-    replace_arms(gw.engine, [Arm("champion", "tiny/1", gw.model_dir, "embedded", 0.0),
-                             Arm("challenger", "tiny/2", gw.model_dir, "embedded", 1.0)])
+    replace_arms(
+        gw.engine,
+        [
+            Arm("champion", "tiny/1", gw.model_dir, "embedded", 0.0),
+            Arm("challenger", "tiny/2", gw.model_dir, "embedded", 1.0),
+        ],
+    )
     assert _complete(gw)["tabrl"]["arm"] == "challenger"  # new shares without a restart (ttl 0)
     pinned = gw.post("/v1/completions", {"prompt": FIM}, headers={"X-Tabrl-Arm": "champion"})
     assert pinned.json()["tabrl"]["arm"] == "champion"
@@ -200,23 +222,56 @@ def test_fallback_to_champion_and_share_changes_without_restart(gw):
 def test_rlinf_and_continue_outcomes_match_by_prompt_hash(gw):
     answer = _complete(gw)
     text = answer["choices"][0]["text"]
-    rlinf = gw.post("/api/training/submit", {"completionId": "rlinf-uuid-1", "prefix": PREFIX, "suffix": SUFFIX,
-                                            "prompt": FIM, "completion": text, "accepted": True, "time": 123,
-                                            "modelName": "tabrl"})
+    rlinf = gw.post(
+        "/api/training/submit",
+        {
+            "completionId": "rlinf-uuid-1",
+            "prefix": PREFIX,
+            "suffix": SUFFIX,
+            "prompt": FIM,
+            "completion": text,
+            "accepted": True,
+            "time": 123,
+            "modelName": "tabrl",
+        },
+    )
     assert rlinf.status_code == 200 and rlinf.json()["matched"] is True
     assert rlinf.json()["completion_id"] == answer["id"]
     other = _complete(gw, prompt=REPO_FIM)
-    event = {"name": "autocomplete", "schema": "0.2.0", "level": "all", "profileId": "local",
-             "data": {"accepted": False, "time": 85, "prefix": PREFIX, "suffix": SUFFIX, "prompt": REPO_FIM,
-                      "completion": other["choices"][0]["text"], "modelProvider": "vllm", "modelName": "qwen2.5-coder",
-                      "completionId": "continue-uuid-1", "cacheHit": False, "filepath": "main.py"}}
+    event = {
+        "name": "autocomplete",
+        "schema": "0.2.0",
+        "level": "all",
+        "profileId": "local",
+        "data": {
+            "accepted": False,
+            "time": 85,
+            "prefix": PREFIX,
+            "suffix": SUFFIX,
+            "prompt": REPO_FIM,
+            "completion": other["choices"][0]["text"],
+            "modelProvider": "vllm",
+            "modelName": "qwen2.5-coder",
+            "completionId": "continue-uuid-1",
+            "cacheHit": False,
+            "filepath": "main.py",
+        },
+    }
     matched = gw.post("/api/continue/events", event)
     assert matched.status_code == 200 and matched.json()["completion_id"] == other["id"]
-    unmatched = gw.post("/api/continue/events", {**event, "data": {**event["data"], "completion": "zzz",
-                                                                   "completionId": "continue-uuid-2"}})
+    unmatched = gw.post(
+        "/api/continue/events",
+        {**event, "data": {**event["data"], "completion": "zzz", "completionId": "continue-uuid-2"}},
+    )
     assert unmatched.json()["matched"] is False and unmatched.json()["completion_id"] == "continue-uuid-2"
-    no_code = gw.post("/api/continue/events", {**event, "level": "noCode", "data": {
-        "accepted": True, "time": 40, "completionId": "continue-uuid-3", "modelName": "qwen2.5-coder"}})
+    no_code = gw.post(
+        "/api/continue/events",
+        {
+            **event,
+            "level": "noCode",
+            "data": {"accepted": True, "time": 40, "completionId": "continue-uuid-3", "modelName": "qwen2.5-coder"},
+        },
+    )
     assert no_code.status_code == 200 and no_code.json()["matched"] is False
     ignored = gw.post("/api/continue/events", {**event, "name": "chatInteraction"})
     assert ignored.status_code == 200 and ignored.json()["ignored"] is True
@@ -227,8 +282,11 @@ def test_rlinf_and_continue_outcomes_match_by_prompt_hash(gw):
     assert rows["continue-uuid-2"]["payload"]["completion"] == "zzz"
     assert rows["continue-uuid-3"]["trainable"] is False and "prompt" not in rows["continue-uuid-3"]["payload"]
     # bob cannot claim alice's completion through the hash either: his outcome stays unmatched
-    bob = gw.post("/api/training/submit", {"prompt": FIM, "completion": text, "accepted": True,
-                                          "completionId": "bob-1"}, key=gw.other_key)
+    bob = gw.post(
+        "/api/training/submit",
+        {"prompt": FIM, "completion": text, "accepted": True, "completionId": "bob-1"},
+        key=gw.other_key,
+    )
     assert bob.json()["matched"] is False
 
 
@@ -270,12 +328,22 @@ def test_serving_seed_makes_sampling_repeatable(tmp_path, tiny_model_dir):
     """Two gateways started with the same serving.seed sample the same completions for the same requests."""
     runs = []
     for i in range(2):
-        _, engine, app = _start(f"sqlite:///{tmp_path}/seed{i}.db", tmp_path / f"g{i}", tiny_model_dir, auth=False,
-                                seed=1234, temperature=1.0)
+        _, engine, app = _start(
+            f"sqlite:///{tmp_path}/seed{i}.db",
+            tmp_path / f"g{i}",
+            tiny_model_dir,
+            auth=False,
+            seed=1234,
+            temperature=1.0,
+        )
         with serve_app(app) as url:
             body = {"prompt": FIM, "user": "u1", "max_tokens": 8}
-            runs.append([httpx.post(url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
-                         for _ in range(4)])
+            runs.append(
+                [
+                    httpx.post(url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
+                    for _ in range(4)
+                ]
+            )
         engine.dispose()
     assert runs[0] == runs[1]
     assert len(set(runs[0])) > 1, "temperature 1.0 should not give one completion four times"

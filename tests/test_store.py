@@ -3,7 +3,16 @@ import os
 import pytest
 import sqlalchemy as sa
 
-from serving.store import Arm, ArmError, SCHEMA_VERSION, init_schema, make_engine, read_arms, replace_arms, schema_version
+from serving.store import (
+    SCHEMA_VERSION,
+    Arm,
+    ArmError,
+    init_schema,
+    make_engine,
+    read_arms,
+    replace_arms,
+    schema_version,
+)
 from tests.conftest import throwaway_schema
 
 
@@ -21,7 +30,10 @@ def test_schema_and_arms_round_trip_on_every_backend(tmp_path):
         init_schema(engine)  # idempotent
         with engine.connect() as conn:
             assert conn.execute(sa.select(schema_version.c.version)).scalars().all() == [SCHEMA_VERSION]
-        arms = [Arm("champion", "m/1", "/models/a", "embedded", 0.5), Arm("challenger", "m/2", "/models/b", "embedded", 0.5)]
+        arms = [
+            Arm("champion", "m/1", "/models/a", "embedded", 0.5),
+            Arm("challenger", "m/2", "/models/b", "embedded", 0.5),
+        ]
         replace_arms(engine, arms)
         assert read_arms(engine) == sorted(arms, key=lambda a: a.name)
         with pytest.raises(ArmError, match="sum to 1"):

@@ -37,21 +37,64 @@ def test_cli_grpo_then_ppo_on_its_snapshot(tiny_model_dir, fim_samples, tmp_path
     short = [dict(s, prefix=s["prefix"][-300:], suffix=s["suffix"][:60]) for s in fim_samples[:6]]
     greedy = generate(model, tok, [build_prompt(s["prefix"], s["suffix"]) for s in short], 8)
     fim = tmp_path / "train.parquet"
-    write_samples([dict(s, middle=g.text or s["middle"]) for s, g in zip(short, greedy)], fim)
+    write_samples([dict(s, middle=g.text or s["middle"]) for s, g in zip(short, greedy, strict=True)], fim)
     params = _params_file(tmp_path)
     out = tmp_path / "grpo"
-    res = CliRunner().invoke(app, ["train", "--algorithm", "grpo", "--fim", str(fim), "--from", str(tiny_model_dir),
-                                   "--out", str(out), "--params", str(params), *SETS, "--set", "train.group_size=4",
-                                   "--set", "serving.temperature=1.0"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--algorithm",
+            "grpo",
+            "--fim",
+            str(fim),
+            "--from",
+            str(tiny_model_dir),
+            "--out",
+            str(out),
+            "--params",
+            str(params),
+            *SETS,
+            "--set",
+            "train.group_size=4",
+            "--set",
+            "serving.temperature=1.0",
+        ],
+    )
     assert res.exit_code == 0, res.output
     snap = pq.read_table(tmp_path / "grpo.grpo.parquet").to_pylist()
     assert snap and len(snap) % 4 == 0 and all(r["token_ids"] for r in snap if r["completion"])
     assert (out / "model.safetensors").is_file()
     # PPO on that snapshot through the CLI; a missing snapshot is a clear exit 2
-    res = CliRunner().invoke(app, ["train", "--snapshot", str(tmp_path / "grpo.grpo.parquet"), "--from", str(out),
-                                   "--out", str(tmp_path / "ppo"), "--params", str(params), *SETS])
+    res = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--snapshot",
+            str(tmp_path / "grpo.grpo.parquet"),
+            "--from",
+            str(out),
+            "--out",
+            str(tmp_path / "ppo"),
+            "--params",
+            str(params),
+            *SETS,
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert "Saved" in res.output and (tmp_path / "ppo" / "config.json").is_file()
-    res = CliRunner().invoke(app, ["train", "--snapshot", str(tmp_path / "nope.parquet"), "--from", str(out),
-                                   "--out", str(tmp_path / "x"), "--params", str(params)])
+    res = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--snapshot",
+            str(tmp_path / "nope.parquet"),
+            "--from",
+            str(out),
+            "--out",
+            str(tmp_path / "x"),
+            "--params",
+            str(params),
+        ],
+    )
     assert res.exit_code == 2 and "not found" in res.output

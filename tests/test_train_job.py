@@ -18,8 +18,16 @@ from tasks.generate import generate, load_model, prompt_limit
 from tasks.schema import REWARDED_SCHEMA
 from tasks.train.launch import launch_train
 from tasks.train.loss import ppo_loss
-from tasks.train.ppo import (RESULT_FILE, CompletionPolicy, TrainingDiverged, build_examples, pack, read_snapshot, token_logp,
-                             train)
+from tasks.train.ppo import (
+    RESULT_FILE,
+    CompletionPolicy,
+    TrainingDiverged,
+    build_examples,
+    pack,
+    read_snapshot,
+    token_logp,
+    train,
+)
 from tests.conftest import tiny_params
 
 MAX_NEW = 8
@@ -27,10 +35,22 @@ TEMPERATURE = 0.7
 
 
 def _row(prompt, text, ids, logps, advantage, outcome="rejected"):
-    return {"completion_id": f"c{random.random()}", "created_at": 0.0, "user_id": "u", "arm": "champion",
-            "model_version": "v0", "prompt": prompt, "completion": text, "token_ids": ids, "logprobs": logps,
-            "temperature": TEMPERATURE, "outcome": outcome, "accepted_chars": None, "reward": advantage,
-            "advantage": advantage}
+    return {
+        "completion_id": f"c{random.random()}",
+        "created_at": 0.0,
+        "user_id": "u",
+        "arm": "champion",
+        "model_version": "v0",
+        "prompt": prompt,
+        "completion": text,
+        "token_ids": ids,
+        "logprobs": logps,
+        "temperature": TEMPERATURE,
+        "outcome": outcome,
+        "accepted_chars": None,
+        "reward": advantage,
+        "advantage": advantage,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +60,9 @@ def snapshot(tmp_path_factory, tiny_model_dir, fim_samples) -> Path:
     prompts = [build_prompt(s["prefix"][-300:], s["suffix"][:60]) for s in fim_samples[:16]]  # short: fast on 2 cores
     gens = generate(model, tok, prompts, MAX_NEW, temperature=TEMPERATURE, seed=0)
     rng = random.Random(0)
-    rows = [_row(p, g.text, g.token_ids, g.logprobs, rng.choice([0.75, -0.25])) for p, g in zip(prompts, gens)]
+    rows = [
+        _row(p, g.text, g.token_ids, g.logprobs, rng.choice([0.75, -0.25])) for p, g in zip(prompts, gens, strict=True)
+    ]
     rows[3]["logprobs"] = None  # a client that logged no log-probs: pi_prox recomputed, weight 1
     eos = tok.eos_token_id
     rows.append(_row(prompts[0], "", [], [], 0.0, "abstained"))  # nothing generated: no gradient
@@ -51,8 +73,15 @@ def snapshot(tmp_path_factory, tiny_model_dir, fim_samples) -> Path:
 
 
 def _params(tmp, **train):
-    base = {"lr": 1e-3, "epochs": 1, "micro_batch": 8, "grad_accum": 1, "grad_clip": 1e6, "max_approx_kl": 10.0,
-            "target_kl": 10.0}
+    base = {
+        "lr": 1e-3,
+        "epochs": 1,
+        "micro_batch": 8,
+        "grad_accum": 1,
+        "grad_clip": 1e6,
+        "max_approx_kl": 10.0,
+        "target_kl": 10.0,
+    }
     return tiny_params(tmp, train=base | train, serving={"max_tokens": MAX_NEW, "temperature": TEMPERATURE})
 
 
@@ -66,8 +95,10 @@ def _logps(model, examples, one_row=False):
     packed = pack(examples, range(len(examples)), one_row=one_row)
     with torch.no_grad():
         logits = CompletionPolicy(model)(packed.input_ids, packed.position_ids, packed.gather_idx)
-    flat = token_logp(logits, packed.targets, packed.inv_temp)[0].split([examples[i].n_completion for i in packed.example_idx])
-    by_example = dict(zip(packed.example_idx, flat))
+    flat = token_logp(logits, packed.targets, packed.inv_temp)[0].split(
+        [examples[i].n_completion for i in packed.example_idx]
+    )
+    by_example = dict(zip(packed.example_idx, flat, strict=True))
     return torch.cat([by_example[i] for i in range(len(examples))])
 
 
@@ -79,8 +110,12 @@ def test_packed_logps_match_unpacked_and_serving_logprobs(tiny_model_dir, snapsh
     single, behaviour = [], []
     for ex in examples:
         with torch.no_grad():
-            logits = model(torch.tensor([ex.input_ids])).logits[0, ex.n_prompt - 1:-1]
-        single.append(torch.log_softmax(logits / ex.temperature, -1).gather(-1, torch.tensor(ex.input_ids[ex.n_prompt:])[:, None])[:, 0])
+            logits = model(torch.tensor([ex.input_ids])).logits[0, ex.n_prompt - 1 : -1]
+        single.append(
+            torch.log_softmax(logits / ex.temperature, -1).gather(
+                -1, torch.tensor(ex.input_ids[ex.n_prompt :])[:, None]
+            )[:, 0]
+        )
         if ex.behaviour_logp is not None and ex.n_completion > 1:
             behaviour.append((single[-1], torch.tensor(ex.behaviour_logp)))
     assert torch.allclose(packed, torch.cat(single), atol=1e-4)  # no cross-talk between packed sequences
@@ -135,13 +170,16 @@ def test_grad_accumulation_1x8_equals_8x1(tiny_model_dir, snapshot, tmp_path):
 
 def test_two_gloo_ranks_equal_one_process(tiny_model_dir, snapshot, tmp_path):
     r1 = launch_train(snapshot, tiny_model_dir, tmp_path / "one", _params(tmp_path, micro_batch=4, grad_accum=2))
-    r2 = launch_train(snapshot, tiny_model_dir, tmp_path / "two",
-                      _params(tmp_path, micro_batch=4, grad_accum=1, nproc=2))
+    r2 = launch_train(
+        snapshot, tiny_model_dir, tmp_path / "two", _params(tmp_path, micro_batch=4, grad_accum=1, nproc=2)
+    )
     assert (r1.world_size, r2.world_size) == (1, 2) and r1.steps == r2.steps == 3
     _assert_same_update(tmp_path / "one", tmp_path / "two", tiny_model_dir, r1, r2)
     # same inputs again: the finished result is returned, nothing retrains
     mtime = (tmp_path / "two" / "model.safetensors").stat().st_mtime_ns
-    again = launch_train(snapshot, tiny_model_dir, tmp_path / "two", _params(tmp_path, micro_batch=4, grad_accum=1, nproc=2))
+    again = launch_train(
+        snapshot, tiny_model_dir, tmp_path / "two", _params(tmp_path, micro_batch=4, grad_accum=1, nproc=2)
+    )
     assert again == r2 and (tmp_path / "two" / "model.safetensors").stat().st_mtime_ns == mtime
 
 
@@ -165,10 +203,13 @@ def test_approx_kl_guard(tiny_model_dir, snapshot, tmp_path):
 def test_target_kl_stops_the_update_early_and_keeps_the_checkpoint(tiny_model_dir, snapshot, tmp_path):
     """Past train.target_kl (below the divergence guard) the update ends before that step, weights kept."""
     full = train(snapshot, tiny_model_dir, tmp_path / "full", _params(tmp_path, micro_batch=4, lr=5e-2))
-    early = train(snapshot, tiny_model_dir, tmp_path / "early", _params(tmp_path, micro_batch=4, lr=5e-2, target_kl=1e-6))
+    early = train(
+        snapshot, tiny_model_dir, tmp_path / "early", _params(tmp_path, micro_batch=4, lr=5e-2, target_kl=1e-6)
+    )
     assert full.stopped_early == "" and full.steps > 1
     assert "exceeds train.target_kl=1e-06" in early.stopped_early and 1 <= early.steps < full.steps
     assert json.loads((tmp_path / "early" / RESULT_FILE).read_text())["stopped_early"] == early.stopped_early
     start, _ = load_model(tiny_model_dir)
     stopped, _ = load_model(tmp_path / "early")
-    assert any(not torch.equal(a, b) for a, b in zip(start.state_dict().values(), stopped.state_dict().values()))
+    pairs = zip(start.state_dict().values(), stopped.state_dict().values(), strict=True)
+    assert any(not torch.equal(a, b) for a, b in pairs)

@@ -79,8 +79,16 @@ class Decision:
 
 
 def stats_from_counts(
-    arm: str, model_version: str, accepted: int, rejected: int, abstained: int, reward: RewardParams,
-    *, timed_out: int = 0, pending: int = 0, accepted_chars: int = 0,
+    arm: str,
+    model_version: str,
+    accepted: int,
+    rejected: int,
+    abstained: int,
+    reward: RewardParams,
+    *,
+    timed_out: int = 0,
+    pending: int = 0,
+    accepted_chars: int = 0,
 ) -> ArmStats:
     """Rates and the reward mean/std of one arm from its outcome counts."""
     shown = accepted + rejected
@@ -93,11 +101,21 @@ def stats_from_counts(
     else:
         std = 0.0
     return ArmStats(
-        arm=arm, model_version=model_version, requests=n, shown=shown, accepted=accepted, rejected=rejected,
-        timed_out=timed_out, abstained=abstained, pending=pending,
-        suggest_rate=shown / n if n else 0.0, accept_rate=accepted / shown if shown else 0.0,
-        reward_per_request=mean, reward_std=std,
-        accepted_chars=accepted_chars, chars_per_request=accepted_chars / n if n else 0.0,
+        arm=arm,
+        model_version=model_version,
+        requests=n,
+        shown=shown,
+        accepted=accepted,
+        rejected=rejected,
+        timed_out=timed_out,
+        abstained=abstained,
+        pending=pending,
+        suggest_rate=shown / n if n else 0.0,
+        accept_rate=accepted / shown if shown else 0.0,
+        reward_per_request=mean,
+        reward_std=std,
+        accepted_chars=accepted_chars,
+        chars_per_request=accepted_chars / n if n else 0.0,
     )
 
 
@@ -124,17 +142,25 @@ def arm_stats(
     pending = sa.and_(shown, no_feedback, c.c.created_at > now - timeout)
     timed_out = sa.and_(shown, no_feedback, c.c.created_at <= now - timeout)
 
-    def count(cond):
+    def count(cond: sa.ColumnElement[bool]) -> sa.ColumnElement[int]:
         return sa.func.coalesce(sa.func.sum(sa.case((cond, 1), else_=0)), 0)
 
     # Feedback that arrives after `now` does not exist yet as far as this look is concerned.
     joined = c.outerjoin(f, sa.and_(f.c.completion_id == c.c.id, f.c.received_at <= now))
     query = (
         sa.select(
-            c.c.arm, c.c.model_version, sa.func.count().label("rows"), count(c.c.abstained).label("abstained"),
-            count(accepted).label("accepted"), count(pending).label("pending"), count(timed_out).label("timed_out"),
-            sa.func.coalesce(sa.func.sum(sa.case(
-                (accepted, sa.func.coalesce(f.c.accepted_chars, sa.func.length(c.c.completion))), else_=0)), 0
+            c.c.arm,
+            c.c.model_version,
+            sa.func.count().label("rows"),
+            count(c.c.abstained).label("abstained"),
+            count(accepted).label("accepted"),
+            count(pending).label("pending"),
+            count(timed_out).label("timed_out"),
+            sa.func.coalesce(
+                sa.func.sum(
+                    sa.case((accepted, sa.func.coalesce(f.c.accepted_chars, sa.func.length(c.c.completion))), else_=0)
+                ),
+                0,
             ).label("accepted_chars"),
         )
         .select_from(joined)
@@ -152,8 +178,15 @@ def arm_stats(
             continue
         rejected = r.rows - r.abstained - r.accepted - r.pending
         out[name] = stats_from_counts(
-            name, version, int(r.accepted), int(rejected), int(r.abstained), params.reward,
-            timed_out=int(r.timed_out), pending=int(r.pending), accepted_chars=int(r.accepted_chars),
+            name,
+            version,
+            int(r.accepted),
+            int(rejected),
+            int(r.abstained),
+            params.reward,
+            timed_out=int(r.timed_out),
+            pending=int(r.pending),
+            accepted_chars=int(r.accepted_chars),
         )
     return out
 
@@ -194,9 +227,16 @@ def decide(champion: ArmStats, challenger: ArmStats, params: Params) -> Decision
     d_reward = challenger.reward_per_request - champion.reward_per_request
     numbers = {f"{CHAMPION}_{k}": float(v) for k, v in _numeric(champion).items()}
     numbers |= {f"{CHALLENGER}_{k}": float(v) for k, v in _numeric(challenger).items()}
-    numbers |= {"accept_rate_diff": d_accept, "accept_z": z, "accept_p": p_accept,
-                "reward_diff": d_reward, "reward_t": t, "reward_p": p_reward,
-                "alpha": d.alpha, "min_samples": float(d.min_samples)}
+    numbers |= {
+        "accept_rate_diff": d_accept,
+        "accept_z": z,
+        "accept_p": p_accept,
+        "reward_diff": d_reward,
+        "reward_t": t,
+        "reward_p": p_reward,
+        "alpha": d.alpha,
+        "min_samples": float(d.min_samples),
+    }
     reward_sig = p_reward < d.alpha
     accept_sig = p_accept < d.alpha
     fmt = f"reward/request {challenger.reward_per_request:.4f} vs {champion.reward_per_request:.4f} (p={p_reward:.3g})"
@@ -204,16 +244,28 @@ def decide(champion: ArmStats, challenger: ArmStats, params: Params) -> Decision
 
     if min(champion.shown, challenger.shown) < d.min_samples:
         if d.max_samples is not None and min(champion.requests, challenger.requests) >= d.max_samples:
-            return Decision("rollback", f"inconclusive: {d.max_samples} requests per arm and still fewer than "
-                            f"{d.min_samples} shown suggestions (champion {champion.shown}, challenger "
-                            f"{challenger.shown})", numbers)
-        return Decision("continue", f"collecting: {champion.shown}/{d.min_samples} shown suggestions on the champion, "
-                        f"{challenger.shown}/{d.min_samples} on the challenger", numbers)
+            return Decision(
+                "rollback",
+                f"inconclusive: {d.max_samples} requests per arm and still fewer than "
+                f"{d.min_samples} shown suggestions (champion {champion.shown}, challenger "
+                f"{challenger.shown})",
+                numbers,
+            )
+        return Decision(
+            "continue",
+            f"collecting: {champion.shown}/{d.min_samples} shown suggestions on the champion, "
+            f"{challenger.shown}/{d.min_samples} on the challenger",
+            numbers,
+        )
     floor = champion.chars_per_request * (1 - d.chars_tolerance)
-    numbers |= {"chars_per_request_diff": challenger.chars_per_request - champion.chars_per_request,
-                "chars_tolerance": d.chars_tolerance}
-    fmt_chars = (f"accepted characters/request {challenger.chars_per_request:.2f} vs {champion.chars_per_request:.2f}, "
-                 f"more than {d.chars_tolerance:.0%} fewer")
+    numbers |= {
+        "chars_per_request_diff": challenger.chars_per_request - champion.chars_per_request,
+        "chars_tolerance": d.chars_tolerance,
+    }
+    fmt_chars = (
+        f"accepted characters/request {challenger.chars_per_request:.2f} vs {champion.chars_per_request:.2f}, "
+        f"more than {d.chars_tolerance:.0%} fewer"
+    )
     if reward_sig and d_reward > 0:
         if challenger.chars_per_request < floor:
             return Decision("rollback", f"reward hacking: {fmt} but {fmt_chars}", numbers)

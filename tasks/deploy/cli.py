@@ -5,7 +5,7 @@ Registered in tasks/cli.py (import `tasks.cli`, not this module, to get the comm
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -14,7 +14,7 @@ from tasks.config import DEFAULT_PARAMS_FILE
 # Declared here, not imported from tasks.cli: `python -m tasks.cli` imports this module while tasks.cli
 # is still `__main__`, and importing tasks.cli from here then was circular (the serve test's subprocess).
 ParamsOpt = Annotated[Path, typer.Option("--params", help="params.yaml to read.")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override one key: section.key=value (repeatable).")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override one key: section.key=value (repeatable).")]
 
 
 def promote_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -> None:
@@ -32,7 +32,7 @@ def ab_status_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) 
     from rich.table import Table
 
     from serving.store import make_engine
-    from tasks.cli import console, print_table, params_or_exit
+    from tasks.cli import console, params_or_exit, print_table
     from tasks.deploy.ab import arm_stats, decide
     from tasks.deploy.registry import CHALLENGER, CHAMPION
 
@@ -44,8 +44,15 @@ def ab_status_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) 
     for col in ("arm", "model version", "requests", "pending", "suggest rate", "accept rate", "reward/request"):
         table.add_column(col, justify="right")
     for s in stats.values():
-        table.add_row(s.arm, s.model_version, str(s.requests), str(s.pending), f"{s.suggest_rate:.3f}",
-                      f"{s.accept_rate:.3f}", f"{s.reward_per_request:.4f}")
+        table.add_row(
+            s.arm,
+            s.model_version,
+            str(s.requests),
+            str(s.pending),
+            f"{s.suggest_rate:.3f}",
+            f"{s.accept_rate:.3f}",
+            f"{s.reward_per_request:.4f}",
+        )
     print_table(table)
     if CHAMPION in stats and CHALLENGER in stats:
         d = decide(stats[CHAMPION], stats[CHALLENGER], p)
@@ -72,6 +79,9 @@ def _change(action: str, params, set_) -> None:
         engine.dispose()
     champion = change.champion.label if change.champion else "none"
     challenger = change.challenger.label if change.challenger else "none"
-    console.print(f"{action}: champion is now {champion} (challenger was {challenger}); live arms: "
-                  + ", ".join(f"{a.name}={a.model_version}@{a.share:g}" for a in change.arms), highlight=False)
+    console.print(
+        f"{action}: champion is now {champion} (challenger was {challenger}); live arms: "
+        + ", ".join(f"{a.name}={a.model_version}@{a.share:g}" for a in change.arms),
+        highlight=False,
+    )
     console.print(f"decision recorded in MLflow run {change.record_run_id}", highlight=False)

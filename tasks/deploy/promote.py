@@ -66,8 +66,10 @@ def promote(engine: Engine, params: Params, decision: Decision | None = None) ->
             f"alias: {version.label if version else 'none'}); run `tabrl rollback` to clear it"
         )
     if arm.model_version != version.label:
-        raise DeployError(f"cannot promote: the challenger arm serves {arm.model_version} but the "
-                          f"{CHALLENGER!r} alias points at {version.label}; fix the alias or roll back")
+        raise DeployError(
+            f"cannot promote: the challenger arm serves {arm.model_version} but the "
+            f"{CHALLENGER!r} alias points at {version.label}; fix the alias or roll back"
+        )
     decision = decision or _manual("promote", engine, params)
     before = get_alias_version(params, CHAMPION)
     set_alias(params, CHAMPION, version.version)
@@ -91,8 +93,9 @@ def rollback(engine: Engine, params: Params, decision: Decision | None = None) -
     arm, version = _challenger(live, params, "roll back")
     champion_arm = next((a for a in live if a.name == CHAMPION), None)
     if champion_arm is None:
-        raise DeployError(f"cannot roll back: no {CHAMPION!r} arm is live to take the traffic "
-                          f"(live arms: {[a.name for a in live]})")
+        raise DeployError(
+            f"cannot roll back: no {CHAMPION!r} arm is live to take the traffic (live arms: {[a.name for a in live]})"
+        )
     decision = decision or _manual("rollback", engine, params)
     new_arms = [replace(champion_arm, share=1.0)]
     replace_arms(engine, new_arms)
@@ -107,8 +110,10 @@ def _challenger(live: list[Arm], params: Params, verb: str) -> tuple[Arm | None,
     arm = next((a for a in live if a.name == CHALLENGER), None)
     version = get_alias_version(params, CHALLENGER)
     if arm is None and version is None:
-        raise NoChallengerError(f"nothing to {verb}: no {CHALLENGER!r} arm is live and no version of "
-                                f"{params.deploy.registered_model!r} has the {CHALLENGER!r} alias")
+        raise NoChallengerError(
+            f"nothing to {verb}: no {CHALLENGER!r} arm is live and no version of "
+            f"{params.deploy.registered_model!r} has the {CHALLENGER!r} alias"
+        )
     return arm, version
 
 
@@ -136,8 +141,11 @@ def log_decision(
     exp = experiment_id(client, params.deploy.decisions_experiment, params)
     label = challenger.label if challenger else "none"
     tags = {
-        "tabrl.kind": "ab_decision", "tabrl.action": decision.action, "tabrl.reason": decision.reason,
-        "tabrl.applied": str(applied).lower(), "tabrl.challenger_version": label,
+        "tabrl.kind": "ab_decision",
+        "tabrl.action": decision.action,
+        "tabrl.reason": decision.reason,
+        "tabrl.applied": str(applied).lower(),
+        "tabrl.challenger_version": label,
         "tabrl.champion_version": champion.label if champion else "none",
     }
     if challenger and challenger.run_id:
@@ -145,11 +153,19 @@ def log_decision(
     run_id = client.create_run(exp, run_name=f"{decision.action}-{label}").info.run_id
     metrics = [Metric(f"ab/{k}", float(v), int(time.time() * 1000), 0) for k, v in decision.numbers.items()]
     client.log_batch(run_id, metrics=metrics, tags=as_flat_tags(tags))
-    record = {"decision": asdict(decision), "applied": applied, "champion": champion.label if champion else None,
-              "challenger": label, "stats": {k: asdict(v) for k, v in (stats or {}).items()}}
+    record = {
+        "decision": asdict(decision),
+        "applied": applied,
+        "champion": champion.label if champion else None,
+        "challenger": label,
+        "stats": {k: asdict(v) for k, v in (stats or {}).items()},
+    }
     client.log_text(run_id, json.dumps(record, indent=2, sort_keys=True), "decision.json")
     client.set_terminated(run_id)
     if applied and challenger and challenger.run_id and decision.action != "continue":
-        client.log_batch(challenger.run_id, metrics=metrics,
-                         tags=as_flat_tags({"tabrl.ab_decision": decision.action, "tabrl.ab_reason": decision.reason}))
+        client.log_batch(
+            challenger.run_id,
+            metrics=metrics,
+            tags=as_flat_tags({"tabrl.ab_decision": decision.action, "tabrl.ab_reason": decision.reason}),
+        )
     return run_id

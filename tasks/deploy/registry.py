@@ -25,9 +25,10 @@ import json
 import shutil
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 from urllib.parse import unquote, urlparse
 
 import mlflow
@@ -71,7 +72,7 @@ def tracking_client(params: Params) -> MlflowClient:
     """A client on `paths.mlflow_tracking_uri`; a SQLite store's directory is created first."""
     uri = params.paths.mlflow_tracking_uri
     if uri.startswith("sqlite:///"):
-        db_path = uri[len("sqlite:///"):]
+        db_path = uri[len("sqlite:///") :]
         if db_path and db_path != ":memory:":
             Path(db_path).parent.mkdir(parents=True, exist_ok=True)
     return MlflowClient(tracking_uri=uri)
@@ -128,14 +129,16 @@ def start_cycle_run(
         differ = sorted(k for k, v in wanted.items() if k in logged and logged[k] != v)
         if differ:
             shown = ", ".join(f"{k}: {logged[k]!r} -> {wanted[k]!r}" for k in differ[:5])
-            raise DeployError(f"cannot resume MLflow run {run_id} with different params ({shown}); start a new cycle run")
+            raise DeployError(
+                f"cannot resume MLflow run {run_id} with different params ({shown}); start a new cycle run"
+            )
         missing = {k: v for k, v in wanted.items() if k not in logged}
         if run.info.status != "RUNNING":
             client.update_run(run_id, status="RUNNING")
         client.log_batch(run_id, tags=[RunTag(k, v) for k, v in all_tags.items()])
     items = [Param(k, v) for k, v in missing.items()]
     for start in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
-        client.log_batch(run_id, params=items[start:start + MAX_PARAMS_TAGS_PER_BATCH])
+        client.log_batch(run_id, params=items[start : start + MAX_PARAMS_TAGS_PER_BATCH])
     return run_id
 
 
@@ -149,7 +152,7 @@ def log_cycle_metrics(params: Params, run_id: str, metrics: Mapping[str, float],
     items = [Metric(k, float(v), int(time.time() * 1000), step or 0) for k, v in metrics.items()]
     client = tracking_client(params)
     for start in range(0, len(items), 1000):  # MLflow's batch limit for metrics
-        client.log_batch(run_id, metrics=items[start:start + 1000])
+        client.log_batch(run_id, metrics=items[start : start + 1000])
 
 
 def log_cycle_artifact(params: Params, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
@@ -310,7 +313,7 @@ def resolve_model_dir(uri: str | Path, params: Params, *, copy: bool = False) ->
         return path
     cache = Path(params.paths.state_dir) / "model_cache"
     if text.startswith("runs:/"):
-        run_id, _, sub = text[len("runs:/"):].partition("/")
+        run_id, _, sub = text[len("runs:/") :].partition("/")
         return _download(text, cache / "runs" / run_id / (sub or "root"), params)
     mv = _model_version_of(text, params)
     local = _local_path(mv.source)
@@ -320,7 +323,7 @@ def resolve_model_dir(uri: str | Path, params: Params, *, copy: bool = False) ->
 
 
 def _model_version_of(uri: str, params: Params) -> ModelVersion:
-    body = uri[len("models:/"):]
+    body = uri[len("models:/") :]
     client = tracking_client(params)
     try:
         if "@" in body:
@@ -349,8 +352,11 @@ def _download(artifact_uri: str, target: Path, params: Params) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".download-", dir=target.parent))
     try:
-        got = Path(mlflow.artifacts.download_artifacts(
-            artifact_uri=artifact_uri, dst_path=str(staging), tracking_uri=params.paths.mlflow_tracking_uri))
+        got = Path(
+            mlflow.artifacts.download_artifacts(
+                artifact_uri=artifact_uri, dst_path=str(staging), tracking_uri=params.paths.mlflow_tracking_uri
+            )
+        )
         (got / CACHE_DONE).write_text(artifact_uri + "\n")
         if target.exists():  # a partial download from an interrupted earlier call
             shutil.rmtree(target)

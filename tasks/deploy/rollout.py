@@ -30,7 +30,15 @@ from prefect.transactions import get_transaction, transaction
 
 from serving.store import Arm, init_schema, make_engine, read_arms, replace_arms
 from tasks.config import Params
-from tasks.deploy.registry import CHALLENGER, CHAMPION, DeployError, ModelVersion, delete_alias, get_alias_version, set_alias
+from tasks.deploy.registry import (
+    CHALLENGER,
+    CHAMPION,
+    DeployError,
+    ModelVersion,
+    delete_alias,
+    get_alias_version,
+    set_alias,
+)
 from tasks.deploy.vllm_server import start_vllm, stop_vllm, stop_vllm_at
 
 
@@ -45,11 +53,15 @@ def challenger_arms(live: list[Arm], version: ModelVersion, model_uri: str, para
     """The champion at 1 - share plus the new challenger at share (any earlier challenger is replaced)."""
     champion = next((a for a in live if a.name == CHAMPION), None)
     if champion is None:
-        raise DeployError(f"no live '{CHAMPION}' arm to roll out beside (arms: {[a.name for a in live]}); "
-                          "start the gateway with `tabrl serve --model DIR` first")
+        raise DeployError(
+            f"no live '{CHAMPION}' arm to roll out beside (arms: {[a.name for a in live]}); "
+            "start the gateway with `tabrl serve --model DIR` first"
+        )
     share = params.deploy.challenger_share
-    return [replace(champion, share=1.0 - share),
-            Arm(CHALLENGER, version.label, model_uri, params.serving.backend, share)]
+    return [
+        replace(champion, share=1.0 - share),
+        Arm(CHALLENGER, version.label, model_uri, params.serving.backend, share),
+    ]
 
 
 def _engine(params: Params):

@@ -35,9 +35,20 @@ def _registry_dir(params: Params) -> Path:
 def start_vllm(model_dir: str, params: Params) -> VllmServer:
     """Start a vLLM OpenAI server for model_dir and return once /health answers 200."""
     port = free_port()
-    cmd = [params.serving.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", str(model_dir),
-           *params.serving.vllm_args]
+    cmd = [
+        params.serving.vllm_python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        str(model_dir),
+        *params.serving.vllm_args,
+    ]
     log_dir = _registry_dir(params)
     log_dir.mkdir(parents=True, exist_ok=True)
     with open(log_dir / f"{port}.log", "wb") as log:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -12,10 +12,10 @@ from rich.table import Table
 from tasks.config import DEFAULT_PARAMS_FILE
 
 ModelOpt = Annotated[Path, typer.Option("--model", help="Model directory to evaluate (the candidate).")]
-AgainstOpt = Annotated[Optional[Path], typer.Option("--against", help="Champion model directory to compare with.")]
+AgainstOpt = Annotated[Path | None, typer.Option("--against", help="Champion model directory to compare with.")]
 TestOpt = Annotated[Path, typer.Option("--test", help="Held-out FIM samples.")]
 RegionsOpt = Annotated[Path, typer.Option("--regions", help="Held-out regions simulated users type (editor traffic).")]
-JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="Also write metrics (and the gate) here.")]
+JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write metrics (and the gate) here.")]
 
 
 def _fmt(value: float) -> str:
@@ -29,14 +29,14 @@ def evaluate_cmd(
     regions: RegionsOpt = Path("data/fim/typing_test.parquet"),
     json_out: JsonOpt = None,
     params: Annotated[Path, typer.Option("--params", help="params.yaml to read.")] = DEFAULT_PARAMS_FILE,
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override one key: section.key=value.")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override one key: section.key=value.")] = None,
 ) -> None:
     """Score a model on held-out editor traffic (simulated users typing test files) and FIM samples
     (judge, reference metrics); with --against, compare it with the champion and print the gate decision."""
-    from tasks.cli import console, print_table, fail, params_or_exit
+    from tasks.cli import console, fail, params_or_exit, print_table
+    from tasks.editor import read_regions
     from tasks.evaluate.evaluate import METRICS, compare, evaluate_model
     from tasks.evaluate.judge import JudgeError
-    from tasks.editor import read_regions
     from tasks.generate import ModelLoadError
     from tasks.ingest.corpus import CorpusError, read_samples
 
@@ -54,7 +54,9 @@ def evaluate_cmd(
         fail(str(err), 1)
     n = len(results[0].rows)
     typed_requests = int(results[0].metrics["eval/typing/requests"])
-    table = Table(title=f"Held-out evaluation: {typed_requests} typing requests, {n} FIM samples, judge {results[0].judge}")
+    table = Table(
+        title=f"Held-out evaluation: {typed_requests} typing requests, {n} FIM samples, judge {results[0].judge}"
+    )
     table.add_column("metric")
     table.add_column(f"candidate\n{model}", justify="right")
     if comparison is not None:

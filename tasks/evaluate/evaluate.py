@@ -39,9 +39,9 @@ as a table (``eval/samples.json``) and a bar plot of both models' metrics (``eva
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import mlflow
 from prefect import task
@@ -58,11 +58,24 @@ from tasks.generate import load_model
 from tasks.reward.reward import reward_per_request
 
 METRICS = (
-    "eval/judge_mean", "eval/judge_scored", "eval/judge_unscored", "eval/suggest_rate", "eval/accept_rate",
-    "eval/reward_per_request", "eval/exact_match", "eval/edit_sim", "eval/parse_ok", "eval/parse_checked",
-    "eval/mean_len", "eval/latency_ms",
-    "eval/typing/suggest_rate", "eval/typing/accept_rate", "eval/typing/right_rate", "eval/typing/chars_saved",
-    "eval/typing/reward_per_request", "eval/typing/requests",
+    "eval/judge_mean",
+    "eval/judge_scored",
+    "eval/judge_unscored",
+    "eval/suggest_rate",
+    "eval/accept_rate",
+    "eval/reward_per_request",
+    "eval/exact_match",
+    "eval/edit_sim",
+    "eval/parse_ok",
+    "eval/parse_checked",
+    "eval/mean_len",
+    "eval/latency_ms",
+    "eval/typing/suggest_rate",
+    "eval/typing/accept_rate",
+    "eval/typing/right_rate",
+    "eval/typing/chars_saved",
+    "eval/typing/reward_per_request",
+    "eval/typing/requests",
 )
 
 
@@ -101,8 +114,14 @@ def suggest(model_dir: str | Path, samples: Sequence[dict], regions: Sequence[Re
     """Greedy batched completions of a model for the samples (timed) and its typing sessions."""
     model, tokenizer = load_model(model_dir)
     started = time.perf_counter()
-    texts = complete_samples(model, tokenizer, samples, params.evaluate.max_new_tokens, params.evaluate.batch_size,
-                             desc=f"generate {Path(model_dir).name}")
+    texts = complete_samples(
+        model,
+        tokenizer,
+        samples,
+        params.evaluate.max_new_tokens,
+        params.evaluate.batch_size,
+        desc=f"generate {Path(model_dir).name}",
+    )
     elapsed_ms = (time.perf_counter() - started) * 1000.0
     typing = type_regions(model, tokenizer, regions, params, desc=f"type with {Path(model_dir).name}")
     return Suggestions(str(model_dir), texts, elapsed_ms / max(len(samples), 1), typing)
@@ -116,8 +135,9 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def score_suggestions(samples: Sequence[dict], made: Suggestions, verdicts: Sequence[Verdict | None], judge_name: str,
-          params: Params) -> EvalResult:
+def score_suggestions(
+    samples: Sequence[dict], made: Suggestions, verdicts: Sequence[Verdict | None], judge_name: str, params: Params
+) -> EvalResult:
     """Metrics and per-sample rows of one model's suggestions, given the judge's verdicts."""
     users = make_users(params.evaluate.sim_users, params.simulator)
     outcomes = replay(samples, made.texts, users, params.simulator.seed)
@@ -125,13 +145,22 @@ def score_suggestions(samples: Sequence[dict], made: Suggestions, verdicts: Sequ
     rows = []
     for sample, text, outcome, verdict in zip(samples, made.texts, outcomes, verdicts, strict=True):
         c = checks(sample, text)
-        rows.append({
-            "sample_id": sample["sample_id"], "path": sample["path"], "span_kind": sample["span_kind"],
-            "middle": sample["middle"], "completion": text, "outcome": outcome,
-            "reward": outcome_reward(outcome, params.reward),
-            "judge_score": verdict.score if verdict else None, "judge_note": verdict.note if verdict else "",
-            "exact": c.exact, "edit_sim": c.edit_sim, "parse_ok": c.parse_ok,
-        })
+        rows.append(
+            {
+                "sample_id": sample["sample_id"],
+                "path": sample["path"],
+                "span_kind": sample["span_kind"],
+                "middle": sample["middle"],
+                "completion": text,
+                "outcome": outcome,
+                "reward": outcome_reward(outcome, params.reward),
+                "judge_score": verdict.score if verdict else None,
+                "judge_note": verdict.note if verdict else "",
+                "exact": c.exact,
+                "edit_sim": c.edit_sim,
+                "parse_ok": c.parse_ok,
+            }
+        )
     shown = [r for r in rows if r["outcome"] != "abstained"]
     scored = [r["judge_score"] for r in rows if r["judge_score"] is not None]
     parse_checked = [r["parse_ok"] for r in shown if r["parse_ok"] is not None]
@@ -154,10 +183,14 @@ def score_suggestions(samples: Sequence[dict], made: Suggestions, verdicts: Sequ
 
 
 def typing_metrics(s: TypingSummary, params: Params) -> dict[str, float]:
-    return {"eval/typing/suggest_rate": s.suggest_rate, "eval/typing/accept_rate": s.accept_rate,
-            "eval/typing/right_rate": s.right_rate, "eval/typing/chars_saved": s.chars_saved,
-            "eval/typing/reward_per_request": reward_per_request(s, params.reward),
-            "eval/typing/requests": float(s.requests)}
+    return {
+        "eval/typing/suggest_rate": s.suggest_rate,
+        "eval/typing/accept_rate": s.accept_rate,
+        "eval/typing/right_rate": s.right_rate,
+        "eval/typing/chars_saved": s.chars_saved,
+        "eval/typing/reward_per_request": reward_per_request(s, params.reward),
+        "eval/typing/requests": float(s.requests),
+    }
 
 
 def _judge_all(samples: Sequence[dict], made: Sequence[Suggestions], params: Params) -> tuple[JudgeRun, list[list]]:
@@ -165,10 +198,12 @@ def _judge_all(samples: Sequence[dict], made: Sequence[Suggestions], params: Par
     pairs = [(s, text) for m in made for s, text in zip(samples, m.texts, strict=True)]
     run = judge(pairs, params.evaluate.judge)
     n = len(samples)
-    return run, [run.verdicts[i * n:(i + 1) * n] for i in range(len(made))]
+    return run, [run.verdicts[i * n : (i + 1) * n] for i in range(len(made))]
 
 
-def evaluate_model(model_dir: str | Path, samples: Sequence[dict], regions: Sequence[Region], params: Params) -> EvalResult:
+def evaluate_model(
+    model_dir: str | Path, samples: Sequence[dict], regions: Sequence[Region], params: Params
+) -> EvalResult:
     """Metrics of one model on the held-out samples and regions; logged to the active MLflow run, if any."""
     samples = held_out(samples, params)
     made = suggest(model_dir, samples, regions, params)
@@ -179,8 +214,13 @@ def evaluate_model(model_dir: str | Path, samples: Sequence[dict], regions: Sequ
     return result
 
 
-def compare(candidate_dir: str | Path, champion_dir: str | Path, samples: Sequence[dict], regions: Sequence[Region],
-            params: Params) -> Comparison:
+def compare(
+    candidate_dir: str | Path,
+    champion_dir: str | Path,
+    samples: Sequence[dict],
+    regions: Sequence[Region],
+    params: Params,
+) -> Comparison:
     """Candidate vs champion on the same samples, regions, decoding, simulated users and judge; then the gate."""
     samples = held_out(samples, params)
     made = [suggest(candidate_dir, samples, regions, params), suggest(champion_dir, samples, regions, params)]
@@ -204,12 +244,12 @@ def metrics_figure(results: dict[str, EvalResult]):
     fig = Figure(figsize=(3.2 * cols, 2.4 * rows))
     axes = fig.subplots(rows, cols, squeeze=False)
     labels = list(results)
-    for ax, name in zip(axes.flat, METRICS):
+    for ax, name in zip(axes.flat, METRICS, strict=False):
         values = [results[label].metrics[name] for label in labels]
         ax.bar(labels, values, color=["tab:blue", "tab:gray"][: len(labels)])
         ax.set_title(name.removeprefix("eval/"), fontsize=9)
         ax.tick_params(labelsize=8)
-    for ax in list(axes.flat)[len(METRICS):]:
+    for ax in list(axes.flat)[len(METRICS) :]:
         ax.axis("off")
     fig.tight_layout()
     return fig
@@ -232,8 +272,9 @@ def log_results(results: dict[str, EvalResult], decision: GateDecision | None) -
     mlflow.log_figure(fig, "eval/metrics.png")
     if decision is not None:
         mlflow.log_metric("eval/gate_passed", float(decision.passed))
-        mlflow.log_dict({"passed": decision.passed, "reasons": decision.reasons, "numbers": decision.numbers},
-                        "eval/gate.json")
+        mlflow.log_dict(
+            {"passed": decision.passed, "reasons": decision.reasons, "numbers": decision.numbers}, "eval/gate.json"
+        )
 
 
 def _judge_was_down(task, task_run, state) -> bool:
@@ -241,9 +282,11 @@ def _judge_was_down(task, task_run, state) -> bool:
     return isinstance(state.result(raise_on_failure=False), JudgeUnavailable)
 
 
-@task(name="evaluate", retries=2, retry_delay_seconds=[60, 300], retry_condition_fn=_judge_was_down,
-      cache_policy=NO_CACHE)
-def compare_task(candidate_dir: str, champion_dir: str, samples: list[dict], regions: list[Region],
-                 params: Params) -> Comparison:
+@task(
+    name="evaluate", retries=2, retry_delay_seconds=[60, 300], retry_condition_fn=_judge_was_down, cache_policy=NO_CACHE
+)
+def compare_task(
+    candidate_dir: str, champion_dir: str, samples: list[dict], regions: list[Region], params: Params
+) -> Comparison:
     """The cycle's evaluate step: `compare`, retried when the LLM judge was down."""
     return compare(candidate_dir, champion_dir, samples, regions, params)

@@ -16,8 +16,8 @@ It passes only if, against the champion on the same held-out traffic and judge,
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 from tasks.config import EvaluateParams
 
@@ -43,8 +43,15 @@ def gate(candidate: Mapping[str, float], champion: Mapping[str, float], params: 
         cand, champ = float(candidate[name]), float(champion[name])
         delta, tolerance, margin = cand - champ, params.gate_tolerance * scale, params.gate_margin * scale
         short = name.rsplit("/", 1)[-1]
-        numbers.update({f"candidate/{short}": cand, f"champion/{short}": champ, f"delta/{short}": delta,
-                        f"tolerance/{short}": tolerance, f"margin/{short}": margin})
+        numbers.update(
+            {
+                f"candidate/{short}": cand,
+                f"champion/{short}": champ,
+                f"delta/{short}": delta,
+                f"tolerance/{short}": tolerance,
+                f"margin/{short}": margin,
+            }
+        )
         if name == JUDGE and not champion_judged:
             reasons.append("judge mean not compared: the champion has no scored suggestion")
         elif delta < -tolerance:
@@ -52,21 +59,34 @@ def gate(candidate: Mapping[str, float], champion: Mapping[str, float], params: 
             reasons.append(f"{short} drops {delta:+.4f} ({cand:.4f} vs {champ:.4f}), beyond tolerance {tolerance:.4f}")
         elif delta > 0 and delta >= margin:
             improved = True
-            reasons.append(f"{short} improves {delta:+.4f} ({cand:.4f} vs {champ:.4f}), "
-                           f"at least the margin {margin:.4f}")
+            reasons.append(
+                f"{short} improves {delta:+.4f} ({cand:.4f} vs {champ:.4f}), at least the margin {margin:.4f}"
+            )
         else:
-            reasons.append(f"{short} changes {delta:+.4f} ({cand:.4f} vs {champ:.4f}): within tolerance, "
-                           f"not an improvement by the margin {margin:.4f}")
+            reasons.append(
+                f"{short} changes {delta:+.4f} ({cand:.4f} vs {champ:.4f}): within tolerance, "
+                f"not an improvement by the margin {margin:.4f}"
+            )
     cand, champ = float(candidate[CHARS]), float(champion[CHARS])
-    numbers.update({"candidate/chars_saved": cand, "champion/chars_saved": champ, "delta/chars_saved": cand - champ,
-                    "tolerance/chars_saved": params.chars_saved_tolerance})
+    numbers.update(
+        {
+            "candidate/chars_saved": cand,
+            "champion/chars_saved": champ,
+            "delta/chars_saved": cand - champ,
+            "tolerance/chars_saved": params.chars_saved_tolerance,
+        }
+    )
     if cand - champ < -params.chars_saved_tolerance:
         no_drop = False
-        reasons.append(f"chars_saved drops {cand - champ:+.4f} ({cand:.4f} vs {champ:.4f}), beyond tolerance "
-                       f"{params.chars_saved_tolerance:.4f}: users would type more themselves")
+        reasons.append(
+            f"chars_saved drops {cand - champ:+.4f} ({cand:.4f} vs {champ:.4f}), beyond tolerance "
+            f"{params.chars_saved_tolerance:.4f}: users would type more themselves"
+        )
     else:
-        reasons.append(f"chars_saved changes {cand - champ:+.4f} ({cand:.4f} vs {champ:.4f}): no drop beyond "
-                       f"{params.chars_saved_tolerance:.4f}")
+        reasons.append(
+            f"chars_saved changes {cand - champ:+.4f} ({cand:.4f} vs {champ:.4f}): no drop beyond "
+            f"{params.chars_saved_tolerance:.4f}"
+        )
     evidence = float(candidate[SCORED])
     numbers["evidence/candidate_judge_scored"] = evidence
     numbers["evidence/champion_judge_scored"] = float(champion[SCORED])

@@ -31,9 +31,9 @@ import os
 import re
 import sqlite3
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import openai
 from tqdm import tqdm
@@ -169,7 +169,9 @@ async def _ask(client: openai.AsyncOpenAI, prompt: str, params: JudgeParams) -> 
     """One chat completion; retries and timeouts are the client's (declared at construction)."""
     try:
         response = await client.chat.completions.create(
-            model=params.model, messages=[{"role": "user", "content": prompt}], temperature=0.0,
+            model=params.model,
+            messages=[{"role": "user", "content": prompt}],
+            temperature=0.0,
         )
     except (openai.APIConnectionError, openai.RateLimitError, openai.InternalServerError) as err:
         # APITimeoutError is an APIConnectionError; all of these were already retried by the client.
@@ -193,7 +195,10 @@ async def _ask_all(prompts: Sequence[str], params: JudgeParams, cache: JudgeCach
     limit = asyncio.Semaphore(params.concurrency)
     bar = tqdm(total=len(prompts), desc=f"judge {params.model}", unit="req")
     async with openai.AsyncOpenAI(
-        base_url=params.base_url, api_key=api_key, timeout=params.timeout_s, max_retries=params.max_retries,
+        base_url=params.base_url,
+        api_key=api_key,
+        timeout=params.timeout_s,
+        max_retries=params.max_retries,
     ) as client:
 
         async def one(prompt: str) -> None:

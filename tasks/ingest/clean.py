@@ -21,8 +21,8 @@ import bisect
 import hashlib
 import itertools
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from detect_secrets.core.plugins.util import get_mapping_from_secret_type_to_class
 from detect_secrets.plugins.base import RegexBasedDetector
@@ -45,11 +45,15 @@ class SecretScanner:
         by_name = {cls.__name__: cls for cls in get_mapping_from_secret_type_to_class().values()}
         unknown = [name for name in detectors if name not in by_name]
         if unknown:
-            raise ValueError(f"ingest.secret_detectors: unknown detect-secrets plugin(s) {unknown}; known: {sorted(by_name)}")
+            raise ValueError(
+                f"ingest.secret_detectors: unknown detect-secrets plugin(s) {unknown}; known: {sorted(by_name)}"
+            )
         self.plugins = [by_name[name]() for name in detectors]
         missing = [type(p).__name__ for p in self.plugins if not isinstance(p, RegexBasedDetector)]
         if missing:
-            raise ValueError(f"ingest.secret_detectors: {missing} are not pattern detectors (entropy/keyword ones are not supported)")
+            raise ValueError(
+                f"ingest.secret_detectors: {missing} are not pattern detectors (entropy/keyword ones are not supported)"
+            )
         self._patterns = [re.compile(r.pattern, r.flags | re.MULTILINE) for p in self.plugins for r in p.denylist]
         self.cache_lines = cache_lines
         self._clean: set[str] = set()
@@ -113,8 +117,15 @@ class Cleaner:
         self.scanner = SecretScanner(self.params.secret_detectors, self.params.secret_cache_lines)
         self.report = {"rows_in": 0, **{rule: 0 for rule in RULES}, "rows_out": 0}
 
-    def _cheap_rule(self, user_id: str, prompt: str, completion: str, trainable: bool, opted_out: bool,
-                    prompt_hash: str | None = None) -> str | None:
+    def _cheap_rule(
+        self,
+        user_id: str,
+        prompt: str,
+        completion: str,
+        trainable: bool,
+        opted_out: bool,
+        prompt_hash: str | None = None,
+    ) -> str | None:
         if not trainable:
             return "not_trainable"
         if opted_out:
@@ -137,7 +148,7 @@ class Cleaner:
         todo = [i for i, rule in enumerate(verdict) if rule is None]
         prompts = self.scanner.flag([rows[i][1] for i in todo])
         completions = self.scanner.flag([rows[i][2] for i in todo])
-        for i, in_prompt, in_completion in zip(todo, prompts, completions):
+        for i, in_prompt, in_completion in zip(todo, prompts, completions, strict=True):
             user = rows[i][0]
             if in_prompt or in_completion:
                 verdict[i] = "secret"

@@ -14,9 +14,9 @@ import hashlib
 import json
 import random
 import sysconfig
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -116,7 +116,9 @@ def sample_spans(files: list[SourceFile], split: str, n: int, params: FimParams,
     while len(samples) < n:
         attempts += 1
         if attempts > 50 * n + 1000:
-            raise CorpusError(f"only {len(samples)} of {n} {split} spans pass the filters; add code or relax fim params")
+            raise CorpusError(
+                f"only {len(samples)} of {n} {split} spans pass the filters; add code or relax fim params"
+            )
         file = rng.choice(files)
         kind = rng.choices(kinds, weights)[0]
         span = cut_span(file.text, kind, rng, params)
@@ -134,8 +136,8 @@ def sample_spans(files: list[SourceFile], split: str, n: int, params: FimParams,
             "path": file.path,
             "split": split,
             "span_kind": kind,
-            "prefix": file.text[max(0, start - params.max_prefix_chars):start],
-            "suffix": file.text[end:end + params.max_suffix_chars],
+            "prefix": file.text[max(0, start - params.max_prefix_chars) : start],
+            "suffix": file.text[end : end + params.max_suffix_chars],
             "middle": middle,
         }
     return list(samples.values())
@@ -164,8 +166,12 @@ def _dataset_rows(source: Path) -> Iterable[dict]:
                 f"{source}: needs columns prefix/suffix/middle or prompt/solutions, found {sorted(columns)}"
             )
         path = next((row[c] for c in ("path", "filepath", "file_path", "repo_path") if c in columns), None)
-        yield {"path": path or f"row-{hashlib.sha1(prefix.encode()).hexdigest()[:12]}", "prefix": prefix,
-               "suffix": suffix, "middle": middle or ""}
+        yield {
+            "path": path or f"row-{hashlib.sha1(prefix.encode()).hexdigest()[:12]}",
+            "prefix": prefix,
+            "suffix": suffix,
+            "middle": middle or "",
+        }
 
 
 def dataset_samples(source: Path, data: DataParams, fim: FimParams) -> dict[str, list[dict]]:
@@ -176,11 +182,17 @@ def dataset_samples(source: Path, data: DataParams, fim: FimParams) -> dict[str,
             continue
         split = split_of(row["path"], data)
         sample_id = hashlib.sha1(f"{row['path']}:{row['prefix']}:{row['middle']}".encode()).hexdigest()[:16]
-        by_split[split].append({
-            "sample_id": sample_id, "path": row["path"], "split": split, "span_kind": "dataset",
-            "prefix": row["prefix"][-fim.max_prefix_chars:], "suffix": row["suffix"][:fim.max_suffix_chars],
-            "middle": row["middle"],
-        })
+        by_split[split].append(
+            {
+                "sample_id": sample_id,
+                "path": row["path"],
+                "split": split,
+                "span_kind": "dataset",
+                "prefix": row["prefix"][-fim.max_prefix_chars :],
+                "suffix": row["suffix"][: fim.max_suffix_chars],
+                "middle": row["middle"],
+            }
+        )
     rng = random.Random(fim.seed)
     for split, n in (("train", fim.n_train), ("test", fim.n_test)):
         rows = sorted(by_split[split], key=lambda r: r["sample_id"])
@@ -249,8 +261,9 @@ def read_samples(path: Path) -> list[dict]:
     return pq.read_table(path).to_pylist()
 
 
-def write_fim(data: DataParams, fim: FimParams, traffic: TrafficParams, files: dict[str, list[SourceFile]],
-              out_dir: Path) -> dict[str, int]:
+def write_fim(
+    data: DataParams, fim: FimParams, traffic: TrafficParams, files: dict[str, list[SourceFile]], out_dir: Path
+) -> dict[str, int]:
     """Build and write train/test.parquet (FIM spans), typing_train/test.parquet (editor-traffic
     regions, tasks/editor.py) and stats.json under out_dir; returns counts."""
     samples = build_fim(data, fim, files)

@@ -19,8 +19,9 @@ time, so its sequence has no such gaps.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -66,8 +67,9 @@ def read_watermark(conn: Connection) -> Watermark:
     return Watermark(0, None) if row is None else Watermark(int(row.completion_seq), row.updated_at)
 
 
-def outcome_of(abstained: bool, created_at: float, received_at: float | None, accepted: bool | None,
-               timeout_s: float) -> tuple[str, bool]:
+def outcome_of(
+    abstained: bool, created_at: float, received_at: float | None, accepted: bool | None, timeout_s: float
+) -> tuple[str, bool]:
     """(outcome, late): the timeout rule for one completion whose deadline has passed."""
     if abstained:
         return "abstained", False
@@ -82,14 +84,29 @@ def _query(after_seq: int, upto_seq: int | None) -> sa.Select:
     c, f, u = completions, feedback, users
     stmt = (
         sa.select(
-            c.c.seq, c.c.id, c.c.created_at, c.c.user_id, c.c.arm, c.c.model_version, c.c.prompt, c.c.completion,
-            sa.cast(c.c.token_ids, sa.Text).label("token_ids"), sa.cast(c.c.logprobs, sa.Text).label("logprobs"),
-            c.c.temperature, c.c.abstained,
-            f.c.accepted, f.c.accepted_chars, f.c.received_at, f.c.trainable, u.c.opted_out, c.c.prompt_hash,
+            c.c.seq,
+            c.c.id,
+            c.c.created_at,
+            c.c.user_id,
+            c.c.arm,
+            c.c.model_version,
+            c.c.prompt,
+            c.c.completion,
+            sa.cast(c.c.token_ids, sa.Text).label("token_ids"),
+            sa.cast(c.c.logprobs, sa.Text).label("logprobs"),
+            c.c.temperature,
+            c.c.abstained,
+            f.c.accepted,
+            f.c.accepted_chars,
+            f.c.received_at,
+            f.c.trainable,
+            u.c.opted_out,
+            c.c.prompt_hash,
         )
         .select_from(
-            c.outerjoin(f, sa.and_(f.c.completion_id == c.c.id, f.c.matched == sa.true()))
-            .outerjoin(u, u.c.user_id == c.c.user_id)
+            c.outerjoin(f, sa.and_(f.c.completion_id == c.c.id, f.c.matched == sa.true())).outerjoin(
+                u, u.c.user_id == c.c.user_id
+            )
         )
         .where(c.c.seq > after_seq)
         .order_by(c.c.seq)
@@ -97,8 +114,9 @@ def _query(after_seq: int, upto_seq: int | None) -> sa.Select:
     return stmt if upto_seq is None else stmt.where(c.c.seq <= upto_seq)
 
 
-def pull_decided(conn: Connection, params: IngestParams, after_seq: int, now: float,
-                 upto_seq: int | None = None) -> Iterator[list[Decided]]:
+def pull_decided(
+    conn: Connection, params: IngestParams, after_seq: int, now: float, upto_seq: int | None = None
+) -> Iterator[list[Decided]]:
     """Chunks of decided rows with seq > after_seq, in seq order, up to the cut.
 
     With ``upto_seq`` (re-running a cycle whose snapshot was written but whose watermark was not
@@ -110,8 +128,26 @@ def pull_decided(conn: Connection, params: IngestParams, after_seq: int, now: fl
     try:
         for part in result.partitions():
             chunk: list[Decided] = []
-            for (seq, cid, created_at, user_id, arm, model_version, prompt, completion, token_ids, logprobs,
-                 temperature, abstained, accepted, accepted_chars, received_at, trainable, opted_out, prompt_hash) in part:
+            for (
+                seq,
+                cid,
+                created_at,
+                user_id,
+                arm,
+                model_version,
+                prompt,
+                completion,
+                token_ids,
+                logprobs,
+                temperature,
+                abstained,
+                accepted,
+                accepted_chars,
+                received_at,
+                trainable,
+                opted_out,
+                prompt_hash,
+            ) in part:
                 if upto_seq is None:
                     if created_at + timeout > now:
                         yield chunk
@@ -121,11 +157,27 @@ def pull_decided(conn: Connection, params: IngestParams, after_seq: int, now: fl
                         return  # a gap that may still fill (an insert committing)
                 expected = seq + 1
                 outcome, late = outcome_of(abstained, created_at, received_at, accepted, timeout)
-                chunk.append(Decided(
-                    seq, cid, created_at, user_id, arm, model_version, prompt, completion, token_ids, logprobs,
-                    temperature, outcome, accepted_chars if outcome == "accepted" else None,
-                    trainable is not False, bool(opted_out), bool(accepted) if late else None, prompt_hash,
-                ))
+                chunk.append(
+                    Decided(
+                        seq,
+                        cid,
+                        created_at,
+                        user_id,
+                        arm,
+                        model_version,
+                        prompt,
+                        completion,
+                        token_ids,
+                        logprobs,
+                        temperature,
+                        outcome,
+                        accepted_chars if outcome == "accepted" else None,
+                        trainable is not False,
+                        bool(opted_out),
+                        bool(accepted) if late else None,
+                        prompt_hash,
+                    )
+                )
             yield chunk
     finally:
         result.close()

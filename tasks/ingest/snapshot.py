@@ -124,11 +124,23 @@ def _json_lists(texts: list[str | None]) -> list:
 
 
 def _columns(rows: list[Decided]) -> pa.Table:
-    cols = list(zip(*rows))
+    cols = list(zip(*rows, strict=True))
     f = Decided._fields
-    pick = {name: list(cols[f.index(name)]) for name in
-            ("completion_id", "created_at", "user_id", "arm", "model_version", "prompt", "completion", "temperature",
-             "outcome", "accepted_chars")}
+    pick = {
+        name: list(cols[f.index(name)])
+        for name in (
+            "completion_id",
+            "created_at",
+            "user_id",
+            "arm",
+            "model_version",
+            "prompt",
+            "completion",
+            "temperature",
+            "outcome",
+            "accepted_chars",
+        )
+    }
     pick["token_ids"] = _json_lists(cols[f.index("token_ids")])
     pick["logprobs"] = _json_lists(cols[f.index("logprobs")])
     return pa.Table.from_pydict(pick, schema=INTERACTION_SCHEMA).select(INTERACTION_SCHEMA.names)
@@ -170,11 +182,15 @@ def run_ingest(engine: Engine, params: Params, repo_dir: Path, now: float) -> In
                     continue
                 last_seq = chunk[-1].seq
                 stats.add(chunk)
-                late += [{"completion_id": d.completion_id, "accepted": d.late_accepted}
-                         for d in chunk if d.late_accepted is not None]
-                mask = cleaner.keep_mask([(d.user_id, d.prompt, d.completion, d.trainable, d.opted_out, d.prompt_hash)
-                                         for d in chunk])
-                kept = [d for d, keep in zip(chunk, mask) if keep]
+                late += [
+                    {"completion_id": d.completion_id, "accepted": d.late_accepted}
+                    for d in chunk
+                    if d.late_accepted is not None
+                ]
+                mask = cleaner.keep_mask(
+                    [(d.user_id, d.prompt, d.completion, d.trainable, d.opted_out, d.prompt_hash) for d in chunk]
+                )
+                kept = [d for d, keep in zip(chunk, mask, strict=True) if keep]
                 if kept:
                     if writer is None:
                         writer = pq.ParquetWriter(incoming, INTERACTION_SCHEMA, compression="zstd")
@@ -189,16 +205,32 @@ def run_ingest(engine: Engine, params: Params, repo_dir: Path, now: float) -> In
     def result(path: Path | None, sha: str | None, watermark: int, n_late: int, dvc: str) -> IngestResult:
         with engine.connect() as conn:
             pending = count_after(conn, watermark)
-        return IngestResult(path, sha, rows if path else 0, first_seq, last_seq, watermark, cleaner.report,
-                            stats.result(), n_late, pending, dvc, crashed is not None)
+        return IngestResult(
+            path,
+            sha,
+            rows if path else 0,
+            first_seq,
+            last_seq,
+            watermark,
+            cleaner.report,
+            stats.result(),
+            n_late,
+            pending,
+            dvc,
+            crashed is not None,
+        )
 
     if rows < ip.min_rows:
         incoming.unlink(missing_ok=True)
         if crashed is not None:  # its rows were all dropped since (opt-outs): nothing left to commit
             log.warning("re-run of %s keeps %d rows < ingest.min_rows; removing it", crashed, rows)
             crashed.unlink()
-        log.info("ingest: %d clean rows < ingest.min_rows=%d; no snapshot, watermark stays at %d",
-                 rows, ip.min_rows, old.completion_seq)
+        log.info(
+            "ingest: %d clean rows < ingest.min_rows=%d; no snapshot, watermark stays at %d",
+            rows,
+            ip.min_rows,
+            old.completion_seq,
+        )
         return result(None, None, old.completion_seq, 0, "")
 
     path = out_dir / snapshot_name(first_seq, last_seq)
@@ -207,11 +239,14 @@ def run_ingest(engine: Engine, params: Params, repo_dir: Path, now: float) -> In
         incoming.unlink()
     else:
         if crashed is not None:
-            log.warning("re-run of %s differs from the crashed run's file (a user opted out since?); replacing it", path)
+            log.warning(
+                "re-run of %s differs from the crashed run's file (a user opted out since?); replacing it", path
+            )
         _fsync_replace(incoming, path)
     dvc = version_with_dvc(repo_dir, path)
-    n_late = advance_watermark(engine, old, path, sha, rows, first_seq, last_seq, late, ip, now,
-                               _display_path(path, repo_dir))
+    n_late = advance_watermark(
+        engine, old, path, sha, rows, first_seq, last_seq, late, ip, now, _display_path(path, repo_dir)
+    )
     return result(path, sha, last_seq, n_late, dvc)
 
 
@@ -225,7 +260,9 @@ def _display_path(path: Path, repo_dir: Path) -> str:
 def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise IngestError(f"`{' '.join(cmd[-3:])}` failed in {cwd} (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
+        raise IngestError(
+            f"`{' '.join(cmd[-3:])}` failed in {cwd} (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}"
+        )
     return proc
 
 
@@ -250,8 +287,19 @@ def version_with_dvc(repo_dir: Path, path: Path) -> str:
     return "committed"
 
 
-def advance_watermark(engine: Engine, old: Watermark, path: Path, sha: str, rows: int, first_seq: int,
-                      last_seq: int, late: list[dict], params: IngestParams, now: float, shown_path: str) -> int:
+def advance_watermark(
+    engine: Engine,
+    old: Watermark,
+    path: Path,
+    sha: str,
+    rows: int,
+    first_seq: int,
+    last_seq: int,
+    late: list[dict],
+    params: IngestParams,
+    now: float,
+    shown_path: str,
+) -> int:
     """One transaction: watermark -> last_seq (only if still `old`), the snapshot record, late feedback.
 
     Returns the late feedback recorded: this cycle's rows, plus feedback that arrived since the
@@ -262,13 +310,21 @@ def advance_watermark(engine: Engine, old: Watermark, path: Path, sha: str, rows
         if old.updated_at is None:
             conn.execute(watermarks.insert().values(name=WATERMARK, **values))
         else:
-            moved = conn.execute(watermarks.update().where(
-                watermarks.c.name == WATERMARK, watermarks.c.completion_seq == old.completion_seq).values(**values))
+            moved = conn.execute(
+                watermarks.update()
+                .where(watermarks.c.name == WATERMARK, watermarks.c.completion_seq == old.completion_seq)
+                .values(**values)
+            )
             if moved.rowcount != 1:
-                raise IngestError(f"the ingest watermark moved from {old.completion_seq} during this cycle: "
-                                  "another ingest ran at the same time; this cycle's snapshot is not committed")
-        conn.execute(snapshots.insert().values(name=path.name, first_seq=first_seq, last_seq=last_seq, rows=rows,
-                                               sha256=sha, created_at=now))
+                raise IngestError(
+                    f"the ingest watermark moved from {old.completion_seq} during this cycle: "
+                    "another ingest ran at the same time; this cycle's snapshot is not committed"
+                )
+        conn.execute(
+            snapshots.insert().values(
+                name=path.name, first_seq=first_seq, last_seq=last_seq, rows=rows, sha256=sha, created_at=now
+            )
+        )
         records = [{**item, "snapshot": path.name, "recorded_at": now} for item in late]
         if old.updated_at is not None:
             records += _late_for_earlier_snapshots(conn, old, params, now)
@@ -292,20 +348,28 @@ def _late_for_earlier_snapshots(conn, old: Watermark, params: IngestParams, now:
             .outerjoin(lf, lf.c.completion_id == f.c.completion_id)
         )
         .where(
-            lf.c.completion_id.is_(None), f.c.matched == sa.true(), c.c.abstained == sa.false(),
+            lf.c.completion_id.is_(None),
+            f.c.matched == sa.true(),
+            c.c.abstained == sa.false(),
             c.c.seq <= old.completion_seq,
             f.c.received_at >= old.updated_at - params.commit_grace_s,
             f.c.received_at > c.c.created_at + params.feedback_timeout_s,
         )
         .order_by(f.c.completion_id)
     )
-    return [{"completion_id": r.completion_id, "accepted": r.accepted, "snapshot": r.name, "recorded_at": now}
-            for r in conn.execute(stmt)]
+    return [
+        {"completion_id": r.completion_id, "accepted": r.accepted, "snapshot": r.name, "recorded_at": now}
+        for r in conn.execute(stmt)
+    ]
 
 
 def ingest_metrics(result: IngestResult) -> dict[str, float]:
     """Namespaced numbers of a cycle, for MLflow."""
-    metrics = {"ingest/rows": result.rows, "ingest/late_feedback": result.late_feedback,
-               "ingest/pending": result.pending, "ingest/watermark": result.watermark}
+    metrics = {
+        "ingest/rows": result.rows,
+        "ingest/late_feedback": result.late_feedback,
+        "ingest/pending": result.pending,
+        "ingest/watermark": result.watermark,
+    }
     metrics.update({f"ingest/clean/{key}": value for key, value in result.report.items()})
     return {key: float(value) for key, value in metrics.items()}

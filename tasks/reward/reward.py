@@ -14,9 +14,9 @@ The rewarded snapshot has ``tasks.schema.REWARDED_SCHEMA``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -50,7 +50,11 @@ def batch_norm(rewards: np.ndarray) -> np.ndarray:
     return centred / (std + STD_EPS) if std > STD_EPS else np.zeros_like(centred)
 
 
-ADVANTAGES: dict[str, Callable[[np.ndarray], np.ndarray]] = {"raw": raw, "batch_mean": batch_mean, "batch_norm": batch_norm}
+ADVANTAGES: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "raw": raw,
+    "batch_mean": batch_mean,
+    "batch_norm": batch_norm,
+}
 
 
 def add_rewards(table: pa.Table, params: RewardParams) -> pa.Table:
@@ -59,9 +63,11 @@ def add_rewards(table: pa.Table, params: RewardParams) -> pa.Table:
     outcomes = table.column("outcome").to_pylist()
     rewards = np.array([by_outcome[o] if o in by_outcome else reward_of(o, params) for o in outcomes], dtype=np.float64)
     advantages = ADVANTAGES[params.advantage](rewards)
-    return (table.append_column("reward", pa.array(rewards, pa.float64()))
-            .append_column("advantage", pa.array(advantages, pa.float64()))
-            .cast(REWARDED_SCHEMA))
+    return (
+        table.append_column("reward", pa.array(rewards, pa.float64()))
+        .append_column("advantage", pa.array(advantages, pa.float64()))
+        .cast(REWARDED_SCHEMA)
+    )
 
 
 @dataclass(frozen=True)
@@ -74,7 +80,9 @@ class RewardResult:
     summary: dict[str, dict[str, float]]  # per arm and "all" (see arm_summary)
 
 
-def reward_snapshot(snapshot: Path, params: RewardParams, out: Path, arms: dict[str, Summary] | None = None) -> RewardResult:
+def reward_snapshot(
+    snapshot: Path, params: RewardParams, out: Path, arms: dict[str, Summary] | None = None
+) -> RewardResult:
     """Read an interaction snapshot, add rewards and advantages, write it to ``out``.
 
     The summary counts the snapshot's rows, or ``arms`` when given: pass the ingest's
@@ -86,7 +94,8 @@ def reward_snapshot(snapshot: Path, params: RewardParams, out: Path, arms: dict[
     rewards, adv = table.column("reward").to_numpy(), table.column("advantage").to_numpy()
     summaries = arms if arms is not None else {arm: summarise(*cols) for arm, cols in _by_arm(table).items()}
     return RewardResult(
-        path=out, rows=table.num_rows,
+        path=out,
+        rows=table.num_rows,
         reward_mean=float(rewards.mean()) if rewards.size else 0.0,
         advantage_mean=float(adv.mean()) if adv.size else 0.0,
         advantage_std=float(adv.std()) if adv.size else 0.0,
@@ -96,8 +105,12 @@ def reward_snapshot(snapshot: Path, params: RewardParams, out: Path, arms: dict[
 
 def _by_arm(table: pa.Table) -> dict[str, tuple[list[str], list[str]]]:
     groups: dict[str, tuple[list[str], list[str]]] = {"all": ([], [])}
-    for arm, outcome, completion in zip(table.column("arm").to_pylist(), table.column("outcome").to_pylist(),
-                                        table.column("completion").to_pylist()):
+    for arm, outcome, completion in zip(
+        table.column("arm").to_pylist(),
+        table.column("outcome").to_pylist(),
+        table.column("completion").to_pylist(),
+        strict=True,
+    ):
         for key in ("all", arm):
             groups.setdefault(key, ([], []))
             groups[key][0].append(outcome)
@@ -115,8 +128,12 @@ def reward_per_request(s: Summary, params: RewardParams) -> float:
 
 
 def arm_summary(s: Summary, params: RewardParams) -> dict[str, float]:
-    return {"requests": s.requests, "suggest_rate": s.suggest_rate, "accept_rate": s.accept_rate,
-            "reward_per_request": reward_per_request(s, params)}
+    return {
+        "requests": s.requests,
+        "suggest_rate": s.suggest_rate,
+        "accept_rate": s.accept_rate,
+        "reward_per_request": reward_per_request(s, params),
+    }
 
 
 def cycle_summary(arms: dict[str, Summary], params: RewardParams) -> dict[str, dict[str, float]]:
@@ -126,7 +143,11 @@ def cycle_summary(arms: dict[str, Summary], params: RewardParams) -> dict[str, d
 
 def reward_metrics(result: RewardResult) -> dict[str, float]:
     """Namespaced numbers for MLflow: ``reward/accept_rate`` (all arms), ``reward/<arm>/accept_rate``, ..."""
-    metrics = {"reward/rows": result.rows, "reward/mean": result.reward_mean, "reward/advantage_std": result.advantage_std}
+    metrics = {
+        "reward/rows": result.rows,
+        "reward/mean": result.reward_mean,
+        "reward/advantage_std": result.advantage_std,
+    }
     for arm, numbers in result.summary.items():
         prefix = "reward/" if arm == "all" else f"reward/{arm}/"
         metrics.update({prefix + key: value for key, value in numbers.items()})

@@ -14,7 +14,9 @@ from tasks.reward.reward import RewardResult, reward_metrics, reward_snapshot
 
 
 @task(name="reward", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)
-def reward_task(snapshot: Path, params: RewardParams, out: Path, arms: dict[str, Summary] | None = None) -> RewardResult:
+def reward_task(
+    snapshot: Path, params: RewardParams, out: Path, arms: dict[str, Summary] | None = None
+) -> RewardResult:
     """Rewards and advantages for one snapshot; log the per-arm summary to MLflow if a run is active."""
     result = reward_snapshot(Path(snapshot), params, Path(out), arms)
     if mlflow.active_run():

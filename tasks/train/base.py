@@ -23,8 +23,8 @@ import math
 import random
 import shutil
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -88,7 +88,7 @@ def encode_fim(tokenizer: PreTrainedTokenizerFast, sample: dict, seq_len: int) -
     if room <= 0:
         mid, room = mid[: seq_len // 2], seq_len - seq_len // 2 - 4
     suf = suf[: room // 4]
-    pre = pre[max(0, len(pre) - (room - len(suf))):]
+    pre = pre[max(0, len(pre) - (room - len(suf))) :]
     return [special(FIM_PREFIX), *pre, special(FIM_SUFFIX), *suf, special(FIM_MIDDLE), *mid, special(EOS)]
 
 
@@ -98,17 +98,17 @@ def _batches(seqs: Sequence[list[int]], batch: int, pad_id: int, middle_id: int,
     while True:
         rng.shuffle(order)
         for i in range(0, len(order) - batch + 1, batch):
-            rows = [seqs[j] for j in order[i:i + batch]]
+            rows = [seqs[j] for j in order[i : i + batch]]
             width = max(len(r) for r in rows)
             ids = torch.full((batch, width), pad_id, dtype=torch.long)
             labels = torch.full((batch, width), -100, dtype=torch.long)
             mask = torch.zeros((batch, width), dtype=torch.long)
             middle = torch.zeros((batch, width), dtype=torch.bool)
             for k, r in enumerate(rows):
-                ids[k, :len(r)] = torch.tensor(r)
-                labels[k, :len(r)] = torch.tensor(r)
-                mask[k, :len(r)] = 1
-                middle[k, r.index(middle_id) + 1:len(r)] = True
+                ids[k, : len(r)] = torch.tensor(r)
+                labels[k, : len(r)] = torch.tensor(r)
+                mask[k, : len(r)] = 1
+                middle[k, r.index(middle_id) + 1 : len(r)] = True
             yield ids, mask, labels, middle
 
 
@@ -132,8 +132,15 @@ def _fingerprint(params: ModelParams, seqs: Sequence[list[int]]) -> str:
     return digest.hexdigest()[:16]
 
 
-def pretrain(model: Qwen2ForCausalLM, seqs: Sequence[list[int]], params: ModelParams, pad_id: int,
-             middle_id: int, checkpoint_dir: Path | None = None, snapshot: Callable[[int], None] | None = None) -> list[float]:
+def pretrain(
+    model: Qwen2ForCausalLM,
+    seqs: Sequence[list[int]],
+    params: ModelParams,
+    pad_id: int,
+    middle_id: int,
+    checkpoint_dir: Path | None = None,
+    snapshot: Callable[[int], None] | None = None,
+) -> list[float]:
     """FIM pre-training with AdamW, linear warm-up and cosine decay; returns the loss curve.
 
     The loss is the token mean over the whole sequence plus the token mean over the middle and its
@@ -163,8 +170,13 @@ def pretrain(model: Qwen2ForCausalLM, seqs: Sequence[list[int]], params: ModelPa
             tqdm.write(f"resuming pre-training at step {start} from {state_file}")
         else:
             tqdm.write(f"{state_file} is from other params or data: starting afresh")
-    bar = tqdm(range(start, params.pretrain_steps), desc="pre-train tabrl-tiny", unit="step", initial=start,
-               total=params.pretrain_steps)
+    bar = tqdm(
+        range(start, params.pretrain_steps),
+        desc="pre-train tabrl-tiny",
+        unit="step",
+        initial=start,
+        total=params.pretrain_steps,
+    )
     for step in bar:
         ids, mask, labels, middle = next(batches)
         # fp32 on purpose: bf16 autocast is ~20x slower on CPUs without bf16 units (measured here).
@@ -184,9 +196,18 @@ def pretrain(model: Qwen2ForCausalLM, seqs: Sequence[list[int]], params: ModelPa
         done = step + 1
         if state_file is not None and (done % params.checkpoint_every == 0 or done == params.pretrain_steps):
             state_file.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({"fingerprint": fingerprint, "step": done, "losses": losses, "model": model.state_dict(),
-                        "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                        "torch_rng": torch.get_rng_state()}, state_file.with_suffix(".tmp"))
+            torch.save(
+                {
+                    "fingerprint": fingerprint,
+                    "step": done,
+                    "losses": losses,
+                    "model": model.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "scheduler": sched.state_dict(),
+                    "torch_rng": torch.get_rng_state(),
+                },
+                state_file.with_suffix(".tmp"),
+            )
             state_file.with_suffix(".tmp").replace(state_file)  # a kill mid-write keeps the last good one
             if snapshot is not None:
                 model.eval()
@@ -196,11 +217,14 @@ def pretrain(model: Qwen2ForCausalLM, seqs: Sequence[list[int]], params: ModelPa
     return losses
 
 
-def pretrain_samples(train_files: Sequence[SourceFile], model_params: ModelParams, fim_params: FimParams,
-                     traffic: TrafficParams) -> list[dict]:
+def pretrain_samples(
+    train_files: Sequence[SourceFile], model_params: ModelParams, fim_params: FimParams, traffic: TrafficParams
+) -> list[dict]:
     """Editor-like samples (typing-session pauses) and classic line spans, shuffled together."""
-    n_samples = min(model_params.pretrain_steps * model_params.pretrain_batch,
-                    model_params.pretrain_samples_per_file * len(train_files))
+    n_samples = min(
+        model_params.pretrain_steps * model_params.pretrain_batch,
+        model_params.pretrain_samples_per_file * len(train_files),
+    )
     n_editor = round(n_samples * model_params.pretrain_editor_share)
     samples = []
     if n_editor:
@@ -225,8 +249,14 @@ def _save(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path
     tmp.rename(out)
 
 
-def build_base(train_files: Sequence[SourceFile], model_params: ModelParams, fim_params: FimParams,
-               traffic: TrafficParams, out: Path, snapshots: bool = False) -> dict:
+def build_base(
+    train_files: Sequence[SourceFile],
+    model_params: ModelParams,
+    fim_params: FimParams,
+    traffic: TrafficParams,
+    out: Path,
+    snapshots: bool = False,
+) -> dict:
     """Tokenizer + model + FIM pre-training, written atomically to out; returns build stats.
 
     Resumes from ``out.partial/`` when a build with the same params was interrupted; removes it
@@ -240,8 +270,15 @@ def build_base(train_files: Sequence[SourceFile], model_params: ModelParams, fim
     seqs = [encode_fim(tokenizer, s, model_params.pretrain_seq_len) for s in samples]
     partial = out.with_name(out.name + ".partial")
     keep = (lambda step: _save(model, tokenizer, partial / f"step-{step}")) if snapshots else None
-    losses = pretrain(model, seqs, model_params, tokenizer.pad_token_id, tokenizer.convert_tokens_to_ids(FIM_MIDDLE),
-                      checkpoint_dir=partial, snapshot=keep)
+    losses = pretrain(
+        model,
+        seqs,
+        model_params,
+        tokenizer.pad_token_id,
+        tokenizer.convert_tokens_to_ids(FIM_MIDDLE),
+        checkpoint_dir=partial,
+        snapshot=keep,
+    )
     _save(model, tokenizer, out)
     stats = {
         "parameters": sum(p.numel() for p in model.parameters()),

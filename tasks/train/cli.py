@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Literal
 
 import typer
 
@@ -13,11 +13,13 @@ from tasks.config import DEFAULT_PARAMS_FILE
 def train_cmd(
     from_dir: Annotated[Path, typer.Option("--from", help="Starting checkpoint (HF directory).")],
     out: Annotated[Path, typer.Option(help="Directory for the trained checkpoint (written atomically).")],
-    snapshot: Annotated[Optional[Path], typer.Option(help="Reward-labelled snapshot Parquet (algorithm ppo).")] = None,
-    algorithm: Annotated[Optional[str], typer.Option(help="ppo | grpo (default: train.algorithm).")] = None,
+    snapshot: Annotated[Path | None, typer.Option(help="Reward-labelled snapshot Parquet (algorithm ppo).")] = None,
+    algorithm: Annotated[str | None, typer.Option(help="ppo | grpo (default: train.algorithm).")] = None,
     fim: Annotated[Path, typer.Option(help="FIM train samples (algorithm grpo).")] = Path("data/fim/train.parquet"),
     params: Annotated[Path, typer.Option("--params", help="params.yaml to read.")] = DEFAULT_PARAMS_FILE,
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override one key: section.key=value (repeatable).")] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="Override one key: section.key=value (repeatable).")
+    ] = None,
 ) -> None:
     """Critic-free PPO on a rewarded snapshot (or offline GRPO on FIM prompts) -> an HF checkpoint."""
     from tasks.cli import console, fail, params_or_exit
@@ -42,5 +44,7 @@ def train_cmd(
         fail(str(err), 2)
     except (TrainingDiverged, TrainError) as err:
         fail(f"{type(err).__name__}: {err}", 1)
-    console.print(f"Saved {result.out_dir}: {result.steps} steps on {result.rows_used}/{result.rows} rows, "
-                  f"{result.tokens_per_s:.0f} tokens/s ({result.engine}, {result.world_size} rank(s)); final {result.final}")
+    console.print(
+        f"Saved {result.out_dir}: {result.steps} steps on {result.rows_used}/{result.rows} rows, "
+        f"{result.tokens_per_s:.0f} tokens/s ({result.engine}, {result.world_size} rank(s)); final {result.final}"
+    )

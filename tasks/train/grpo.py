@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import statistics
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -50,25 +50,46 @@ def grpo_snapshot(from_dir: str | Path, samples: Sequence[dict], params: Params,
     rows, kept_groups, rewards_all = [], 0, []
     for n, sample in enumerate(tqdm(samples, desc=f"grpo: {g} samples per prompt", unit="prompt")):
         prompt = build_prompt(sample["prefix"], sample["suffix"])
-        gens = generate(model, tokenizer, [prompt] * g, params.serving.max_tokens,
-                        temperature=params.serving.temperature, top_p=params.serving.top_p,
-                        seed=params.train.seed * 1_000_003 + n)
+        gens = generate(
+            model,
+            tokenizer,
+            [prompt] * g,
+            params.serving.max_tokens,
+            temperature=params.serving.temperature,
+            top_p=params.serving.top_p,
+            seed=params.train.seed * 1_000_003 + n,
+        )
         scored = [score(gen.text, sample["middle"], params) for gen in gens]
         rewards = [r for _, r in scored]
         rewards_all.extend(rewards)
         if len(set(rewards)) < 2:
             continue
         kept_groups += 1
-        for gen, (outcome, reward), adv in zip(gens, scored, group_advantages(rewards)):
-            rows.append({
-                "completion_id": uuid.uuid4().hex, "created_at": 0.0, "user_id": "grpo", "arm": "grpo",
-                "model_version": str(from_dir), "prompt": prompt, "completion": gen.text,
-                "token_ids": gen.token_ids, "logprobs": gen.logprobs,
-                "temperature": params.serving.temperature, "outcome": outcome, "accepted_chars": None,
-                "reward": reward, "advantage": adv,
-            })
+        for gen, (outcome, reward), adv in zip(gens, scored, group_advantages(rewards), strict=True):
+            rows.append(
+                {
+                    "completion_id": uuid.uuid4().hex,
+                    "created_at": 0.0,
+                    "user_id": "grpo",
+                    "arm": "grpo",
+                    "model_version": str(from_dir),
+                    "prompt": prompt,
+                    "completion": gen.text,
+                    "token_ids": gen.token_ids,
+                    "logprobs": gen.logprobs,
+                    "temperature": params.serving.temperature,
+                    "outcome": outcome,
+                    "accepted_chars": None,
+                    "reward": reward,
+                    "advantage": adv,
+                }
+            )
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows, schema=REWARDED_SCHEMA), out_path)
-    return {"prompts": len(samples), "groups_kept": kept_groups, "rows": len(rows),
-            "mean_reward": statistics.fmean(rewards_all) if rewards_all else 0.0}
+    return {
+        "prompts": len(samples),
+        "groups_kept": kept_groups,
+        "rows": len(rows),
+        "mean_reward": statistics.fmean(rewards_all) if rewards_all else 0.0,
+    }

@@ -40,8 +40,9 @@ def read_result(out_dir: str | Path) -> TrainResult:
     return TrainResult(**json.loads((Path(out_dir) / RESULT_FILE).read_text()))
 
 
-def launch_train(snapshot: str | Path, from_dir: str | Path, out_dir: str | Path, params: Params,
-                 mlflow_run_id: str | None = None) -> TrainResult:
+def launch_train(
+    snapshot: str | Path, from_dir: str | Path, out_dir: str | Path, params: Params, mlflow_run_id: str | None = None
+) -> TrainResult:
     """Train from_dir on snapshot into out_dir (an HF checkpoint); per-step metrics go to mlflow_run_id
     (default: the active MLflow run, if any). Raises TrainingDiverged / SnapshotError / TrainError."""
     snapshot, from_dir, out = Path(snapshot), Path(from_dir), Path(out_dir)
@@ -67,8 +68,16 @@ def launch_train(snapshot: str | Path, from_dir: str | Path, out_dir: str | Path
     with tempfile.TemporaryDirectory(prefix="tabrl-train-") as tmp:
         resolved = Path(tmp) / "params.yaml"
         resolved.write_text(yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False))
-        job = ["--snapshot", str(snapshot.resolve()), "--from", str(from_dir.resolve()), "--out", str(out.resolve()),
-               "--resolved-params", str(resolved)]
+        job = [
+            "--snapshot",
+            str(snapshot.resolve()),
+            "--from",
+            str(from_dir.resolve()),
+            "--out",
+            str(out.resolve()),
+            "--resolved-params",
+            str(resolved),
+        ]
         if mlflow_run_id:
             job += ["--mlflow-run-id", mlflow_run_id]
         _run(launcher_command(tp.nproc, gpus) + job)
@@ -80,8 +89,19 @@ def launcher_command(nproc: int, gpus: bool) -> list[str]:
     port = str(free_port())
     if gpus:
         return ["deepspeed", "--num_gpus", str(nproc), "--master_port", port, "--module", "tasks.train.ppo"]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-            "--master_port", port, "-m", "tasks.train.ppo"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        port,
+        "-m",
+        "tasks.train.ppo",
+    ]
 
 
 def _run(cmd: list[str]) -> None:

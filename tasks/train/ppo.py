@@ -38,9 +38,9 @@ import random
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import pyarrow.parquet as pq
 import torch
@@ -52,8 +52,17 @@ from tasks.config import Params, TrainParams, load_params
 from tasks.generate import encode_prompt, prompt_limit
 from tasks.train.loss import ppo_loss
 
-METRICS = ("train/loss", "train/clipfrac", "train/approx_kl", "train/entropy", "train/grad_norm", "train/lr",
-           "train/is_weight", "train/ratio_max", "train/tokens")
+METRICS = (
+    "train/loss",
+    "train/clipfrac",
+    "train/approx_kl",
+    "train/entropy",
+    "train/grad_norm",
+    "train/lr",
+    "train/is_weight",
+    "train/ratio_max",
+    "train/tokens",
+)
 """Per-step metric names logged to MLflow (one list, namespaced)."""
 
 RESULT_FILE = "train_result.json"
@@ -130,8 +139,15 @@ def build_examples(rows: Sequence[dict], tokenizer, limit: int, max_len: int) ->
         if len(ids) > max_len:
             raise SnapshotError(f"row {i}: {len(ids)} tokens exceed the model's {max_len} positions")
         temperature = row["temperature"] if row["temperature"] and row["temperature"] > 0 else 1.0
-        examples.append(Example(ids, len(prompt), float(row["advantage"]), float(temperature),
-                                None if behaviour is None else [float(x) for x in behaviour]))
+        examples.append(
+            Example(
+                ids,
+                len(prompt),
+                float(row["advantage"]),
+                float(temperature),
+                None if behaviour is None else [float(x) for x in behaviour],
+            )
+        )
     return examples
 
 
@@ -152,7 +168,7 @@ class Packed:
     example_idx: list[int]  # in the order their tokens appear in targets
     n_tokens: int  # real tokens, padding excluded
 
-    def to(self, device) -> "Packed":
+    def to(self, device) -> Packed:
         for name in ("input_ids", "position_ids", "gather_idx", "targets", "inv_temp"):
             setattr(self, name, getattr(self, name).to(device))
         return self
@@ -179,11 +195,11 @@ def pack(examples: Sequence[Example], idx: Sequence[int], one_row: bool = False,
         for i in members:
             ex = examples[i]
             n = len(ex.input_ids)
-            ids[r, col:col + n] = torch.tensor(ex.input_ids)
-            pos[r, col:col + n] = torch.arange(n)
+            ids[r, col : col + n] = torch.tensor(ex.input_ids)
+            pos[r, col : col + n] = torch.arange(n)
             # the hidden state at position t predicts token t + 1
             gather.extend(range(r * width + col + ex.n_prompt - 1, r * width + col + n - 1))
-            targets.extend(ex.input_ids[ex.n_prompt:])
+            targets.extend(ex.input_ids[ex.n_prompt :])
             inv_temp.extend([1.0 / ex.temperature] * ex.n_completion)
             order.append(i)
             col += n
@@ -240,8 +256,11 @@ def plan_epoch(examples: Sequence[Example], tp: TrainParams, epoch: int, rank: i
     per_step = tp.micro_batch * tp.grad_accum * world
     plans = []
     for start in range(0, len(order), per_step):
-        rows = order[start:start + per_step]
-        per_rank = [split_micro(r, examples, tp.micro_batch, tp.max_tokens_per_micro_batch) for r in shard(rows, examples, world)]
+        rows = order[start : start + per_step]
+        per_rank = [
+            split_micro(r, examples, tp.micro_batch, tp.max_tokens_per_micro_batch)
+            for r in shard(rows, examples, world)
+        ]
         n_micro = max(len(m) for m in per_rank)
         mine = per_rank[rank] + [[] for _ in range(n_micro - len(per_rank[rank]))]
         plans.append(StepPlan(mine, sum(examples[i].n_completion for i in rows)))
@@ -261,11 +280,15 @@ class CompletionPolicy(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, gather_idx: torch.Tensor) -> torch.Tensor:
         # attention_mask=None + restarting position_ids: transformers builds the block-diagonal
         # (packed) causal mask for sdpa/eager and uses varlen kernels for flash-attention.
-        hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state  # (R, W, H)
+        hidden = self.lm.model(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False
+        ).last_hidden_state  # (R, W, H)
         return self.lm.lm_head(hidden.flatten(0, 1)[gather_idx])  # (N, V)
 
 
-def token_logp(logits: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logp(
+    logits: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(target) and entropy at the sampling temperature, in fp32."""
     logz = F.log_softmax(logits.float() * inv_temp[:, None], dim=-1)  # (N, V)
     logp = logz.gather(-1, targets[:, None]).squeeze(-1)  # (N,)
@@ -293,7 +316,9 @@ class TorchEngine:
     def __init__(self, policy: CompletionPolicy, tp: TrainParams, world: int, device: torch.device):
         self.policy = policy.to(device)
         self.module = torch.nn.parallel.DistributedDataParallel(self.policy) if world > 1 else self.policy
-        self.opt = torch.optim.AdamW(self.policy.parameters(), lr=tp.lr, betas=(0.9, 0.95), weight_decay=tp.weight_decay)
+        self.opt = torch.optim.AdamW(
+            self.policy.parameters(), lr=tp.lr, betas=(0.9, 0.95), weight_decay=tp.weight_decay
+        )
         self.tp = tp
 
     def micro_step(self, boundary: bool):
@@ -394,13 +419,15 @@ def _all_gather_lists(local: dict[int, list[float]], world: int) -> dict[int, li
 def _dummy(examples: Sequence[Example]) -> Packed:
     """Two tokens, one gathered position: a forward/backward with zero loss for a rank with no rows left."""
     ids = examples[0].input_ids[:2]
-    return Packed(torch.tensor([ids]), torch.tensor([[0, 1]]), torch.tensor([0]), torch.tensor([ids[1]]),
-                  torch.ones(1), [], 0)
+    return Packed(
+        torch.tensor([ids]), torch.tensor([[0, 1]]), torch.tensor([0]), torch.tensor([ids[1]]), torch.ones(1), [], 0
+    )
 
 
 @torch.no_grad()
-def prox_logps(engine, examples: Sequence[Example], make_batch, tp: TrainParams, rank: int, world: int,
-               device) -> dict[int, list[float]]:
+def prox_logps(
+    engine, examples: Sequence[Example], make_batch, tp: TrainParams, rank: int, world: int, device
+) -> dict[int, list[float]]:
     """log pi_prox of every completion token with the starting weights, through the training engine."""
     engine.module.eval()
     plan = plan_epoch(examples, tp.model_copy(update={"grad_accum": 1 << 20}), epoch=-1, rank=rank, world=world)
@@ -413,7 +440,7 @@ def prox_logps(engine, examples: Sequence[Example], make_batch, tp: TrainParams,
             cursor = 0
             for i in batch.example_idx:
                 n = examples[i].n_completion
-                local[i] = logp[cursor:cursor + n].tolist()
+                local[i] = logp[cursor : cursor + n].tolist()
                 cursor += n
     engine.module.train()
     return _all_gather_lists(local, world)
@@ -434,8 +461,9 @@ def _tmp_dir(out: Path) -> Path:
     return out.with_name(f".{out.name}.tmp")
 
 
-def train(snapshot: str | Path, from_dir: str | Path, out_dir: str | Path, params: Params,
-          mlflow_run_id: str | None = None) -> TrainResult:
+def train(
+    snapshot: str | Path, from_dir: str | Path, out_dir: str | Path, params: Params, mlflow_run_id: str | None = None
+) -> TrainResult:
     """Run the job on this process (rank/world from the environment when launched by torchrun/deepspeed)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -459,9 +487,13 @@ def train(snapshot: str | Path, from_dir: str | Path, out_dir: str | Path, param
 
     tokenizer = AutoTokenizer.from_pretrained(from_dir, local_files_only=True)
     attn = "flash_attention_2" if device.type == "cuda" and _has_flash_attn() else "sdpa"
-    lm = AutoModelForCausalLM.from_pretrained(from_dir, local_files_only=True, dtype=torch.float32, attn_implementation=attn)
+    lm = AutoModelForCausalLM.from_pretrained(
+        from_dir, local_files_only=True, dtype=torch.float32, attn_implementation=attn
+    )
     rows = read_snapshot(snapshot)
-    examples = build_examples(rows, tokenizer, prompt_limit(lm, params.serving.max_tokens), lm.config.max_position_embeddings)
+    examples = build_examples(
+        rows, tokenizer, prompt_limit(lm, params.serving.max_tokens), lm.config.max_position_embeddings
+    )
     if not examples:
         raise SnapshotError(f"snapshot {snapshot}: none of its {len(rows)} rows has completion tokens to train on")
     engine = engine_cls(CompletionPolicy(lm), tp, world, device)
@@ -474,15 +506,20 @@ def train(snapshot: str | Path, from_dir: str | Path, out_dir: str | Path, param
     plans = [plan_epoch(examples, tp, epoch, rank, world) for epoch in range(tp.epochs)]
     total_steps = sum(len(p) for p in plans)
     client = _mlflow_client(mlflow_run_id) if rank == 0 else None
-    bar = tqdm(total=total_steps, desc=f"train ({engine.name}, {world} rank{'s' if world > 1 else ''})", unit="step",
-               disable=rank != 0)
+    bar = tqdm(
+        total=total_steps,
+        desc=f"train ({engine.name}, {world} rank{'s' if world > 1 else ''})",
+        unit="step",
+        disable=rank != 0,
+    )
     tokens_seen, step, final, stopped_early = 0, 0, {}, ""
     loop_started = time.time()
     for epoch_plan in plans:
         if stopped_early:
             break
         for plan in epoch_plan:
-            # per-rank sums: loss, approx-KL*tokens, clipfrac*tokens, entropy*tokens, is_weight*tokens, tokens, non-finite
+            # per-rank sums: loss, approx-KL*tokens, clipfrac*tokens, entropy*tokens, is_weight*tokens, tokens,
+            # non-finite
             sums = [0.0] * 7
             ratio_max = 0.0
             for k, idx in enumerate(plan.micro):
@@ -494,10 +531,19 @@ def train(snapshot: str | Path, from_dir: str | Path, out_dir: str | Path, param
                     if idx:
                         old, weight, adv = _token_inputs(examples, batch.example_idx, prox, tp.is_cap, device)
                         # DDP/DeepSpeed average gradients over ranks, so each rank divides by step_tokens / world
-                        loss, stats = ppo_loss(logp, old, adv, torch.ones_like(logp), clip_low=tp.clip_low,
-                                               clip_high=tp.clip_high, is_weight=weight, entropy=entropy,
-                                               ref_logp=old, kl_beta=tp.kl_beta,  # reference = the starting weights
-                                               num_tokens=plan.step_tokens / world)
+                        loss, stats = ppo_loss(
+                            logp,
+                            old,
+                            adv,
+                            torch.ones_like(logp),
+                            clip_low=tp.clip_low,
+                            clip_high=tp.clip_high,
+                            is_weight=weight,
+                            entropy=entropy,
+                            ref_logp=old,
+                            kl_beta=tp.kl_beta,  # reference = the starting weights
+                            num_tokens=plan.step_tokens / world,
+                        )
                     else:
                         loss, stats = logp.sum() * 0.0, {"tokens": 0.0}
                     engine.backward(loss)
@@ -518,19 +564,31 @@ def train(snapshot: str | Path, from_dir: str | Path, out_dir: str | Path, param
             if g[6] > 0 or not math.isfinite(g[0]):
                 raise TrainingDiverged(f"non-finite loss at step {step} (loss {g[0]}); no checkpoint written")
             if kl > tp.max_approx_kl:
-                raise TrainingDiverged(f"approx-KL {kl:.4g} at step {step} exceeds train.max_approx_kl="
-                                       f"{tp.max_approx_kl}; lower train.lr or raise the limit; no checkpoint written")
+                raise TrainingDiverged(
+                    f"approx-KL {kl:.4g} at step {step} exceeds train.max_approx_kl="
+                    f"{tp.max_approx_kl}; lower train.lr or raise the limit; no checkpoint written"
+                )
             if kl > tp.target_kl:  # PPO's early stop: this step would leave the trust region; keep the weights so far
-                stopped_early = (f"approx-KL {kl:.4g} at step {step} of {total_steps} exceeds train.target_kl="
-                                 f"{tp.target_kl}; the update stopped there")
+                stopped_early = (
+                    f"approx-KL {kl:.4g} at step {step} of {total_steps} exceeds train.target_kl="
+                    f"{tp.target_kl}; the update stopped there"
+                )
                 break
             lr = lr_at(step, total_steps, tp)
             grad_norm = engine.step(lr)
             if not math.isfinite(grad_norm):
                 raise TrainingDiverged(f"non-finite gradient norm at step {step}; no checkpoint written")
-            final = {"train/loss": g[0], "train/clipfrac": g[2] / max(g[5], 1.0), "train/approx_kl": kl,
-                     "train/entropy": g[3] / max(g[5], 1.0), "train/grad_norm": grad_norm, "train/lr": lr,
-                     "train/is_weight": g[4] / max(g[5], 1.0), "train/ratio_max": ratio_max, "train/tokens": g[5]}
+            final = {
+                "train/loss": g[0],
+                "train/clipfrac": g[2] / max(g[5], 1.0),
+                "train/approx_kl": kl,
+                "train/entropy": g[3] / max(g[5], 1.0),
+                "train/grad_norm": grad_norm,
+                "train/lr": lr,
+                "train/is_weight": g[4] / max(g[5], 1.0),
+                "train/ratio_max": ratio_max,
+                "train/tokens": g[5],
+            }
             if client is not None:
                 client(final, step)
             bar.update(1)
@@ -544,10 +602,19 @@ def train(snapshot: str | Path, from_dir: str | Path, out_dir: str | Path, param
     loop_seconds = max(time.time() - loop_started, 1e-9)
     state = engine.fp32_state_dict()
     result = TrainResult(
-        out_dir=str(out), algorithm=tp.algorithm, engine=engine.name, world_size=world, rows=len(rows),
-        rows_used=len(examples), completion_tokens=sum(e.n_completion for e in examples), steps=step,
-        seconds=round(seconds, 2), tokens_per_s=round(tokens_all / loop_seconds, 1), final=final,
-        inputs_sha256=inputs_digest(snapshot, from_dir, params), stopped_early=stopped_early,
+        out_dir=str(out),
+        algorithm=tp.algorithm,
+        engine=engine.name,
+        world_size=world,
+        rows=len(rows),
+        rows_used=len(examples),
+        completion_tokens=sum(e.n_completion for e in examples),
+        steps=step,
+        seconds=round(seconds, 2),
+        tokens_per_s=round(tokens_all / loop_seconds, 1),
+        final=final,
+        inputs_sha256=inputs_digest(snapshot, from_dir, params),
+        stopped_early=stopped_early,
     )
     if rank == 0:
         save_checkpoint(lm, tokenizer, state, out, result)
