@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from tasks.cli import DEFAULT_PARAMS_FILE, ParamsOpt, SetOpt, console, params_or_exit
+from tasks.config import DEFAULT_PARAMS_FILE
+from tasks.console import ParamsOpt, SetOpt, console, params_or_exit
 
 
 def cycle_cmd(

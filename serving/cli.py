@@ -11,24 +11,16 @@ import typer
 from rich.table import Table
 
 from tasks.config import DEFAULT_PARAMS_FILE
-from tasks.console import console, print_table
-
-# Typer options are declared here (not imported from tasks.cli) so that tasks/cli.py can import this module.
-ParamsOpt = Annotated[Path, typer.Option("--params", help="params.yaml to read.")]
-SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override one key: section.key=value (repeatable).")]
+from tasks.console import ParamsOpt, SetOpt, console, fail, params_or_exit, print_table
 
 keys_app = typer.Typer(help="API keys and the opt-in cohort.", no_args_is_help=True)
 
 
 def _params(path: Path, overrides: list[str] | None):
-    from tasks.cli import params_or_exit
-
     return params_or_exit(path, overrides)
 
 
 def _fail(message: str, code: int = 2) -> None:
-    from tasks.cli import fail
-
     fail(message, code)
 
 

@@ -1,20 +1,11 @@
 """`tabrl promote`, `tabrl rollback`, `tabrl ab-status`: end or inspect the A/B test by hand.
 
-Registered in tasks/cli.py (import `tasks.cli`, not this module, to get the commands)."""
+Registered in tasks/cli.py."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated
-
-import typer
-
 from tasks.config import DEFAULT_PARAMS_FILE
-
-# Declared here, not imported from tasks.cli: `python -m tasks.cli` imports this module while tasks.cli
-# is still `__main__`, and importing tasks.cli from here then was circular (the serve test's subprocess).
-ParamsOpt = Annotated[Path, typer.Option("--params", help="params.yaml to read.")]
-SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override one key: section.key=value (repeatable).")]
+from tasks.console import ParamsOpt, SetOpt, console, fail, params_or_exit, print_table
 
 
 def promote_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -> None:
@@ -32,7 +23,6 @@ def ab_status_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) 
     from rich.table import Table
 
     from serving.store import make_engine
-    from tasks.cli import console, params_or_exit, print_table
     from tasks.deploy.ab import arm_stats, decide
     from tasks.deploy.registry import CHALLENGER, CHAMPION
 
@@ -63,7 +53,6 @@ def ab_status_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) 
 
 def _change(action: str, params, set_) -> None:
     from serving.store import ArmError, make_engine
-    from tasks.cli import console, fail, params_or_exit
     from tasks.deploy.promote import NoChallengerError, promote, rollback
     from tasks.deploy.registry import DeployError
 

@@ -1,4 +1,5 @@
-"""`tabrl evaluate`: one model's held-out metrics, or candidate vs champion side by side with the gate."""
+"""`tabrl evaluate` (one model's held-out metrics, or candidate vs champion with the gate), `tabrl acceptance`
+and `tabrl headroom` (one model on held-out editor traffic)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import typer
 from rich.table import Table
 
 from tasks.config import DEFAULT_PARAMS_FILE
+from tasks.console import ParamsOpt, RegionsOpt, SetOpt, console, fail, params_or_exit, print_table
 
 ModelOpt = Annotated[Path, typer.Option("--model", help="Model directory to evaluate (the candidate).")]
 AgainstOpt = Annotated[Path | None, typer.Option("--against", help="Champion model directory to compare with.")]
 TestOpt = Annotated[Path, typer.Option("--test", help="Held-out FIM samples.")]
-RegionsOpt = Annotated[Path, typer.Option("--regions", help="Held-out regions simulated users type (editor traffic).")]
 JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write metrics (and the gate) here.")]
 
 
@@ -28,12 +29,11 @@ def evaluate_cmd(
     test: TestOpt = Path("data/fim/test.parquet"),
     regions: RegionsOpt = Path("data/fim/typing_test.parquet"),
     json_out: JsonOpt = None,
-    params: Annotated[Path, typer.Option("--params", help="params.yaml to read.")] = DEFAULT_PARAMS_FILE,
-    set_: Annotated[list[str] | None, typer.Option("--set", help="Override one key: section.key=value.")] = None,
+    params: ParamsOpt = DEFAULT_PARAMS_FILE,
+    set_: SetOpt = None,
 ) -> None:
     """Score a model on held-out editor traffic (simulated users typing test files) and FIM samples
     (judge, reference metrics); with --against, compare it with the champion and print the gate decision."""
-    from tasks.cli import console, fail, params_or_exit, print_table
     from tasks.editor import read_regions
     from tasks.evaluate.evaluate import METRICS, compare, evaluate_model
     from tasks.evaluate.judge import JudgeError
@@ -81,3 +81,104 @@ def evaluate_cmd(
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def acceptance_cmd(
+    model: Annotated[Path | None, typer.Option(help="Model directory (default: model.base_dir).")] = None,
+    regions: RegionsOpt = Path("data/fim/typing_test.parquet"),
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the numbers here.")] = None,
+    params: ParamsOpt = DEFAULT_PARAMS_FILE,
+    set_: SetOpt = None,
+) -> None:
+    """Held-out simulated acceptance of a model: simulated users type held-out files (greedy, in process).
+
+    Prints suggestion rate, accept/shown (persona noise included), right/shown without noise, and
+    characters saved, each with a 95 % bootstrap interval over typing sessions."""
+    from tasks.acceptance import noise_floor, typing_acceptance
+    from tasks.editor import read_regions
+    from tasks.generate import ModelLoadError
+    from tasks.intervals import interval, metric_fns
+
+    p = params_or_exit(params, set_)
+    try:
+        run = typing_acceptance(model or Path(p.model.base_dir), read_regions(regions), p)
+    except (FileNotFoundError, ModelLoadError) as err:
+        fail(str(err), 2)
+    fns = metric_fns(p.reward)
+    names = ("suggest_rate", "accept_rate", "right_rate", "chars_saved", "reward_per_request")
+    cis = {name: interval([run.sessions], fns[name]) for name in names}
+    table = Table(
+        title=f"Held-out editor traffic: {model or p.model.base_dir} "
+        f"({run.summary.requests} requests, {len(run.sessions)} typing sessions)"
+    )
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_column("95 % interval", justify="right")
+    for name, ci in cis.items():
+        table.add_row(name, f"{ci.value:.4f}", f"[{ci.low:.4f}, {ci.high:.4f}]")
+    print_table(table)
+    floor = noise_floor(p.simulator)
+    console.print(
+        f"noise floor: a never-right model gets accept/shown {floor:.4f} from persona noise alone", highlight=False
+    )
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(
+            json.dumps(
+                {
+                    **run.summary.as_dict(),
+                    "noise_floor": floor,
+                    "sessions": len(run.sessions),
+                    "intervals": {k: [v.low, v.high] for k, v in cis.items()},
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+
+
+def headroom_cmd(
+    model: Annotated[Path | None, typer.Option(help="Model directory (default: model.base_dir).")] = None,
+    regions: RegionsOpt = Path("data/fim/typing_test.parquet"),
+    requests: Annotated[
+        int, typer.Option(help="Held-out requests (every pause of the regions, no Tab taken).", min=1)
+    ] = 300,
+    k: Annotated[int, typer.Option(help="Samples per request for pass@k.", min=1)] = 8,
+    min_chars: Annotated[
+        int, typer.Option(help="K of the noise-free rule: non-blank characters a right suggestion covers.", min=1)
+    ] = 4,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the numbers here.")] = None,
+    params: ParamsOpt = DEFAULT_PARAMS_FILE,
+    set_: SetOpt = None,
+) -> None:
+    """What a checkpoint could earn: right rate greedy and at the serving temperature, pass@k, noise floor."""
+    from tasks.acceptance import headroom
+    from tasks.editor import read_regions
+    from tasks.generate import ModelLoadError
+
+    p = params_or_exit(params, set_)
+    try:
+        h = headroom(
+            model or Path(p.model.base_dir), read_regions(regions), p, requests, k=k, min_accept_chars=min_chars
+        )
+    except (FileNotFoundError, ModelLoadError, ValueError) as err:
+        fail(str(err), 2)
+    table = Table(
+        title=f"Headroom on held-out editor traffic: {model or p.model.base_dir} "
+        f"({h.requests} requests, K={h.min_accept_chars})"
+    )
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for label, value in (
+        ("suggestion rate (greedy)", h.greedy_shown),
+        ("right per request, greedy (pass@1)", h.greedy_right),
+        ("right per shown suggestion, greedy", h.greedy_right_per_shown),
+        (f"right per request, sampled at T={h.temperature}", h.sampled_right),
+        (f"right in at least one of {h.k} samples (pass@{h.k})", h.pass_at_k),
+        ("noise floor (accept/shown of a never-right model)", h.noise_floor),
+    ):
+        table.add_row(label, f"{value:.4f}")
+    print_table(table)
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(h.as_dict(), indent=2) + "\n")

@@ -1,4 +1,4 @@
-"""`tabrl ingest`: one ingest cycle from the command line (registered in tasks/cli.py)."""
+"""`tabrl corpus`, `tabrl data` (offline data preparation) and `tabrl ingest` (one ingest cycle)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,7 @@ import typer
 from rich.table import Table
 
 from tasks.config import DEFAULT_PARAMS_FILE
-
-# The same options as tasks/cli.py's ParamsOpt/SetOpt; importing them from there at import time
-# would be circular when tasks/cli.py runs as `python -m tasks.cli`.
-ParamsOpt = Annotated[Path, typer.Option("--params", help="params.yaml to read.")]
-SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override one key: section.key=value (repeatable).")]
+from tasks.console import CorpusOpt, ParamsOpt, SetOpt, console, fail, params_or_exit, print_table
 
 
 def ingest_cmd(
@@ -27,7 +23,6 @@ def ingest_cmd(
 ) -> None:
     """Pull the log store since the watermark, clean, write a DVC-versioned Parquet snapshot, advance the watermark."""
     from serving.store import init_schema, make_engine
-    from tasks.cli import console, fail, params_or_exit, print_table
     from tasks.ingest.snapshot import IngestError, run_ingest
 
     p = params_or_exit(params, set_)
@@ -62,3 +57,40 @@ def ingest_cmd(
         return
     console.print(f"snapshot: {result.snapshot} ({result.rows} rows, sha256 {result.sha256})", highlight=False)
     console.print(f"dvc: {result.dvc}; watermark: {result.watermark}", highlight=False)
+
+
+def corpus_cmd(
+    out: Annotated[Path, typer.Option(help="Directory for files.parquet.")] = Path("data/corpus"),
+    params: ParamsOpt = DEFAULT_PARAMS_FILE,
+    set_: SetOpt = None,
+) -> None:
+    """Collect the code corpus (stdlib, a directory or a FIM data set) and split it train/test by file."""
+    from tasks.ingest.corpus import CorpusError, resolve_source, write_corpus
+
+    p = params_or_exit(params, set_)
+    console.print(f"Reading code from {resolve_source(p.data)} ...")
+    try:
+        stats = write_corpus(p.data, out)
+    except CorpusError as err:
+        fail(str(err), 2)
+    console.print(f"Wrote {out}/files.parquet: {stats}")
+
+
+def data_cmd(
+    corpus: CorpusOpt = Path("data/corpus/files.parquet"),
+    out: Annotated[Path, typer.Option(help="Directory for train.parquet and test.parquet.")] = Path("data/fim"),
+    params: ParamsOpt = DEFAULT_PARAMS_FILE,
+    set_: SetOpt = None,
+) -> None:
+    """FIM spans (rest of line, a line, a few lines) and the regions simulated users type (editor traffic)."""
+    from tasks.ingest.corpus import CorpusError, read_corpus, write_fim
+
+    p = params_or_exit(params, set_)
+    try:
+        stats = write_fim(p.data, p.fim, p.traffic, read_corpus(corpus), out)
+    except CorpusError as err:
+        fail(str(err), 2)
+    console.print(
+        f"Wrote {out}/train.parquet, test.parquet (FIM spans) and typing_train.parquet, "
+        f"typing_test.parquet (editor-traffic regions): {stats}"
+    )

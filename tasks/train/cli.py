@@ -1,4 +1,4 @@
-"""`tabrl train`: one PPO (or offline GRPO) update of a checkpoint, on CPU or GPUs."""
+"""`tabrl build-base` (the tabrl-tiny base) and `tabrl train` (one PPO or offline GRPO update, CPU or GPUs)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 import typer
 
 from tasks.config import DEFAULT_PARAMS_FILE
+from tasks.console import CorpusOpt, ParamsOpt, SetOpt, console, fail, params_or_exit
 
 
 def train_cmd(
@@ -16,13 +17,10 @@ def train_cmd(
     snapshot: Annotated[Path | None, typer.Option(help="Reward-labelled snapshot Parquet (algorithm ppo).")] = None,
     algorithm: Annotated[str | None, typer.Option(help="ppo | grpo (default: train.algorithm).")] = None,
     fim: Annotated[Path, typer.Option(help="FIM train samples (algorithm grpo).")] = Path("data/fim/train.parquet"),
-    params: Annotated[Path, typer.Option("--params", help="params.yaml to read.")] = DEFAULT_PARAMS_FILE,
-    set_: Annotated[
-        list[str] | None, typer.Option("--set", help="Override one key: section.key=value (repeatable).")
-    ] = None,
+    params: ParamsOpt = DEFAULT_PARAMS_FILE,
+    set_: SetOpt = None,
 ) -> None:
     """Critic-free PPO on a rewarded snapshot (or offline GRPO on FIM prompts) -> an HF checkpoint."""
-    from tasks.cli import console, fail, params_or_exit
     from tasks.generate import ModelLoadError
     from tasks.ingest.corpus import CorpusError, read_samples
     from tasks.train.grpo import grpo_snapshot
@@ -48,3 +46,33 @@ def train_cmd(
         f"Saved {result.out_dir}: {result.steps} steps on {result.rows_used}/{result.rows} rows, "
         f"{result.tokens_per_s:.0f} tokens/s ({result.engine}, {result.world_size} rank(s)); final {result.final}"
     )
+
+
+def build_base_cmd(
+    corpus: CorpusOpt = Path("data/corpus/files.parquet"),
+    out: Annotated[Path | None, typer.Option(help="Checkpoint directory (default: model.base_dir).")] = None,
+    snapshots: Annotated[
+        bool,
+        typer.Option(
+            help="Keep a loadable model at every checkpoint (OUT.partial/step-N), for the right-rate-vs-steps curve."
+        ),
+    ] = False,
+    params: ParamsOpt = DEFAULT_PARAMS_FILE,
+    set_: SetOpt = None,
+) -> None:
+    """Build tabrl-tiny: BPE tokenizer + small Qwen2, FIM pre-trained on the train files.
+
+    Resumable: an interrupted build started again with the same params continues from its last
+    checkpoint (OUT.partial/, every model.checkpoint_every steps)."""
+    from tasks.ingest.corpus import CorpusError, read_corpus
+    from tasks.train.base import build_base
+
+    p = params_or_exit(params, set_)
+    target = out or Path(p.model.base_dir)
+    try:
+        train_files = read_corpus(corpus)["train"]
+    except CorpusError as err:
+        fail(str(err), 2)
+    console.print(f"Building tabrl-tiny from {len(train_files)} train files into {target} ...")
+    stats = build_base(train_files, p.model, p.fim, p.traffic, target, snapshots=snapshots)
+    console.print(f"Saved {target}: {stats}")
