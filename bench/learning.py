@@ -223,8 +223,10 @@ def main(argv: list[str] | None = None) -> int:
 def product_reward(entry: dict, reward) -> float:
     """Reward per request under params.yaml's (Cursor) rewards, whatever rewards the setting trained on
     (rlinf's evaluation reports its own 1 / 0 units): from the suggestion and per-shown accept rates."""
+    from tasks.outcomes import total_reward
+
     shown, accepted = entry["suggest_rate"], entry["suggest_rate"] * entry["accept_rate"]
-    return accepted * reward.accepted + (shown - accepted) * reward.rejected + (1 - shown) * reward.abstained
+    return total_reward(1.0, shown, accepted, reward)  # rates: one request's worth
 
 
 def run_key(params, args) -> str:

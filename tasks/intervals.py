@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tasks.config import RewardParams
+from tasks.outcomes import total_reward
 
 REQ, SHOWN, ACC, RIGHT, SAVED, TYPED = range(6)
 Sessions = Sequence[Sequence[Sequence[int]]]  # per seed: per session: the six counts
@@ -32,9 +33,7 @@ def metric_fns(reward: RewardParams) -> dict[str, Callable[[np.ndarray], np.ndar
     """Metric name -> function of column sums (..., 6) -> value (...)."""
 
     def reward_per_request(t: np.ndarray) -> np.ndarray:
-        rejected, abstained = t[..., SHOWN] - t[..., ACC], t[..., REQ] - t[..., SHOWN]
-        total = t[..., ACC] * reward.accepted + rejected * reward.rejected + abstained * reward.abstained
-        return _ratio(total, t[..., REQ])
+        return _ratio(total_reward(t[..., REQ], t[..., SHOWN], t[..., ACC], reward), t[..., REQ])
 
     return {
         "suggest_rate": lambda t: _ratio(t[..., SHOWN], t[..., REQ]),

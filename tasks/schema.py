@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-OUTCOMES = ("accepted", "rejected", "abstained")
-
 CORPUS_SCHEMA = pa.schema([("path", pa.string()), ("split", pa.string()), ("text", pa.string())])
 
 FIM_SCHEMA = pa.schema(

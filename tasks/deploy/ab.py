@@ -48,6 +48,7 @@ from serving.store import arms as arms_table
 from serving.store import completions, feedback
 from tasks.config import Params, RewardParams
 from tasks.deploy.registry import CHALLENGER, CHAMPION
+from tasks.outcomes import total_reward, total_squared_reward
 
 Action = Literal["promote", "rollback", "continue"]
 
@@ -93,10 +94,9 @@ def stats_from_counts(
     """Rates and the reward mean/std of one arm from its outcome counts."""
     shown = accepted + rejected
     n = shown + abstained
-    total = accepted * reward.accepted + rejected * reward.rejected + abstained * reward.abstained
-    mean = total / n if n else 0.0
+    mean = total_reward(n, shown, accepted, reward) / n if n else 0.0
     if n > 1:
-        squares = accepted * reward.accepted**2 + rejected * reward.rejected**2 + abstained * reward.abstained**2
+        squares = total_squared_reward(n, shown, accepted, reward)
         std = math.sqrt(max(squares - n * mean * mean, 0.0) / (n - 1))
     else:
         std = 0.0

@@ -49,13 +49,13 @@ from prefect.cache_policies import NO_CACHE
 
 from serving.simulator import make_users, replay, summarise
 from tasks.acceptance import TypingRun, complete_samples, type_regions
-from tasks.config import Params, RewardParams
+from tasks.config import Params
 from tasks.editor import Region, TypingSummary
 from tasks.evaluate.gate import GateDecision, gate
 from tasks.evaluate.judge import JudgeRun, JudgeUnavailable, Verdict, judge
 from tasks.evaluate.reference import checks
 from tasks.generate import load_model
-from tasks.reward.reward import reward_per_request
+from tasks.outcomes import reward_of, reward_per_request
 
 METRICS = (
     "eval/judge_mean",
@@ -127,10 +127,6 @@ def suggest(model_dir: str | Path, samples: Sequence[dict], regions: Sequence[Re
     return Suggestions(str(model_dir), texts, elapsed_ms / max(len(samples), 1), typing)
 
 
-def outcome_reward(outcome: str, reward: RewardParams) -> float:
-    return {"accepted": reward.accepted, "rejected": reward.rejected, "abstained": reward.abstained}[outcome]
-
-
 def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
@@ -153,7 +149,7 @@ def score_suggestions(
                 "middle": sample["middle"],
                 "completion": text,
                 "outcome": outcome,
-                "reward": outcome_reward(outcome, params.reward),
+                "reward": reward_of(outcome, params.reward),
                 "judge_score": verdict.score if verdict else None,
                 "judge_note": verdict.note if verdict else "",
                 "exact": c.exact,

@@ -24,16 +24,10 @@ import pyarrow.parquet as pq
 
 from serving.simulator import Summary, summarise
 from tasks.config import RewardParams
-from tasks.schema import OUTCOMES, REWARDED_SCHEMA
+from tasks.outcomes import OUTCOMES, reward_of, reward_per_request
+from tasks.schema import REWARDED_SCHEMA
 
 STD_EPS = 1e-8  # keeps whitening finite; far below any reward spread that carries signal
-
-
-def reward_of(outcome: str, params: RewardParams) -> float:
-    """The reward of one outcome ("accepted" | "rejected" | "abstained")."""
-    if outcome not in OUTCOMES:
-        raise ValueError(f"outcome {outcome!r} is not one of {OUTCOMES}")
-    return float(getattr(params, outcome))
 
 
 def raw(rewards: np.ndarray) -> np.ndarray:
@@ -116,15 +110,6 @@ def _by_arm(table: pa.Table) -> dict[str, tuple[list[str], list[str]]]:
             groups[key][0].append(outcome)
             groups[key][1].append(completion)
     return groups
-
-
-def reward_per_request(s: Summary, params: RewardParams) -> float:
-    """Mean reward over requests: what the policy earns per completion request."""
-    if not s.requests:
-        return 0.0
-    rejected = s.shown - s.accepted
-    abstained = s.requests - s.shown
-    return (s.accepted * params.accepted + rejected * params.rejected + abstained * params.abstained) / s.requests
 
 
 def arm_summary(s: Summary, params: RewardParams) -> dict[str, float]:

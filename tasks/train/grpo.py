@@ -22,17 +22,15 @@ from serving.simulator import is_right
 from tasks.config import Params
 from tasks.fim import build_prompt
 from tasks.generate import generate, load_model
+from tasks.outcomes import reward_of
 from tasks.schema import REWARDED_SCHEMA
 
 
 def score(text: str, middle: str, params: Params) -> tuple[str, float]:
     """(outcome, reward) of one suggestion under the noise-free simulated user."""
-    if not text.strip():
-        return "abstained", params.reward.abstained
     k = max(params.simulator.personas, key=lambda p: p.weight).min_accept_chars
-    if is_right(text, middle, k):
-        return "accepted", params.reward.accepted
-    return "rejected", params.reward.rejected
+    outcome = "abstained" if not text.strip() else "accepted" if is_right(text, middle, k) else "rejected"
+    return outcome, reward_of(outcome, params.reward)
 
 
 def group_advantages(rewards: Sequence[float]) -> list[float]:
