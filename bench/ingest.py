@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from serving.store import completions, feedback, init_schema, make_engine, users  # noqa: E402
-from tasks.ingest.corpus import stdlib_root  # noqa: E402
+from tasks.corpus import stdlib_root  # noqa: E402
 
 COLUMNS = [
     "id",

@@ -87,9 +87,9 @@ def run_online(setting, seed, args, base: dict) -> tuple[list[dict], list]:
 
 def run_grpo(seed, args, base_dir, test, base: dict) -> tuple[list[dict], list]:
     from tasks.config import load_params
+    from tasks.corpus import read_samples
     from tasks.editor import read_regions, regions_path
     from tasks.evaluate.evaluate import compare
-    from tasks.ingest.corpus import read_samples
     from tasks.train.grpo import grpo_snapshot
     from tasks.train.launch import launch_train
     from tasks.train.ppo import TrainingDiverged
@@ -125,8 +125,8 @@ def corpus_data_dir(args) -> Path:
     import shutil
 
     from tasks.config import load_params
+    from tasks.corpus import iter_source_files, sample_spans, write_samples
     from tasks.editor import pick_regions, regions_path, write_regions
-    from tasks.ingest.corpus import iter_source_files, sample_spans, write_samples
 
     params = load_params(args.params, args.set)
     out = (args.out / "corpus-data").resolve()
@@ -166,9 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(ROOT)
 
     from tasks.config import load_params
+    from tasks.corpus import read_samples
     from tasks.editor import read_regions, regions_path
     from tasks.evaluate.evaluate import evaluate_model
-    from tasks.ingest.corpus import read_samples
 
     if args.corpus:
         args.set = [*args.set, f"paths.data_dir={corpus_data_dir(args)}"]

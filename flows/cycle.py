@@ -17,6 +17,7 @@ import mlflow
 from prefect import flow, get_run_logger
 
 from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
+from tasks.corpus import read_samples
 from tasks.deploy.registry import (
     CHALLENGER,
     ensure_champion,
@@ -28,7 +29,6 @@ from tasks.deploy.registry import (
 from tasks.deploy.rollout import rollout
 from tasks.editor import read_regions, regions_path
 from tasks.evaluate.evaluate import compare_task
-from tasks.ingest.corpus import read_samples
 from tasks.ingest.task import ingest_task
 from tasks.reward.task import reward_task
 from tasks.train.launch import train_task

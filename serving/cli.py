@@ -237,8 +237,8 @@ def simulate_cmd(
 
     from serving.auth import add_key
     from serving.simulate import SimulationError, run_simulation
-    from serving.simulator import make_users
     from tasks.editor import read_regions
+    from tasks.simulated_users import make_users
 
     p = _params(params, set_)
     try:

@@ -18,10 +18,10 @@ from collections.abc import Callable, Sequence
 
 import httpx
 
-from serving.simulator import SimUser
 from tasks.config import TrafficParams
 from tasks.editor import Region, Session, Turn, TypingSummary, summarise_turns
 from tasks.fim import build_prompt
+from tasks.simulated_users import SimUser
 
 
 class SimulationError(RuntimeError):

@@ -21,11 +21,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from serving.simulator import SimUser, Summary, is_right, make_users, replay, summarise
 from tasks.config import Params, SimulatorParams
 from tasks.editor import Region, Turn, TypingSummary, pause_requests, run_sessions, summarise_turns
 from tasks.fim import build_prompt
 from tasks.generate import generate, load_model
+from tasks.simulated_users import SimUser, Summary, is_right, make_users, replay, summarise
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from tasks.config import Params, load_params  # noqa: E402
-from tasks.ingest.corpus import SourceFile, sample_spans, split_files, stdlib_root  # noqa: E402
+from tasks.corpus import SourceFile, sample_spans, split_files, stdlib_root  # noqa: E402
 
 # CLI output must read the same at any terminal width (issue 13): every test runs in a narrow
 # terminal, the worst case, whatever the machine's COLUMNS; `COLUMNS=300 pytest` must pass too.

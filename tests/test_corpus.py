@@ -3,8 +3,7 @@ import json
 import pytest
 
 from tasks.config import load_params
-from tasks.fim import build_prompt
-from tasks.ingest.corpus import (
+from tasks.corpus import (
     CorpusError,
     build_fim,
     read_corpus,
@@ -14,6 +13,7 @@ from tasks.ingest.corpus import (
     write_corpus,
     write_fim,
 )
+from tasks.fim import build_prompt
 from tests.conftest import tiny_params
 
 

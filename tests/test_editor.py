@@ -2,7 +2,6 @@
 
 import pytest
 
-from serving.simulator import SimUser
 from tasks.config import Persona, load_params
 from tasks.editor import (
     Region,
@@ -17,6 +16,7 @@ from tasks.editor import (
     training_samples,
     write_regions,
 )
+from tasks.simulated_users import SimUser
 
 TRAFFIC = load_params(None, ["traffic.p_midword_pause=0"], environ={}).traffic
 FILE = "import os\n\ndef main(path):\n    value = os.path.join(path, 'x')\n    return value\n"

@@ -9,9 +9,9 @@ import pytest
 from typer.testing import CliRunner
 
 from tasks.cli import app
+from tasks.corpus import write_samples
 from tasks.editor import write_regions
 from tasks.evaluate.evaluate import METRICS, compare, evaluate_model
-from tasks.ingest.corpus import write_samples
 from tests.conftest import tiny_params
 from tests.test_evaluate_judge import KEY_ENV, FakeJudge
 

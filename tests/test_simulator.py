@@ -2,8 +2,8 @@ import random
 
 import pytest
 
-from serving.simulator import SimUser, is_right, make_users, normalise, replay, summarise
 from tasks.config import Persona, load_params
+from tasks.simulated_users import SimUser, is_right, make_users, normalise, replay, summarise
 
 MIDDLE = "self.assertEqual(result, expected)\n        return result"
 STRICT = Persona(name="strict", min_accept_chars=4)

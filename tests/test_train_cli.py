@@ -7,9 +7,9 @@ import pytest
 from typer.testing import CliRunner
 
 from tasks.cli import app
+from tasks.corpus import write_samples
 from tasks.fim import build_prompt
 from tasks.generate import generate, load_model
-from tasks.ingest.corpus import write_samples
 from tasks.train.grpo import group_advantages
 from tests.conftest import tiny_params
 

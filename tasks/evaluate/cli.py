@@ -34,11 +34,11 @@ def evaluate_cmd(
 ) -> None:
     """Score a model on held-out editor traffic (simulated users typing test files) and FIM samples
     (judge, reference metrics); with --against, compare it with the champion and print the gate decision."""
+    from tasks.corpus import CorpusError, read_samples
     from tasks.editor import read_regions
     from tasks.evaluate.evaluate import METRICS, compare, evaluate_model
     from tasks.evaluate.judge import JudgeError
     from tasks.generate import ModelLoadError
-    from tasks.ingest.corpus import CorpusError, read_samples
 
     p = params_or_exit(params, set_)
     try:

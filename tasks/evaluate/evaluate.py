@@ -47,7 +47,6 @@ import mlflow
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from serving.simulator import make_users, replay, summarise
 from tasks.acceptance import TypingRun, complete_samples, type_regions
 from tasks.config import Params
 from tasks.editor import Region, TypingSummary
@@ -56,6 +55,7 @@ from tasks.evaluate.judge import JudgeRun, JudgeUnavailable, Verdict, judge
 from tasks.evaluate.reference import checks
 from tasks.generate import load_model
 from tasks.outcomes import reward_of, reward_per_request
+from tasks.simulated_users import make_users, replay, summarise
 
 METRICS = (
     "eval/judge_mean",

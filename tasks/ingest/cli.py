@@ -65,7 +65,7 @@ def corpus_cmd(
     set_: SetOpt = None,
 ) -> None:
     """Collect the code corpus (stdlib, a directory or a FIM data set) and split it train/test by file."""
-    from tasks.ingest.corpus import CorpusError, resolve_source, write_corpus
+    from tasks.corpus import CorpusError, resolve_source, write_corpus
 
     p = params_or_exit(params, set_)
     console.print(f"Reading code from {resolve_source(p.data)} ...")
@@ -83,7 +83,7 @@ def data_cmd(
     set_: SetOpt = None,
 ) -> None:
     """FIM spans (rest of line, a line, a few lines) and the regions simulated users type (editor traffic)."""
-    from tasks.ingest.corpus import CorpusError, read_corpus, write_fim
+    from tasks.corpus import CorpusError, read_corpus, write_fim
 
     p = params_or_exit(params, set_)
     try:

@@ -40,12 +40,12 @@ import pyarrow.parquet as pq
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from serving.simulator import Summary, merge, summarise
 from serving.store import completions, feedback, late_feedback, snapshots, watermarks
 from tasks.config import IngestParams, Params
 from tasks.ingest.clean import Cleaner
 from tasks.ingest.pull import WATERMARK, Decided, Watermark, count_after, pull_decided, read_watermark
 from tasks.schema import INTERACTION_SCHEMA
+from tasks.simulated_users import Summary, merge, summarise
 
 log = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from serving.simulator import Summary, summarise
 from tasks.config import RewardParams
 from tasks.outcomes import OUTCOMES, reward_of, reward_per_request
 from tasks.schema import REWARDED_SCHEMA
+from tasks.simulated_users import Summary, summarise
 
 STD_EPS = 1e-8  # keeps whitening finite; far below any reward spread that carries signal
 

@@ -32,9 +32,9 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from tasks.config import FimParams, ModelParams, TrafficParams
+from tasks.corpus import SourceFile, sample_spans
 from tasks.editor import pick_regions, training_samples
 from tasks.fim import EOS, FIM_MIDDLE, FIM_PAD, FIM_PREFIX, FIM_SUFFIX, SPECIAL_TOKENS
-from tasks.ingest.corpus import SourceFile, sample_spans
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:

@@ -21,8 +21,8 @@ def train_cmd(
     set_: SetOpt = None,
 ) -> None:
     """Critic-free PPO on a rewarded snapshot (or offline GRPO on FIM prompts) -> an HF checkpoint."""
+    from tasks.corpus import CorpusError, read_samples
     from tasks.generate import ModelLoadError
-    from tasks.ingest.corpus import CorpusError, read_samples
     from tasks.train.grpo import grpo_snapshot
     from tasks.train.launch import TrainError, launch_train
     from tasks.train.ppo import SnapshotError, TrainingDiverged
@@ -64,7 +64,7 @@ def build_base_cmd(
 
     Resumable: an interrupted build started again with the same params continues from its last
     checkpoint (OUT.partial/, every model.checkpoint_every steps)."""
-    from tasks.ingest.corpus import CorpusError, read_corpus
+    from tasks.corpus import CorpusError, read_corpus
     from tasks.train.base import build_base
 
     p = params_or_exit(params, set_)

@@ -2,7 +2,7 @@
 
 The result is an ordinary rewarded snapshot (tasks/schema.py REWARDED_SCHEMA), so the same job
 and the same loss train on it (`tasks/train/ppo.py`). Completions are sampled at the serving
-temperature; the reward is the noise-free accept rule (`serving.simulator.is_right`, K of the most
+temperature; the reward is the noise-free accept rule (`tasks.simulated_users.is_right`, K of the most
 common persona) with params.reward's values; the advantage is the reward normalised within its
 group. Groups whose G rewards are all equal carry no signal and are dropped (DAPO's filter).
 """
@@ -18,12 +18,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from serving.simulator import is_right
 from tasks.config import Params
 from tasks.fim import build_prompt
 from tasks.generate import generate, load_model
 from tasks.outcomes import reward_of
 from tasks.schema import REWARDED_SCHEMA
+from tasks.simulated_users import is_right
 
 
 def score(text: str, middle: str, params: Params) -> tuple[str, float]:
