@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from tasks.train.batching import Example, pack
+from tasks.train.engines import CompletionPolicy, token_logp
 from tasks.train.loss import ppo_loss
-from tasks.train.ppo import CompletionPolicy, Example, pack, token_logp
 
 SHAPES = {
     "qwen2.5-coder-1.5b": dict(

@@ -16,18 +16,11 @@ from transformers import AutoModelForCausalLM
 from tasks.fim import build_prompt
 from tasks.generate import generate, load_model, prompt_limit
 from tasks.schema import REWARDED_SCHEMA
+from tasks.train.batching import build_examples, pack, read_snapshot
+from tasks.train.engines import CompletionPolicy, token_logp
 from tasks.train.launch import launch_train
 from tasks.train.loss import ppo_loss
-from tasks.train.ppo import (
-    RESULT_FILE,
-    CompletionPolicy,
-    TrainingDiverged,
-    build_examples,
-    pack,
-    read_snapshot,
-    token_logp,
-    train,
-)
+from tasks.train.ppo import RESULT_FILE, TrainingDiverged, train
 from tests.conftest import tiny_params
 
 MAX_NEW = 8

@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from tasks.train.loss import ppo_loss
-from tasks.train.ppo import truncated_is_weight
+from tasks.train.loss import ppo_loss, truncated_is_weight
 
 # token:        a (clip high)  b (clip low)  c (inside)  d (inside, pessimistic)  e (masked)
 RATIOS = [1.5, 0.5, 1.1, 0.5, 3.0]

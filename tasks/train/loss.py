@@ -102,3 +102,8 @@ def ppo_loss(
         if kl_beta > 0.0:
             stats["kl_ref"] = float((kl_k3 * mask).sum() / n_masked)
     return loss, stats
+
+
+def truncated_is_weight(prox_logp: torch.Tensor, behaviour_logp: torch.Tensor, cap: float) -> torch.Tensor:
+    """min(pi_prox / pi_behaviour, cap) per token (TIS): corrects serving/training mismatch, never by more than cap."""
+    return torch.clamp(torch.exp(prox_logp - behaviour_logp), max=cap)

@@ -1,0 +1,204 @@
+"""Batching for the training job: snapshot rows -> examples -> packed micro-batches, planned per step.
+
+Rows become examples (prompt ids exactly as served, completion ids as sampled); each optimiser step
+takes ``micro_batch x grad_accum x world`` examples, balanced over ranks by tokens; a rank packs its
+examples into micro-batches with no padding between sequences (``pack``). Used by ``tasks/train/ppo.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+
+from tasks.config import TrainParams
+from tasks.generate import encode_prompt
+
+SNAPSHOT_COLUMNS = ("prompt", "token_ids", "logprobs", "temperature", "advantage")
+
+
+class SnapshotError(ValueError):
+    """A snapshot that cannot be trained on; the message names the column or row."""
+
+
+@dataclass
+class Example:
+    input_ids: list[int]  # prompt ids + completion ids
+    n_prompt: int
+    advantage: float
+    temperature: float  # the scale of the sampling distribution (1.0 for greedy)
+    behaviour_logp: list[float] | None  # logged at serving, one per completion token
+
+    @property
+    def n_completion(self) -> int:
+        return len(self.input_ids) - self.n_prompt
+
+
+def read_snapshot(path: str | Path) -> list[dict]:
+    """Rows of a reward-labelled snapshot (tasks/schema.py REWARDED_SCHEMA)."""
+    path = Path(path)
+    if not path.is_file():
+        raise SnapshotError(f"snapshot {path} not found")
+    table = pq.read_table(path)
+    missing = [c for c in SNAPSHOT_COLUMNS if c not in table.column_names]
+    if missing:
+        raise SnapshotError(f"snapshot {path} lacks column(s) {missing}; run the reward stage first")
+    return table.select(list(SNAPSHOT_COLUMNS)).to_pylist()
+
+
+def build_examples(rows: Sequence[dict], tokenizer, limit: int, max_len: int) -> list[Example]:
+    """Training sequences from snapshot rows; rows with no completion tokens carry no gradient and are left out."""
+    examples = []
+    for i, row in enumerate(rows):
+        completion = row["token_ids"] or []
+        if not completion:
+            continue
+        if row["advantage"] is None or not math.isfinite(row["advantage"]):
+            raise SnapshotError(f"row {i}: advantage is {row['advantage']!r}; every row needs a finite advantage")
+        behaviour = row["logprobs"]
+        if behaviour is not None and len(behaviour) != len(completion):
+            raise SnapshotError(f"row {i}: {len(behaviour)} logprobs for {len(completion)} token_ids")
+        prompt = encode_prompt(tokenizer, row["prompt"], limit)
+        ids = prompt + list(completion)
+        if len(ids) > max_len:
+            raise SnapshotError(f"row {i}: {len(ids)} tokens exceed the model's {max_len} positions")
+        temperature = row["temperature"] if row["temperature"] and row["temperature"] > 0 else 1.0
+        examples.append(
+            Example(
+                ids,
+                len(prompt),
+                float(row["advantage"]),
+                float(temperature),
+                None if behaviour is None else [float(x) for x in behaviour],
+            )
+        )
+    return examples
+
+
+@dataclass
+class Packed:
+    """Sequences packed into R rows of width W, position ids restarting at each sequence (no attention mask).
+
+    With flash-attention (varlen kernels) everything goes into one row. Otherwise rows are bins as wide
+    as the longest sequence, filled first-fit-decreasing: sdpa then builds a block-diagonal mask per
+    row, so attention costs sum(T) * W rather than sum(T)^2, and the rest of each row is padding that
+    forms its own sequence and is never gathered."""
+
+    input_ids: torch.Tensor  # (R, W)
+    position_ids: torch.Tensor  # (R, W)
+    gather_idx: torch.Tensor  # (N,) flat positions (row * W + col) whose hidden state predicts a completion token
+    targets: torch.Tensor  # (N,) the completion tokens
+    inv_temp: torch.Tensor  # (N,) 1 / temperature of each token's row
+    example_idx: list[int]  # in the order their tokens appear in targets
+    n_tokens: int  # real tokens, padding excluded
+
+    def to(self, device) -> Packed:
+        for name in ("input_ids", "position_ids", "gather_idx", "targets", "inv_temp"):
+            setattr(self, name, getattr(self, name).to(device))
+        return self
+
+
+def pack(examples: Sequence[Example], idx: Sequence[int], one_row: bool = False, pad_id: int = 0) -> Packed:
+    lengths = {i: len(examples[i].input_ids) for i in idx}
+    width = sum(lengths.values()) if one_row else max(lengths.values())
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(idx, key=lambda j: (-lengths[j], j)):
+        k = next((b for b, r in enumerate(room) if r >= lengths[i]), None)
+        if k is None:
+            bins.append([])
+            room.append(width)
+            k = len(bins) - 1
+        bins[k].append(i)
+        room[k] -= lengths[i]
+    ids = torch.full((len(bins), width), pad_id, dtype=torch.long)
+    pos = torch.zeros((len(bins), width), dtype=torch.long)
+    gather, targets, inv_temp, order = [], [], [], []
+    for r, members in enumerate(bins):
+        col = 0
+        for i in members:
+            ex = examples[i]
+            n = len(ex.input_ids)
+            ids[r, col : col + n] = torch.tensor(ex.input_ids)
+            pos[r, col : col + n] = torch.arange(n)
+            # the hidden state at position t predicts token t + 1
+            gather.extend(range(r * width + col + ex.n_prompt - 1, r * width + col + n - 1))
+            targets.extend(ex.input_ids[ex.n_prompt :])
+            inv_temp.extend([1.0 / ex.temperature] * ex.n_completion)
+            order.append(i)
+            col += n
+        pos[r, col:] = torch.arange(width - col)  # padding: a sequence of its own
+    return Packed(
+        input_ids=ids,
+        position_ids=pos,
+        gather_idx=torch.tensor(gather, dtype=torch.long),
+        targets=torch.tensor(targets, dtype=torch.long),
+        inv_temp=torch.tensor(inv_temp, dtype=torch.float32),
+        example_idx=order,
+        n_tokens=sum(lengths.values()),
+    )
+
+
+def split_micro(idx: Sequence[int], examples: Sequence[Example], max_rows: int, max_tokens: int) -> list[list[int]]:
+    """Greedy micro-batches of at most max_rows rows and max_tokens tokens (a longer row goes alone)."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    cur_tokens = 0
+    for i in idx:
+        n = len(examples[i].input_ids)
+        if cur and (len(cur) >= max_rows or cur_tokens + n > max_tokens):
+            out.append(cur)
+            cur, cur_tokens = [], 0
+        cur.append(i)
+        cur_tokens += n
+    if cur:
+        out.append(cur)
+    return out
+
+
+def shard(idx: Sequence[int], examples: Sequence[Example], world: int) -> list[list[int]]:
+    """Rows to ranks, longest first to the rank with fewest tokens (deterministic on every rank)."""
+    ranks: list[list[int]] = [[] for _ in range(world)]
+    load = [0] * world
+    for i in sorted(idx, key=lambda j: (-len(examples[j].input_ids), j)):
+        r = min(range(world), key=lambda k: (load[k], k))
+        ranks[r].append(i)
+        load[r] += len(examples[i].input_ids)
+    return ranks
+
+
+@dataclass
+class StepPlan:
+    micro: list[list[int]]  # this rank's micro-batches; [] = a dummy that keeps collectives in step
+    step_tokens: int  # completion tokens of the whole step, all ranks
+
+
+def plan_epoch(examples: Sequence[Example], tp: TrainParams, epoch: int, rank: int, world: int) -> list[StepPlan]:
+    """The same shuffle on every rank; each step split over ranks, then into micro-batches."""
+    order = list(range(len(examples)))
+    random.Random(f"{tp.seed}:{epoch}").shuffle(order)
+    per_step = tp.micro_batch * tp.grad_accum * world
+    plans = []
+    for start in range(0, len(order), per_step):
+        rows = order[start : start + per_step]
+        per_rank = [
+            split_micro(r, examples, tp.micro_batch, tp.max_tokens_per_micro_batch)
+            for r in shard(rows, examples, world)
+        ]
+        n_micro = max(len(m) for m in per_rank)
+        mine = per_rank[rank] + [[] for _ in range(n_micro - len(per_rank[rank]))]
+        plans.append(StepPlan(mine, sum(examples[i].n_completion for i in rows)))
+    return plans
+
+
+def dummy_batch(examples: Sequence[Example]) -> Packed:
+    """Two tokens, one gathered position: a forward/backward with zero loss for a rank with no rows left."""
+    ids = examples[0].input_ids[:2]
+    return Packed(
+        torch.tensor([ids]), torch.tensor([[0, 1]]), torch.tensor([0]), torch.tensor([ids[1]]), torch.ones(1), [], 0
+    )

@@ -1,0 +1,163 @@
+"""Engines of the training job: the policy's token log-probs, and the optimiser step on one process,
+DDP over gloo/NCCL (torch) or DeepSpeed ZeRO. Used by ``tasks/train/ppo.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tasks.config import TrainParams
+
+
+class CompletionPolicy(torch.nn.Module):
+    """The causal LM with its head run only on completion positions (no (L, V) logits for prompts)."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, gather_idx: torch.Tensor) -> torch.Tensor:
+        # attention_mask=None + restarting position_ids: transformers builds the block-diagonal
+        # (packed) causal mask for sdpa/eager and uses varlen kernels for flash-attention.
+        hidden = self.lm.model(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False
+        ).last_hidden_state  # (R, W, H)
+        return self.lm.lm_head(hidden.flatten(0, 1)[gather_idx])  # (N, V)
+
+
+def token_logp(
+    logits: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi(target) and entropy at the sampling temperature, in fp32."""
+    logz = F.log_softmax(logits.float() * inv_temp[:, None], dim=-1)  # (N, V)
+    logp = logz.gather(-1, targets[:, None]).squeeze(-1)  # (N,)
+    with torch.no_grad():
+        entropy = -(logz.exp() * logz).sum(-1)  # (N,)
+    return logp, entropy
+
+
+def lr_at(step: int, total: int, tp: TrainParams) -> float:
+    if step < tp.warmup_steps:
+        return tp.lr * (step + 1) / tp.warmup_steps
+    progress = (step - tp.warmup_steps) / max(1, total - tp.warmup_steps)
+    if tp.lr_schedule == "cosine":
+        return tp.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if tp.lr_schedule == "linear":
+        return tp.lr * (1.0 - progress)
+    return tp.lr
+
+
+class TorchEngine:
+    """One process, or DDP over gloo/NCCL: fp32 weights, torch AdamW."""
+
+    name = "torch"
+
+    def __init__(self, policy: CompletionPolicy, tp: TrainParams, world: int, device: torch.device):
+        self.policy = policy.to(device)
+        self.module = torch.nn.parallel.DistributedDataParallel(self.policy) if world > 1 else self.policy
+        self.opt = torch.optim.AdamW(
+            self.policy.parameters(), lr=tp.lr, betas=(0.9, 0.95), weight_decay=tp.weight_decay
+        )
+        self.tp = tp
+
+    def micro_step(self, boundary: bool):
+        """Context of one forward+backward; gradients are synchronised only at the step boundary."""
+        if boundary or not isinstance(self.module, torch.nn.parallel.DistributedDataParallel):
+            return contextlib.nullcontext()
+        return self.module.no_sync()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, lr: float) -> float:
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        norm = float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.tp.grad_clip))
+        if math.isfinite(norm):
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return norm
+
+    def fp32_state_dict(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().float().cpu() for n, p in self.policy.lm.named_parameters()}
+
+
+class DeepSpeedEngine:
+    """DeepSpeed ZeRO (train.zero_stage); bf16 compute with fp32 master weights on GPUs; a torch optimiser
+    (not a config one, which would JIT-build fused_adam)."""
+
+    name = "deepspeed"
+
+    def __init__(self, policy: CompletionPolicy, tp: TrainParams, world: int, device: torch.device):
+        import deepspeed
+
+        self.policy = policy
+        opt = torch.optim.AdamW(policy.parameters(), lr=tp.lr, betas=(0.9, 0.95), weight_decay=tp.weight_decay)
+        config = {
+            "train_micro_batch_size_per_gpu": tp.micro_batch,
+            # boundaries are set by hand: a step's micro-batch count varies with packing
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": tp.grad_clip,
+            "zero_optimization": {"stage": tp.zero_stage},
+            "zero_allow_untested_optimizer": True,
+            "bf16": {"enabled": device.type == "cuda"},
+            "steps_per_print": 1 << 30,
+            "wall_clock_breakdown": False,
+        }
+        self.module, self.opt, _, _ = deepspeed.initialize(model=policy, optimizer=opt, config=config)
+
+    def micro_step(self, boundary: bool):
+        self.module.set_gradient_accumulation_boundary(boundary)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.module.backward(loss)
+
+    def step(self, lr: float) -> float:
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.module.step()
+        norm = self.module.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def fp32_state_dict(self) -> dict[str, torch.Tensor]:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        # collective under ZeRO-3: every rank calls it for every parameter
+        return {n: safe_get_full_fp32_param(p).detach().float().cpu() for n, p in self.policy.lm.named_parameters()}
+
+
+def choose_engine(tp: TrainParams, device: torch.device) -> type[TorchEngine] | type[DeepSpeedEngine]:
+    if tp.engine == "deepspeed" or (tp.engine == "auto" and device.type == "cuda"):
+        return DeepSpeedEngine
+    return TorchEngine
+
+
+def all_reduce(values: list[float], device: torch.device, world: int) -> list[float]:
+    if world == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_gather_lists(local: dict[int, list[float]], world: int) -> dict[int, list[float]]:
+    if world == 1:
+        return local
+    gathered: list[dict[int, list[float]] | None] = [None] * world
+    dist.all_gather_object(gathered, local)
+    merged: dict[int, list[float]] = {}
+    for part in gathered:
+        merged.update(part or {})
+    return merged
+
+
+def has_flash_attn() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
