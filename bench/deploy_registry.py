@@ -28,8 +28,9 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=512, help="size of the fake model.safetensors in MiB")
     args = ap.parse_args()
 
+    from serving.store import CHAMPION
     from tasks.config import load_params
-    from tasks.deploy.registry import CHAMPION, register_candidate, resolve_model_dir, set_alias, start_cycle_run
+    from tasks.deploy.registry import register_candidate, resolve_model_dir, set_alias, start_cycle_run
 
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)

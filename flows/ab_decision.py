@@ -9,11 +9,11 @@ from __future__ import annotations
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from serving.store import ArmError, init_schema, make_engine
+from serving.store import CHALLENGER, CHAMPION, ArmError, init_schema, make_engine
 from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
 from tasks.deploy import ab
 from tasks.deploy.promote import DeployChange, log_decision, promote, rollback
-from tasks.deploy.registry import CHALLENGER, CHAMPION, DeployError, get_alias_version
+from tasks.deploy.registry import DeployError, get_alias_version
 
 
 def _transient(task, task_run, state) -> bool:

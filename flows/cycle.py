@@ -16,10 +16,10 @@ from pathlib import Path
 import mlflow
 from prefect import flow, get_run_logger
 
+from serving.store import CHALLENGER
 from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
 from tasks.corpus import read_samples
 from tasks.deploy.registry import (
-    CHALLENGER,
     ensure_champion,
     get_alias_version,
     register_candidate,

@@ -27,9 +27,9 @@ from pathlib import Path
 from flows.ab_decision import ab_decision
 from flows.cycle import online_rl_cycle
 from serving.simulate import run_simulation
-from serving.store import Arm, init_schema, make_engine, replace_arms
+from serving.store import CHAMPION, Arm, init_schema, make_engine, replace_arms
 from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
-from tasks.deploy.registry import CHAMPION, ensure_champion, resolve_model_dir
+from tasks.deploy.registry import ensure_champion, resolve_model_dir
 from tasks.editor import merge_typing, read_regions, regions_path
 from tasks.outcomes import reward_per_request
 from tasks.procs import NotUp, free_port, wait_until_up

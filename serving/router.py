@@ -18,9 +18,7 @@ from collections.abc import Callable
 from sqlalchemy.engine import Engine
 
 from serving.backends import Backend, make_backend
-from serving.store import Arm, read_arms
-
-CHAMPION = "champion"
+from serving.store import CHAMPION, Arm, read_arms
 
 
 class UnknownArmError(LookupError):

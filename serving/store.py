@@ -173,6 +173,12 @@ class ArmError(ValueError):
     """An arm set that cannot be served (bad shares, duplicate names); the message says which."""
 
 
+# The two arm names; the registry's aliases carry the same names (the champion arm serves the model
+# aliased `champion`).
+CHAMPION = "champion"
+CHALLENGER = "challenger"
+
+
 @dataclass(frozen=True)
 class Arm:
     name: str

@@ -10,12 +10,20 @@ import yaml
 from scipy import stats as st
 from typer.testing import CliRunner
 
-from serving.store import Arm, completions, feedback, init_schema, make_engine, read_arms, replace_arms
+from serving.store import (
+    CHALLENGER,
+    CHAMPION,
+    Arm,
+    completions,
+    feedback,
+    init_schema,
+    make_engine,
+    read_arms,
+    replace_arms,
+)
 from tasks.deploy.ab import arm_stats, decide, live_since, stats_from_counts, two_proportion_test, welch_test
 from tasks.deploy.promote import NoChallengerError, promote, rollback
 from tasks.deploy.registry import (
-    CHALLENGER,
-    CHAMPION,
     ensure_champion,
     get_alias_version,
     register_candidate,

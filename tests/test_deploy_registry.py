@@ -5,10 +5,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from serving.store import CHALLENGER, CHAMPION
 from tasks.deploy.registry import (
     CACHE_DONE,
-    CHALLENGER,
-    CHAMPION,
     DeployError,
     delete_alias,
     end_cycle_run,

@@ -4,10 +4,8 @@ import pytest
 from prefect import flow
 
 import tasks.deploy.rollout as rollout_mod
-from serving.store import Arm, init_schema, make_engine, read_arms, replace_arms
+from serving.store import CHALLENGER, CHAMPION, Arm, init_schema, make_engine, read_arms, replace_arms
 from tasks.deploy.registry import (
-    CHALLENGER,
-    CHAMPION,
     DeployError,
     ensure_champion,
     get_alias_version,

@@ -19,9 +19,9 @@ import yaml
 from flows.cycle import online_rl_cycle
 from serving.gateway import create_app
 from serving.simulate import run_simulation
-from serving.store import Arm, init_schema, make_engine, read_arms, replace_arms
+from serving.store import CHALLENGER, CHAMPION, Arm, init_schema, make_engine, read_arms, replace_arms
 from tasks.corpus import write_samples
-from tasks.deploy.registry import CHALLENGER, CHAMPION, ensure_champion, get_alias_version, resolve_model_dir
+from tasks.deploy.registry import ensure_champion, get_alias_version, resolve_model_dir
 from tasks.editor import regions_path, write_regions
 from tasks.simulated_users import make_users
 from tests.conftest import tiny_params

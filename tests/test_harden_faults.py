@@ -22,10 +22,8 @@ from prefect import flow
 import tasks.deploy.rollout as rollout_mod
 from serving.auth import add_key
 from serving.gateway import create_app
-from serving.store import Arm, completions, init_schema, make_engine, read_arms, replace_arms
+from serving.store import CHALLENGER, CHAMPION, Arm, completions, init_schema, make_engine, read_arms, replace_arms
 from tasks.deploy.registry import (
-    CHALLENGER,
-    CHAMPION,
     DeployError,
     ensure_champion,
     get_alias_version,

@@ -3,7 +3,7 @@
     entry points   tasks/cli.py, tasks/__main__.py, flows/
     stages         tasks/{ingest,reward,train,evaluate,deploy}/   (never import one another)
     online side    serving/                                         (imports no stage)
-    libraries      tasks/*.py                                       (import no stage and nothing of serving/ but the store)
+    libraries      tasks/*.py            (import no stage, and nothing of serving/ but the store)
 
 Every import counts, the lazy ones inside functions too: a circle through a lazy import is still a
 circle a reader has to untangle.

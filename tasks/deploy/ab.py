@@ -44,10 +44,9 @@ import sqlalchemy as sa
 from scipy import stats as st
 from sqlalchemy.engine import Engine
 
+from serving.store import CHALLENGER, CHAMPION, completions, feedback
 from serving.store import arms as arms_table
-from serving.store import completions, feedback
 from tasks.config import Params, RewardParams
-from tasks.deploy.registry import CHALLENGER, CHAMPION
 from tasks.outcomes import total_reward, total_squared_reward
 
 Action = Literal["promote", "rollback", "continue"]

@@ -22,9 +22,8 @@ def ab_status_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) 
     """Per-arm live numbers since the challenger went live, and what the decision rule says now (changes nothing)."""
     from rich.table import Table
 
-    from serving.store import make_engine
+    from serving.store import CHALLENGER, CHAMPION, make_engine
     from tasks.deploy.ab import arm_stats, decide
-    from tasks.deploy.registry import CHALLENGER, CHAMPION
 
     p = params_or_exit(params, set_)
     engine = make_engine(p.paths.database_url)

@@ -25,12 +25,10 @@ from mlflow.entities import Metric
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from serving.store import Arm, ArmError, read_arms, replace_arms
+from serving.store import CHALLENGER, CHAMPION, Arm, ArmError, read_arms, replace_arms
 from tasks.config import Params
 from tasks.deploy.ab import ArmStats, Decision, arm_stats, decide
 from tasks.deploy.registry import (
-    CHALLENGER,
-    CHAMPION,
     DeployError,
     ModelVersion,
     as_flat_tags,

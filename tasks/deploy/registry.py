@@ -2,7 +2,7 @@
 
 * Every cycle is one MLflow run in experiment ``deploy.experiment``: the full resolved params (as
   MLflow params, and untruncated as the artifact ``params.json``), the data snapshot hash as a tag,
-  the metrics every stage logs through :func:`log_cycle_metrics`, plots through :func:`log_cycle_artifact`.
+  the metrics every stage logs through :func:`log_cycle_metrics`.
 * A candidate checkpoint (a Hugging Face directory) becomes a new version of ``deploy.registered_model``.
   MLflow 3.17's ``register_model('runs:/..')`` refuses plain folders (it wants an MLmodel file), so the
   folder is logged once as the run's ``model`` artifact and the version is created by reference to it
@@ -38,10 +38,9 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH, MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
 
+from serving.store import CHAMPION
 from tasks.config import Params
 
-CHAMPION = "champion"
-CHALLENGER = "challenger"
 MODEL_ARTIFACT = "model"
 CACHE_DONE = ".tabrl-complete"  # written last into a downloaded model dir; a dir without it is partial
 
@@ -155,11 +154,6 @@ def log_cycle_metrics(params: Params, run_id: str, metrics: Mapping[str, float],
         client.log_batch(run_id, metrics=items[start : start + 1000])
 
 
-def log_cycle_artifact(params: Params, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
-    """Attach a file (a plot, a table) to the cycle run."""
-    tracking_client(params).log_artifact(run_id, str(path), artifact_path)
-
-
 def mlflow_params(params: Params) -> dict[str, str]:
     """params.flat() as MLflow param strings, within MLflow's key and value length limits.
 
@@ -254,16 +248,6 @@ def _ensure_registered_model(client: MlflowClient, name: str) -> bool:
 
 def _version(mv) -> ModelVersion:
     return ModelVersion(name=mv.name, version=int(mv.version), source=mv.source, run_id=mv.run_id or None)
-
-
-def get_version(params: Params, version: int) -> ModelVersion:
-    """One version of the registered model."""
-    try:
-        return _version(tracking_client(params).get_model_version(params.deploy.registered_model, str(version)))
-    except MlflowException as err:
-        if err.error_code == ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
-            raise DeployError(f"{params.deploy.registered_model} has no version {version}") from err
-        raise
 
 
 def set_alias(params: Params, alias: str, version: int) -> None:
@@ -364,14 +348,6 @@ def _download(artifact_uri: str, target: Path, params: Params) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
-
-
-def version_of_label(label: str) -> int:
-    """`NAME/VERSION` (an arm's model_version) -> VERSION."""
-    _, _, version = label.rpartition("/")
-    if not version.isdigit():
-        raise DeployError(f"model version label {label!r} must look like NAME/VERSION")
-    return int(version)
 
 
 def as_flat_tags(values: Mapping[str, Any]) -> list[RunTag]:

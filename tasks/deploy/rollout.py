@@ -28,11 +28,9 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.transactions import get_transaction, transaction
 
-from serving.store import Arm, init_schema, make_engine, read_arms, replace_arms
+from serving.store import CHALLENGER, CHAMPION, Arm, init_schema, make_engine, read_arms, replace_arms
 from tasks.config import Params
 from tasks.deploy.registry import (
-    CHALLENGER,
-    CHAMPION,
     DeployError,
     ModelVersion,
     delete_alias,
