@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         "suggest (greedy)",
         "right/request greedy",
         "right/shown greedy",
+        "right if cut (greedy)",
         f"right/request T={params.serving.temperature}",
         f"pass@{args.k}",
         "noise floor",
@@ -79,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['greedy_shown']:.3f}",
             f"{r['greedy_right']:.3f}",
             f"{r['greedy_right_per_shown']:.3f}",
+            f"{r['greedy_right_if_cut']:.3f}",
             f"{r['sampled_right']:.3f}",
             f"{r['pass_at_k']:.3f}",
             f"{r['noise_floor']:.4f}",
@@ -106,6 +108,7 @@ def _plot(results: list[dict], path: Path, k: int) -> None:
         ("sampled_right", "right / request, sampled"),
         ("pass_at_k", f"pass@{k}"),
         ("greedy_right_per_shown", "right / shown, greedy"),
+        ("greedy_right_if_cut", "right / request, greedy cut at its best point"),
     ):
         ax.plot(steps, [r[key] for r in results], "o-", label=label)
     ax.axhline(results[0]["noise_floor"], color="gray", ls="--", label="noise floor (accept/shown)")

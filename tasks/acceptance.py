@@ -25,7 +25,7 @@ from tasks.config import Params, SimulatorParams
 from tasks.editor import Region, Turn, TypingSummary, pause_requests, run_sessions, summarise_turns
 from tasks.fim import build_prompt
 from tasks.generate import generate, load_model
-from tasks.simulated_users import SimUser, Summary, is_right, make_users, replay, summarise
+from tasks.simulated_users import SimUser, Summary, is_right, make_users, replay, right_if_cut, summarise
 
 
 @dataclass(frozen=True)
@@ -151,6 +151,7 @@ class Headroom:
     greedy_shown: float  # suggestion rate, greedy
     greedy_right: float  # right per request, greedy (pass@1)
     greedy_right_per_shown: float
+    greedy_right_if_cut: float  # right per request had each greedy suggestion stopped at its best point
     sampled_right: float  # right per request, one sample at the serving temperature
     pass_at_k: float  # at least one of k samples right, per request
     k: int
@@ -200,6 +201,7 @@ def headroom(
         greedy_shown=shown / n,
         greedy_right=sum(greedy_right) / n,
         greedy_right_per_shown=sum(greedy_right) / shown if shown else 0.0,
+        greedy_right_if_cut=sum(right_if_cut(g, t, min_accept_chars) for g, t in zip(greedy, truths, strict=True)) / n,
         sampled_right=sum(rs[0] for rs in sample_right) / n,
         pass_at_k=sum(any(rs) for rs in sample_right) / n,
         k=k,

@@ -12,6 +12,7 @@ In-process (``decide``) for evaluation; over HTTP via the gateway (``tabrl simul
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 import re
 from collections.abc import Sequence
@@ -37,6 +38,14 @@ def is_right(suggestion: str, middle: str, min_chars: int) -> bool:
     if not shown or not truth.startswith(shown):
         return False
     return nonblank(shown) >= min(min_chars, nonblank(truth))
+
+
+def right_if_cut(suggestion: str, middle: str, min_chars: int) -> bool:
+    """Would the suggestion be right if it stopped at its best point (its longest prefix that is right)?
+
+    A diagnostic of where a model fails: knowing what comes next but not when to stop."""
+    common = os.path.commonprefix([normalise(suggestion), normalise(middle)])
+    return bool(common.strip()) and is_right(common, middle, min_chars)
 
 
 @dataclass(frozen=True)

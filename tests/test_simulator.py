@@ -3,7 +3,7 @@ import random
 import pytest
 
 from tasks.config import Persona, load_params
-from tasks.simulated_users import SimUser, is_right, make_users, normalise, replay, summarise
+from tasks.simulated_users import SimUser, is_right, make_users, normalise, replay, right_if_cut, summarise
 
 MIDDLE = "self.assertEqual(result, expected)\n        return result"
 STRICT = Persona(name="strict", min_accept_chars=4)
@@ -24,6 +24,13 @@ STRICT = Persona(name="strict", min_accept_chars=4)
 )
 def test_rule_on_hand_written_cases(suggestion, expected):
     assert is_right(suggestion, MIDDLE, STRICT.min_accept_chars) is expected
+
+
+def test_right_if_cut_finds_the_best_stop():
+    assert right_if_cut("self.assertEqual(result, expected) + 1", MIDDLE, 4)  # right until it ran on
+    assert right_if_cut("self.assertTrue(result)", MIDDLE, 4)  # "self.assert" is right: 11 non-blanks
+    assert not right_if_cut("sel_x", MIDDLE, 4)  # only 3 characters in common
+    assert not right_if_cut("return", MIDDLE, 4) and not right_if_cut("", MIDDLE, 4)
 
 
 def test_short_middle_caps_k():

@@ -173,6 +173,7 @@ def headroom_cmd(
         ("suggestion rate (greedy)", h.greedy_shown),
         ("right per request, greedy (pass@1)", h.greedy_right),
         ("right per shown suggestion, greedy", h.greedy_right_per_shown),
+        ("right per request had greedy stopped at its best point", h.greedy_right_if_cut),
         (f"right per request, sampled at T={h.temperature}", h.sampled_right),
         (f"right in at least one of {h.k} samples (pass@{h.k})", h.pass_at_k),
         ("noise floor (accept/shown of a never-right model)", h.noise_floor),
