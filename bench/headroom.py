@@ -23,9 +23,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def _steps(path: Path) -> int:
+def _steps(path: Path, built_steps: int | None = None) -> int:
+    """Pre-training steps of a checkpoint: N of `step-N`, else built_steps for the finished base, else -1."""
     found = re.search(r"step-(\d+)$", path.name)
-    return int(found.group(1)) if found else -1
+    if found:
+        return int(found.group(1))
+    return built_steps if built_steps is not None else -1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,13 +54,22 @@ def main(argv: list[str] | None = None) -> int:
     models = args.models or sorted((ROOT / "models" / "tabrl-tiny.partial").glob("step-*"), key=_steps)
     if not models:
         parser.error("no checkpoints: pass --models or run `tabrl build-base --snapshots` first")
+
+    def built(model: Path) -> int | None:  # the finished base was pre-trained for model.pretrain_steps
+        return params.model.pretrain_steps if model.resolve() == Path(params.model.base_dir).resolve() else None
+
     regions = read_regions(regions_path(params.paths.data_dir, "test"))
     results = []
     for model in models:
         started = time.time()
         h = headroom(model, regions, params, args.requests, k=args.k)
         results.append(
-            {"model": str(model), "steps": _steps(model), **h.as_dict(), "seconds": round(time.time() - started, 1)}
+            {
+                "model": str(model),
+                "steps": _steps(model, built(model)),
+                **h.as_dict(),
+                "seconds": round(time.time() - started, 1),
+            }
         )
         print(json.dumps(results[-1]), flush=True)
     table = Table(title=f"Headroom on held-out editor traffic ({args.requests} requests, K=4, noise-free rule)")

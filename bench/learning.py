@@ -60,9 +60,14 @@ def final_sessions(model_dir, seed: int, args) -> list:
     from tasks.config import load_params
     from tasks.editor import read_regions, regions_path
 
-    params = load_params(args.params, [*args.set, f"simulator.seed={seed}"])
+    params = load_params(args.params, [*args.set, *final_set(args), f"simulator.seed={seed}"])
     run = typing_acceptance(model_dir, read_regions(regions_path(params.paths.data_dir, "test")), params)
     return [list(s) for s in run.sessions]
+
+
+def final_set(args) -> list[str]:
+    """Overrides of the final held-out evaluation (and the base's, which is the control's): more requests."""
+    return [f"evaluate.n_requests={args.final_requests}"] if args.final_requests else []
 
 
 def run_online(setting, seed, args, base: dict) -> tuple[list[dict], list]:
@@ -156,6 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=240, help="simulated requests per online cycle")
     parser.add_argument("--users", type=int, default=16)
     parser.add_argument("--corpus", type=Path, help="evaluate on FIM samples cut from this code directory instead")
+    parser.add_argument(
+        "--final-requests",
+        type=int,
+        help="held-out requests of the final evaluation of each (setting, seed) and of the base/control "
+        "(default: evaluate.n_requests, as every cycle's evaluation)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/out/learning"))
     parser.add_argument("--fresh", action="store_true", help="rerun (setting, seed) pairs already stored under --out")
     parser.add_argument("--report-only", action="store_true", help="report the stored runs; train nothing")
@@ -181,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     def base_at(seed: int) -> tuple[dict, list]:
         """The base model scored by seed's simulated users (each setting's seed draws its own users)."""
         if seed not in bases:
-            seeded = load_params(args.params, [*args.set, f"simulator.seed={seed}"])
+            seeded = load_params(args.params, [*args.set, *final_set(args), f"simulator.seed={seed}"])
             result = evaluate_model(seeded.model.base_dir, test, regions, seeded)
             bases[seed] = (_pick(result.metrics), [list(s) for s in result.typing.sessions])
         return bases[seed]
@@ -239,7 +250,7 @@ def run_key(params, args) -> str:
     body["model"]["base_dir"] = hashlib.sha256(
         (Path(params.model.base_dir) / "model.safetensors").read_bytes()
     ).hexdigest()
-    body["loop"] = [args.cycles, args.requests, args.users, str(args.corpus), "editor traffic, final sessions kept"]
+    body["loop"] = [args.cycles, args.requests, args.users, str(args.corpus), args.final_requests, "editor traffic"]
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 
