@@ -12,10 +12,13 @@ import asyncio
 import hashlib
 import secrets
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from serving.errors import ApiError
 from serving.store import api_keys, users
 
 KEY_PREFIX = "tabrl-"
@@ -87,3 +90,67 @@ class Directory:
             hit = (await asyncio.to_thread(_lookup_opted_out, self.engine, user_id), time.monotonic())
             self._opted_out[user_id] = hit
         return hit[0]
+
+
+@dataclass(frozen=True)
+class Caller:
+    user_id: str
+    logged: bool  # False: opted out; served, never stored
+    owner_checked: bool  # True with auth: feedback only for the caller's own completions
+    key_hash: str | None = None  # sha256 of the API key (auth on), for the per-key rate limit
+
+
+async def resolve_caller(
+    headers: Mapping[str, str], claimed_user: str | None, directory: Directory, require_auth: bool
+) -> Caller:
+    """Who is asking: the API key's user (auth on; 401 without a valid key) or the claimed user (auth off),
+    and whether their requests may be logged (opt-out header or the opted-out cohort)."""
+    header_opt_out = headers.get("x-tabrl-opt-out", "").strip() == "1"
+    if require_auth:
+        scheme, _, key = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise ApiError(
+                401, "missing API key: send `Authorization: Bearer KEY` (create one with `tabrl keys add USER`)"
+            )
+        user_id = await directory.user_for_key(key.strip())
+        if user_id is None:
+            raise ApiError(401, "invalid or revoked API key")
+        key_hash = hash_key(key.strip())
+    else:
+        user_id = claimed_user or headers.get("x-tabrl-user") or "anonymous"
+        key_hash = None
+    logged = not header_opt_out and not await directory.opted_out(user_id)
+    return Caller(user_id, logged, owner_checked=require_auth, key_hash=key_hash)
+
+
+class RateLimiter:
+    """Fixed one-minute windows per user and per API key, in this process; 429 with Retry-After when either
+    is full. At most max_windows windows are kept (claimed user ids, auth off, are unbounded)."""
+
+    def __init__(self, per_user: int, per_key: int, max_windows: int):
+        self.per_user, self.per_key, self.max_windows = per_user, per_key, max_windows
+        self._windows: dict[str, tuple[float, int]] = {}  # "user:ID" / "key:HASH" -> (window start, requests)
+
+    def check(self, caller: Caller, now: float | None = None) -> None:
+        """Count one request of the caller, or raise ApiError(429) and count nothing."""
+        now = time.monotonic() if now is None else now
+        if len(self._windows) > self.max_windows:  # forget finished windows
+            for name in [n for n, (start, _) in self._windows.items() if now - start >= 60]:
+                del self._windows[name]
+        limits = [(f"user:{caller.user_id}", self.per_user, "user")]
+        if caller.key_hash is not None:
+            limits.append((f"key:{caller.key_hash}", self.per_key, "API key"))
+        counted = []
+        for name, limit, what in limits:
+            start, count = self._windows.get(name, (now, 0))
+            if now - start >= 60:
+                start, count = now, 0
+            if count >= limit:
+                raise ApiError(
+                    429,
+                    f"rate limit: at most {limit} requests per minute per {what}",
+                    headers={"Retry-After": str(max(1, int(60 - (now - start)) + 1))},
+                )
+            counted.append((name, start, count + 1))
+        for name, start, count in counted:
+            self._windows[name] = (start, count)

@@ -33,8 +33,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from sqlalchemy.engine import Engine
 
-from serving.auth import Directory, hash_key
-from serving.backends import Backend, BackendError, make_backend
+from serving.auth import Caller, Directory, RateLimiter, resolve_caller
+from serving.backends import Backend, make_backend
 from serving.compat import (
     CONTINUE_SCHEMA,
     CompatError,
@@ -44,10 +44,11 @@ from serving.compat import (
     outcome_from_rlinf,
     texts_of,
 )
+from serving.errors import ApiError, error_body
 from serving.log import STORE_UNAVAILABLE, LogWriter, Outcome, Recorded, insert_completion, prompt_hash, record_outcome
 from serving.router import Router, UnknownArmError
 from serving.store import Arm, init_schema, make_engine
-from tasks.config import Params
+from tasks.config import Params, ServingParams
 from tasks.fim import STOP_STRINGS, FimFormatError, build_prompt, parse_prompt
 from tasks.generate import Generation
 
@@ -56,14 +57,6 @@ log = logging.getLogger("tabrl.gateway")
 MAX_STOP_STRINGS = 32
 MAX_RATE_WINDOWS = 100_000  # rate-limit windows kept before finished ones are dropped
 RETRY_AFTER_S = 2  # Retry-After of a 503 while the log store is unavailable
-
-
-class ApiError(Exception):
-    """An answer other than 200, with a message naming the problem (OpenAI error shape)."""
-
-    def __init__(self, status: int, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
 
 
 class CompletionRequest(BaseModel):
@@ -99,14 +92,6 @@ class ContinueData(BaseModel):
     profileId: str | None = None
 
 
-@dataclass(frozen=True)
-class Caller:
-    user_id: str
-    logged: bool  # False: opted out; served, never stored
-    owner_checked: bool  # True with auth: feedback only for the caller's own completions
-    key_hash: str | None = None  # sha256 of the API key (auth on), for the per-key rate limit
-
-
 class BodyLimit:
     """ASGI middleware: refuse a request body over max_bytes with 413 before anything parses it.
 
@@ -121,7 +106,7 @@ class BodyLimit:
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             response = JSONResponse(
-                _error_body(
+                error_body(
                     413,
                     f"request body is {int(declared)} bytes; the limit is {self.max_bytes} (serving.max_body_bytes)",
                 ),
@@ -141,11 +126,6 @@ class BodyLimit:
             return message
 
         return await self.app(scope, counted, send)
-
-
-def _error_body(status: int, message: str, param: str | None = None) -> dict:
-    kind = "invalid_request_error" if status < 500 else ("store_unavailable" if status == 503 else "backend_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 class Metrics:
@@ -207,53 +187,70 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def create_app(
-    params: Params,
-    engine: Engine | None = None,
-    auth: bool | None = None,
-    backend_factory: Callable[[Arm, float], Backend] = make_backend,
-) -> FastAPI:
-    """The gateway app; auth=None follows params.serving.auth (switch it off only for a local demo).
+@dataclass(frozen=True)
+class CompletionInputs:
+    """A completion request as the backends take it: the FIM prompt, its parts, stops and sampling."""
 
-    backend_factory builds an arm's backend (default: embedded or vLLM by the arm's `backend`);
-    the benchmark passes its own to measure the gateway alone.
-    """
-    s = params.serving
-    engine = engine if engine is not None else make_engine(params.paths.database_url, timeout_s=s.db_timeout_s)
-    require_auth = s.auth if auth is None else auth
-    writer = LogWriter(engine, s.log_batch)
-    router = Router(engine, s.experiment_salt, s.config_ttl_s, s.backend_timeout_s, backend_factory)
-    directory = Directory(engine, s.config_ttl_s)
-    metrics = Metrics()
-    windows: dict[str, tuple[float, int]] = {}  # "user:ID" / "key:HASH" -> (minute window start, requests)
+    prefix: str
+    suffix: str
+    prompt: str  # the model's FIM prompt
+    stop: list[str]
+    max_tokens: int
+    temperature: float
+    top_p: float
 
-    @asynccontextmanager
-    async def lifespan(_app: FastAPI):
-        init_schema(engine)
-        if s.seed is not None:  # (`tabrl serve` seeds from the OS when it is None)
-            torch.manual_seed(s.seed)
-            log.info("embedded arms sample with serving.seed=%d", s.seed)
-        writer.start()
-        log.info("gateway up: auth=%s, store=%s", require_auth, engine.url.render_as_string(hide_password=True))
+
+def check_size(field: str, text: str, limit: int) -> None:
+    if len(text) > limit:
+        raise ApiError(413, f"{field} is {len(text)} characters; the limit is {limit}", field)
+
+
+def normalise_request(req: CompletionRequest, s: ServingParams) -> CompletionInputs:
+    """What an editor sent -> what a backend takes: one prompt (a one-element list is fine), a FIM prompt
+    parsed or built from prompt + suffix, the stop list, and sampling within the server's limits.
+    Pure: raises ApiError (413, 422) naming the field."""
+    if isinstance(req.prompt, list):
+        if len(req.prompt) != 1:
+            raise ApiError(422, f"prompt: send one prompt per request (got a list of {len(req.prompt)})", "prompt")
+        text = req.prompt[0]
+    else:
+        text = req.prompt
+    check_size("prompt", text, s.max_prompt_chars)
+    if req.suffix is not None:
+        check_size("suffix", req.suffix, s.max_prompt_chars)
+        prefix, suffix, prompt = text, req.suffix, build_prompt(text, req.suffix)
+    else:
         try:
-            yield
-        finally:
-            writer.stop()
-            await router.aclose()
+            fim = parse_prompt(text)
+        except FimFormatError as err:
+            raise ApiError(
+                422,
+                f"prompt: {err}; send a FIM prompt (<|fim_prefix|>...<|fim_suffix|>...<|fim_middle|>) "
+                "or the prefix as prompt plus suffix",
+                "prompt",
+            ) from None
+        prefix, suffix, prompt = fim.prefix, fim.suffix, text
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or STOP_STRINGS)
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ApiError(422, f"stop: at most {MAX_STOP_STRINGS} stop strings (got {len(stop)})", "stop")
+    max_tokens = min(req.max_tokens or s.max_tokens, s.max_tokens)  # clients ask for more than a FIM line needs
+    temperature = s.temperature if req.temperature is None else req.temperature
+    top_p = s.top_p if req.top_p is None else req.top_p
+    return CompletionInputs(prefix, suffix, prompt, stop, max_tokens, temperature, top_p)
 
-    app = FastAPI(title="tabrl gateway", lifespan=lifespan)
-    app.add_middleware(BodyLimit, max_bytes=s.max_body_bytes)
-    app.state.engine, app.state.router, app.state.metrics = engine, router, metrics
+
+def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    """Every error the gateway answers, in the OpenAI error shape, counted by endpoint and status."""
 
     def error(
         request: Request, status: int, message: str, param: str | None = None, headers: dict | None = None
     ) -> JSONResponse:
         metrics.requests.labels(request.url.path, str(status)).inc()
-        return JSONResponse(_error_body(status, message, param), status_code=status, headers=headers)
+        return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, err: ApiError) -> JSONResponse:
-        return error(request, err.status, err.message, err.param)
+        return error(request, err.status, err.message, err.param, headers=err.headers)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, err: HTTPException) -> JSONResponse:
@@ -286,116 +283,55 @@ def create_app(
                 problems.append(f"{loc}: {e['msg']}")
         return error(request, 422, "; ".join(problems))
 
-    def ok(request: Request, body: dict) -> JSONResponse:
-        metrics.requests.labels(request.url.path, "200").inc()
+
+class Gateway:
+    """What the routes do: serve a completion, record an outcome, answer health and metrics. One per app;
+    ``create_app`` wires its methods to routes."""
+
+    def __init__(
+        self,
+        params: Params,
+        engine: Engine,
+        require_auth: bool,
+        backend_factory: Callable[[Arm, float], Backend],
+    ):
+        self.s = s = params.serving
+        self.engine, self.require_auth = engine, require_auth
+        self.writer = LogWriter(engine, s.log_batch)
+        self.router = Router(engine, s.experiment_salt, s.config_ttl_s, s.backend_timeout_s, backend_factory)
+        self.directory = Directory(engine, s.config_ttl_s)
+        self.metrics = Metrics()
+        self.limiter = RateLimiter(s.rate_limit_per_minute, s.rate_limit_per_key_per_minute, MAX_RATE_WINDOWS)
+
+    def ok(self, request: Request, body: dict) -> JSONResponse:
+        self.metrics.requests.labels(request.url.path, "200").inc()
         return JSONResponse(body)
 
-    async def caller_of(request: Request, claimed_user: str | None) -> Caller:
-        header_opt_out = request.headers.get("x-tabrl-opt-out", "").strip() == "1"
-        if require_auth:
-            scheme, _, key = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not key.strip():
-                raise ApiError(
-                    401, "missing API key: send `Authorization: Bearer KEY` (create one with `tabrl keys add USER`)"
-                )
-            user_id = await directory.user_for_key(key.strip())
-            if user_id is None:
-                raise ApiError(401, "invalid or revoked API key")
-            key_hash = hash_key(key.strip())
-        else:
-            user_id = claimed_user or request.headers.get("x-tabrl-user") or "anonymous"
-            key_hash = None
-        logged = not header_opt_out and not await directory.opted_out(user_id)
-        return Caller(user_id, logged, owner_checked=require_auth, key_hash=key_hash)
+    async def caller_of(self, request: Request, claimed_user: str | None) -> Caller:
+        return await resolve_caller(request.headers, claimed_user, self.directory, self.require_auth)
 
-    def check_rate(caller: Caller) -> None:
-        """Fixed one-minute windows per user and per API key; 429 with Retry-After when either is full."""
-        now = time.monotonic()
-        if len(windows) > MAX_RATE_WINDOWS:  # forget finished windows: claimed user ids (auth off) are unbounded
-            for name in [n for n, (start, _) in windows.items() if now - start >= 60]:
-                del windows[name]
-        limits = [(f"user:{caller.user_id}", s.rate_limit_per_minute, "user")]
-        if caller.key_hash is not None:
-            limits.append((f"key:{caller.key_hash}", s.rate_limit_per_key_per_minute, "API key"))
-        counted = []
-        for name, limit, what in limits:
-            start, count = windows.get(name, (now, 0))
-            if now - start >= 60:
-                start, count = now, 0
-            if count >= limit:
-                raise HTTPException(
-                    429,
-                    f"rate limit: at most {limit} requests per minute per {what}",
-                    headers={"Retry-After": str(max(1, int(60 - (now - start)) + 1))},
-                )
-            counted.append((name, start, count + 1))
-        for name, start, count in counted:
-            windows[name] = (start, count)
+    def fell_back(self, arm: Arm, err: Exception) -> None:
+        log.warning("arm %r failed (%s); falling back to the champion", arm.name, err)
+        self.metrics.fallbacks.labels(arm.name).inc()
 
-    def check_size(field: str, text: str, limit: int) -> None:
-        if len(text) > limit:
-            raise ApiError(413, f"{field} is {len(text)} characters; the limit is {limit}", field)
-
-    async def generate_with_fallback(
-        arm: Arm, champion: Arm, prompt: str, max_tokens: int, temperature: float, top_p: float, stop: list[str]
-    ) -> tuple[Arm, Generation]:
-        try:
-            return arm, await router.backend(arm).complete(prompt, max_tokens, temperature, top_p, stop)
-        except BackendError as err:
-            if arm.name == champion.name:
-                raise ApiError(502, f"arm {arm.name!r} ({arm.backend} {arm.model_uri}) failed: {err}") from err
-            log.warning("arm %r failed (%s); falling back to champion %r", arm.name, err, champion.name)
-            metrics.fallbacks.labels(arm.name).inc()
-        try:
-            return champion, await router.backend(champion).complete(prompt, max_tokens, temperature, top_p, stop)
-        except BackendError as err:
-            raise ApiError(
-                502,
-                f"arm {arm.name!r} failed and champion arm {champion.name!r} ({champion.backend} "
-                f"{champion.model_uri}) failed too: {err}",
-            ) from err
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
+    async def completions(self, req: CompletionRequest, request: Request):
         started = time.perf_counter()
-        caller = await caller_of(request, req.user)
-        if isinstance(req.prompt, list):
-            if len(req.prompt) != 1:
-                raise ApiError(422, f"prompt: send one prompt per request (got a list of {len(req.prompt)})", "prompt")
-            text = req.prompt[0]
-        else:
-            text = req.prompt
-        check_size("prompt", text, s.max_prompt_chars)
-        if req.suffix is not None:
-            check_size("suffix", req.suffix, s.max_prompt_chars)
-            prefix, suffix, prompt = text, req.suffix, build_prompt(text, req.suffix)
-        else:
-            try:
-                fim = parse_prompt(text)
-            except FimFormatError as err:
-                raise ApiError(
-                    422,
-                    f"prompt: {err}; send a FIM prompt (<|fim_prefix|>...<|fim_suffix|>...<|fim_middle|>) "
-                    "or the prefix as prompt plus suffix",
-                    "prompt",
-                ) from None
-            prefix, suffix, prompt = fim.prefix, fim.suffix, text
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or STOP_STRINGS)
-        if len(stop) > MAX_STOP_STRINGS:
-            raise ApiError(422, f"stop: at most {MAX_STOP_STRINGS} stop strings (got {len(stop)})", "stop")
-        max_tokens = min(req.max_tokens or s.max_tokens, s.max_tokens)  # clients ask for more than a FIM line needs
-        temperature = s.temperature if req.temperature is None else req.temperature
-        top_p = s.top_p if req.top_p is None else req.top_p
-        check_rate(caller)
+        caller = await self.caller_of(request, req.user)
+        inputs = normalise_request(req, self.s)
+        prefix, suffix, prompt, stop = inputs.prefix, inputs.suffix, inputs.prompt, inputs.stop
+        max_tokens, temperature, top_p = inputs.max_tokens, inputs.temperature, inputs.top_p
+        self.limiter.check(caller)
         try:
-            arm, champion = await router.route(caller.user_id, request.headers.get("x-tabrl-arm"))
+            arm, champion = await self.router.route(caller.user_id, request.headers.get("x-tabrl-arm"))
         except UnknownArmError as err:
             raise ApiError(404 if request.headers.get("x-tabrl-arm") else 503, str(err), "X-Tabrl-Arm") from None
-        arm, gen = await generate_with_fallback(arm, champion, prompt, max_tokens, temperature, top_p, stop)
+        arm, gen = await self.router.complete(
+            arm, champion, prompt, max_tokens, temperature, top_p, stop, self.fell_back
+        )
         completion_id = f"cmpl-{uuid.uuid4().hex}"
         latency_ms = (time.perf_counter() - started) * 1000.0
         if caller.logged:
-            await writer.submit(
+            await self.writer.submit(
                 insert_completion(
                     {
                         "id": completion_id,
@@ -417,17 +353,17 @@ def create_app(
                 )
             )
         else:
-            metrics.unlogged.inc()
-        metrics.served(arm.name, bool(gen.text), time.perf_counter() - started)
+            self.metrics.unlogged.inc()
+        self.metrics.served(arm.name, bool(gen.text), time.perf_counter() - started)
         created = int(time.time())
         tabrl = {"arm": arm.name, "model_version": arm.model_version, "logged": caller.logged}
         headers = {"X-Tabrl-Arm": arm.name}
         if req.stream:
-            metrics.requests.labels(request.url.path, "200").inc()
+            self.metrics.requests.labels(request.url.path, "200").inc()
             return StreamingResponse(
                 _sse(completion_id, created, arm, gen, tabrl), media_type="text/event-stream", headers=headers
             )
-        metrics.requests.labels(request.url.path, "200").inc()
+        self.metrics.requests.labels(request.url.path, "200").inc()
         return JSONResponse(
             {
                 "id": completion_id,
@@ -441,13 +377,13 @@ def create_app(
             headers=headers,
         )
 
-    async def record(request: Request, caller: Caller, outcome: Outcome, require_ours: bool) -> JSONResponse:
+    async def record(self, request: Request, caller: Caller, outcome: Outcome, require_ours: bool) -> JSONResponse:
         if not caller.logged:
-            return ok(request, {"logged": False})
-        rec = await writer.submit(
+            return self.ok(request, {"logged": False})
+        rec = await self.writer.submit(
             record_outcome(outcome, caller.user_id if caller.owner_checked else None, require_ours)
         )
-        metrics.recorded(rec)
+        self.metrics.recorded(rec)
         if rec.status == "unknown":
             raise ApiError(
                 404,
@@ -468,7 +404,7 @@ def create_app(
                 "the first answer wins",
                 "accepted",
             )
-        return ok(
+        return self.ok(
             request,
             {
                 "completion_id": rec.completion_id,
@@ -479,17 +415,16 @@ def create_app(
             },
         )
 
-    @app.post("/v1/feedback")
-    async def feedback_(req: FeedbackRequest, request: Request):
-        caller = await caller_of(request, None)
-        return await record(
+    async def feedback_(self, req: FeedbackRequest, request: Request):
+        caller = await self.caller_of(request, None)
+        return await self.record(
             request,
             caller,
             Outcome(req.accepted, "api", req.completion_id, accepted_chars=req.accepted_chars),
             require_ours=True,
         )
 
-    async def json_object(request: Request) -> dict:
+    async def json_object(self, request: Request) -> dict:
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -500,32 +435,19 @@ def create_app(
 
     # These two routes parse their bodies by hand (lenient, size-checked first); the schemas are for the docs
     # and the fuzzer.
-    @app.post("/api/training/submit", openapi_extra=_json_body(RlinfSubmit.model_json_schema()))
-    async def rlinf_submit(request: Request):
-        body = await json_object(request)
+    async def rlinf_submit(self, request: Request):
+        body = await self.json_object(request)
         for name, text in texts_of(body).items():
-            check_size(name, text, s.max_text_chars if name != "prompt" else s.max_prompt_chars)
-        caller = await caller_of(request, None)
+            check_size(name, text, self.s.max_text_chars if name != "prompt" else self.s.max_prompt_chars)
+        caller = await self.caller_of(request, None)
         try:
             outcome = outcome_from_rlinf(body)
         except CompatError as err:
             raise ApiError(422, str(err)) from None
-        return await record(request, caller, outcome, require_ours=False)
+        return await self.record(request, caller, outcome, require_ours=False)
 
-    @app.post(
-        "/api/continue/events",
-        openapi_extra=_json_body(
-            {
-                **ContinueData.model_json_schema(by_alias=True),
-                "properties": {
-                    **ContinueData.model_json_schema(by_alias=True)["properties"],
-                    "data": ContinueEvent.model_json_schema(),
-                },
-            }
-        ),
-    )
-    async def continue_events(request: Request):
-        envelope = await json_object(request)
+    async def continue_events(self, request: Request):
+        envelope = await self.json_object(request)
         try:
             event = ContinueData.model_validate(envelope)
         except ValueError as err:
@@ -537,20 +459,19 @@ def create_app(
                 "schema",
             )
         if event.name != "autocomplete":
-            return ok(request, {"ignored": True, "reason": f"event {event.name!r} is not used by tabrl"})
+            return self.ok(request, {"ignored": True, "reason": f"event {event.name!r} is not used by tabrl"})
         for name, text in texts_of(event.data).items():
-            check_size(f"data.{name}", text, s.max_text_chars if name != "prompt" else s.max_prompt_chars)
-        caller = await caller_of(request, None)
+            check_size(f"data.{name}", text, self.s.max_text_chars if name != "prompt" else self.s.max_prompt_chars)
+        caller = await self.caller_of(request, None)
         try:
             outcome = outcome_from_continue(event.data, event.level, "continue")
         except CompatError as err:
             raise ApiError(422, str(err)) from None
-        return await record(request, caller, outcome, require_ours=False)
+        return await self.record(request, caller, outcome, require_ours=False)
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        arms = await router.arms()
-        return ok(
+    async def models(self, request: Request):
+        arms = await self.router.arms()
+        return self.ok(
             request,
             {
                 "object": "list",
@@ -568,22 +489,78 @@ def create_app(
             },
         )
 
-    @app.get("/healthz")
-    async def healthz(request: Request):
-        arms = await router.arms()
+    async def healthz(self, request: Request):
+        arms = await self.router.arms()
 
         def ping() -> None:
-            with engine.connect() as conn:
+            with self.engine.connect() as conn:
                 conn.execute(sa.text("SELECT 1"))
 
         await asyncio.to_thread(ping)
-        return ok(request, {"status": "ok", "arms": [a.name for a in arms], "auth": require_auth})
+        return self.ok(request, {"status": "ok", "arms": [a.name for a in arms], "auth": self.require_auth})
 
-    @app.get("/metrics")
-    async def metrics_(request: Request):
-        metrics.requests.labels(request.url.path, "200").inc()
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    async def metrics_(self, request: Request):
+        self.metrics.requests.labels(request.url.path, "200").inc()
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+
+def create_app(
+    params: Params,
+    engine: Engine | None = None,
+    auth: bool | None = None,
+    backend_factory: Callable[[Arm, float], Backend] = make_backend,
+) -> FastAPI:
+    """The gateway app; auth=None follows params.serving.auth (switch it off only for a local demo).
+
+    backend_factory builds an arm's backend (default: embedded or vLLM by the arm's `backend`);
+    the benchmark passes its own to measure the gateway alone.
+    """
+    s = params.serving
+    engine = engine if engine is not None else make_engine(params.paths.database_url, timeout_s=s.db_timeout_s)
+    require_auth = s.auth if auth is None else auth
+    gw = Gateway(params, engine, require_auth, backend_factory)
+    writer, router, metrics = gw.writer, gw.router, gw.metrics
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        init_schema(engine)
+        if s.seed is not None:  # (`tabrl serve` seeds from the OS when it is None)
+            torch.manual_seed(s.seed)
+            log.info("embedded arms sample with serving.seed=%d", s.seed)
+        writer.start()
+        log.info("gateway up: auth=%s, store=%s", require_auth, engine.url.render_as_string(hide_password=True))
+        try:
+            yield
+        finally:
+            writer.stop()
+            await router.aclose()
+
+    app = FastAPI(title="tabrl gateway", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=s.max_body_bytes)
+    app.state.engine, app.state.router, app.state.metrics = engine, router, metrics
+
+    install_error_handlers(app, metrics)
+
+    app.post("/v1/completions")(gw.completions)
+    app.post("/v1/feedback")(gw.feedback_)
+    # These two routes parse their bodies by hand (lenient, size-checked first); the schemas are for the docs
+    # and the fuzzer.
+    app.post("/api/training/submit", openapi_extra=_json_body(RlinfSubmit.model_json_schema()))(gw.rlinf_submit)
+    app.post(
+        "/api/continue/events",
+        openapi_extra=_json_body(
+            {
+                **ContinueData.model_json_schema(by_alias=True),
+                "properties": {
+                    **ContinueData.model_json_schema(by_alias=True)["properties"],
+                    "data": ContinueEvent.model_json_schema(),
+                },
+            }
+        ),
+    )(gw.continue_events)
+    app.get("/v1/models")(gw.models)
+    app.get("/healthz")(gw.healthz)
+    app.get("/metrics")(gw.metrics_)
     return app
 
 

@@ -17,8 +17,10 @@ from collections.abc import Callable
 
 from sqlalchemy.engine import Engine
 
-from serving.backends import Backend, make_backend
+from serving.backends import Backend, BackendError, make_backend
+from serving.errors import ApiError
 from serving.store import CHAMPION, Arm, read_arms
+from tasks.generate import Generation
 
 
 class UnknownArmError(LookupError):
@@ -93,6 +95,34 @@ class Router:
                 raise UnknownArmError(f"unknown arm {forced!r}; live arms: {', '.join(a.name for a in arms)}")
             return match[0], champion
         return assign(user_id, self.salt, arms), champion
+
+    async def complete(
+        self,
+        arm: Arm,
+        champion: Arm,
+        prompt: str,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop: list[str],
+        on_fallback: Callable[[Arm, BackendError], None] = lambda arm, err: None,
+    ) -> tuple[Arm, Generation]:
+        """Generate with the arm; when a challenger's backend fails, the champion answers (on_fallback is told).
+        502 when the champion itself fails."""
+        try:
+            return arm, await self.backend(arm).complete(prompt, max_tokens, temperature, top_p, stop)
+        except BackendError as err:
+            if arm.name == champion.name:
+                raise ApiError(502, f"arm {arm.name!r} ({arm.backend} {arm.model_uri}) failed: {err}") from err
+            on_fallback(arm, err)
+        try:
+            return champion, await self.backend(champion).complete(prompt, max_tokens, temperature, top_p, stop)
+        except BackendError as err:
+            raise ApiError(
+                502,
+                f"arm {arm.name!r} failed and champion arm {champion.name!r} ({champion.backend} "
+                f"{champion.model_uri}) failed too: {err}",
+            ) from err
 
     def backend(self, arm: Arm) -> Backend:
         key = (arm.backend, arm.model_uri)
