@@ -9,7 +9,7 @@ from __future__ import annotations
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from serving.store import CHALLENGER, CHAMPION, ArmError, init_schema, make_engine
+from serving.store import CHALLENGER, CHAMPION, ArmError, open_store
 from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
 from tasks.deploy import ab
 from tasks.deploy.promote import DeployChange, log_decision, promote, rollback
@@ -23,22 +23,15 @@ def _transient(task, task_run, state) -> bool:
 
 @task(retries=3, retry_delay_seconds=[2, 5, 15], cache_policy=NO_CACHE)
 def live_stats(params: Params) -> dict[str, ab.ArmStats]:
-    engine = make_engine(params.paths.database_url)
-    try:
-        init_schema(engine)  # a fresh store (no gateway started yet) has no A/B test: not an error
+    with open_store(params.paths.database_url) as engine:  # a fresh store has no A/B test: not an error
         return ab.arm_stats(engine, params)
-    finally:
-        engine.dispose()
 
 
 @task(retries=2, retry_delay_seconds=[5, 15], retry_condition_fn=_transient, cache_policy=NO_CACHE)
 def apply_decision(params: Params, decision: ab.Decision) -> DeployChange:
-    engine = make_engine(params.paths.database_url)
-    try:
-        change = promote if decision.action == "promote" else rollback
+    change = promote if decision.action == "promote" else rollback
+    with open_store(params.paths.database_url) as engine:
         return change(engine, params, decision)
-    finally:
-        engine.dispose()
 
 
 @task(retries=3, retry_delay_seconds=[2, 5, 15], cache_policy=NO_CACHE)

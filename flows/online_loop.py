@@ -27,7 +27,7 @@ from pathlib import Path
 from flows.ab_decision import ab_decision
 from flows.cycle import online_rl_cycle
 from serving.simulate import run_simulation
-from serving.store import CHAMPION, Arm, init_schema, make_engine, replace_arms
+from serving.store import CHAMPION, Arm, open_store, replace_arms
 from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
 from tasks.deploy.registry import ensure_champion, resolve_model_dir
 from tasks.editor import merge_typing, read_regions, regions_path
@@ -107,10 +107,9 @@ def run_online_loop(
     os.environ["MLFLOW_TRACKING_URI"] = params.paths.mlflow_tracking_uri
 
     champion = ensure_champion(params.model.base_dir, params)  # the base model is version 1, `champion`
-    engine = make_engine(params.paths.database_url)
-    init_schema(engine)
-    replace_arms(engine, [Arm(CHAMPION, champion.label, str(resolve_model_dir(champion.uri, params)), "embedded", 1.0)])
-    engine.dispose()
+    with open_store(params.paths.database_url) as engine:
+        arm = Arm(CHAMPION, champion.label, str(resolve_model_dir(champion.uri, params)), "embedded", 1.0)
+        replace_arms(engine, [arm])
 
     repo = _snapshot_repo(state / "repo")  # every interaction snapshot is versioned here with DVC
     traffic = read_regions(regions_path(params.paths.data_dir, "train"))  # never the held-out files
@@ -200,11 +199,8 @@ def _snapshot_repo(path: Path) -> Path:
 def _promote_now(params: Params) -> None:
     from tasks.deploy.promote import promote
 
-    engine = make_engine(params.paths.database_url)
-    try:
+    with open_store(params.paths.database_url) as engine:
         promote(engine, params)
-    finally:
-        engine.dispose()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -156,6 +156,17 @@ def make_engine(url: str, timeout_s: float = 30.0) -> Engine:
     )
 
 
+@contextmanager
+def open_store(url: str) -> Iterator[Engine]:
+    """The store at url with its tables created, for one piece of work; the engine is disposed after it."""
+    engine = make_engine(url)
+    try:
+        init_schema(engine)
+        yield engine
+    finally:
+        engine.dispose()
+
+
 def init_schema(engine: Engine) -> None:
     """Create missing tables and stamp the schema version; refuse a store from a newer tabrl."""
     metadata.create_all(engine)

@@ -9,6 +9,7 @@ from serving.store import (
     ArmError,
     init_schema,
     make_engine,
+    open_store,
     read_arms,
     replace_arms,
     schema_version,
@@ -44,3 +45,13 @@ def test_schema_and_arms_round_trip_on_every_backend(tmp_path):
         engine.dispose()
     if not os.environ.get("TABRL_TEST_POSTGRES_URL"):
         pytest.skip("PostgreSQL part skipped: set TABRL_TEST_POSTGRES_URL to run it")
+
+
+def test_open_store_creates_the_tables_and_disposes_the_engine(tmp_path):
+    url = f"sqlite:///{tmp_path}/fresh/store.db"
+    with open_store(url) as engine:
+        replace_arms(engine, [Arm("champion", "m/1", "/models/m1", "embedded", 1.0)])
+        pool = engine.pool
+    assert pool.checkedout() == 0  # nothing left open
+    with open_store(url) as engine:  # the same store, its rows kept
+        assert [a.name for a in read_arms(engine)] == ["champion"]

@@ -22,13 +22,12 @@ def ab_status_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) 
     """Per-arm live numbers since the challenger went live, and what the decision rule says now (changes nothing)."""
     from rich.table import Table
 
-    from serving.store import CHALLENGER, CHAMPION, make_engine
+    from serving.store import CHALLENGER, CHAMPION, open_store
     from tasks.deploy.ab import arm_stats, decide
 
     p = params_or_exit(params, set_)
-    engine = make_engine(p.paths.database_url)
-    stats = arm_stats(engine, p)
-    engine.dispose()
+    with open_store(p.paths.database_url) as engine:
+        stats = arm_stats(engine, p)
     table = Table(title="Live A/B numbers per arm")
     for col in ("arm", "model version", "requests", "pending", "suggest rate", "accept rate", "reward/request"):
         table.add_column(col, justify="right")
@@ -51,20 +50,18 @@ def ab_status_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) 
 
 
 def _change(action: str, params, set_) -> None:
-    from serving.store import ArmError, make_engine
+    from serving.store import ArmError, open_store
     from tasks.deploy.promote import NoChallengerError, promote, rollback
     from tasks.deploy.registry import DeployError
 
     p = params_or_exit(params, set_)
-    engine = make_engine(p.paths.database_url)
-    try:
-        change = (promote if action == "promote" else rollback)(engine, p)
-    except NoChallengerError as err:
-        fail(f"{err}.", 2)
-    except (DeployError, ArmError) as err:
-        fail(str(err), 1)
-    finally:
-        engine.dispose()
+    with open_store(p.paths.database_url) as engine:
+        try:
+            change = (promote if action == "promote" else rollback)(engine, p)
+        except NoChallengerError as err:
+            fail(f"{err}.", 2)
+        except (DeployError, ArmError) as err:
+            fail(str(err), 1)
     champion = change.champion.label if change.champion else "none"
     challenger = change.challenger.label if change.challenger else "none"
     console.print(

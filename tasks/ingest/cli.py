@@ -22,18 +22,15 @@ def ingest_cmd(
     set_: SetOpt = None,
 ) -> None:
     """Pull the log store since the watermark, clean, write a DVC-versioned Parquet snapshot, advance the watermark."""
-    from serving.store import init_schema, make_engine
+    from serving.store import open_store
     from tasks.ingest.snapshot import IngestError, run_ingest
 
     p = params_or_exit(params, set_)
-    engine = make_engine(p.paths.database_url)
-    try:
-        init_schema(engine)
-        result = run_ingest(engine, p, repo, time.time() if now is None else now)
-    except (IngestError, ValueError) as err:
-        fail(str(err), 2)
-    finally:
-        engine.dispose()
+    with open_store(p.paths.database_url) as engine:
+        try:
+            result = run_ingest(engine, p, repo, time.time() if now is None else now)
+        except (IngestError, ValueError) as err:
+            fail(str(err), 2)
     table = Table(title=f"Cleaning report (completions seq {result.first_seq}..{result.last_seq})")
     table.add_column("rule")
     table.add_column("rows", justify="right")

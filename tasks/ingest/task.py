@@ -13,7 +13,7 @@ import mlflow
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from serving.store import init_schema, make_engine
+from serving.store import open_store
 from tasks.config import Params
 from tasks.ingest.snapshot import IngestResult, ingest_metrics, run_ingest
 
@@ -21,12 +21,8 @@ from tasks.ingest.snapshot import IngestResult, ingest_metrics, run_ingest
 @task(name="ingest", retries=2, retry_delay_seconds=[10, 60], cache_policy=NO_CACHE)
 def ingest_task(params: Params, repo_dir: Path, now: float | None = None) -> IngestResult:
     """Pull, clean and snapshot the log store of ``params.paths.database_url``; log to MLflow if a run is active."""
-    engine = make_engine(params.paths.database_url)
-    try:
-        init_schema(engine)
+    with open_store(params.paths.database_url) as engine:
         result = run_ingest(engine, params, Path(repo_dir), time.time() if now is None else now)
-    finally:
-        engine.dispose()
     if mlflow.active_run():
         mlflow.log_metrics(ingest_metrics(result))
     return result
