@@ -183,16 +183,3 @@ def throwaway_schema(base_url: str):
         with admin.begin() as conn:
             conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
         admin.dispose()
-
-
-@contextmanager
-def initialised_engine(url: str):
-    """A log-store engine on url with the schema created, disposed after."""
-    from serving.store import init_schema, make_engine
-
-    engine = make_engine(url)
-    try:
-        init_schema(engine)
-        yield engine
-    finally:
-        engine.dispose()

@@ -8,8 +8,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from serving.store import completions, feedback, users
-from tests.conftest import initialised_engine, throwaway_schema
+from serving.store import completions, feedback, open_store, users
+from tests.conftest import throwaway_schema
 
 AWS_KEY_LINE = 'aws_access_key_id = "AKIAIOSFODNN7EXAMPLE"'
 PRIVATE_KEY = (
@@ -87,11 +87,11 @@ def opt_out(engine, user: str) -> None:
 def store(kind: str, tmp_path):
     """An initialised log store: SQLite in tmp_path, or a fresh PostgreSQL schema (dropped after)."""
     if kind == "sqlite":
-        with initialised_engine(f"sqlite:///{tmp_path}/store.db") as engine:
+        with open_store(f"sqlite:///{tmp_path}/store.db") as engine:
             yield engine
         return
     url = os.environ.get("TABRL_TEST_POSTGRES_URL")
     if not url:
         pytest.skip("PostgreSQL log store: set TABRL_TEST_POSTGRES_URL to run it")
-    with throwaway_schema(url) as schema_url, initialised_engine(schema_url) as engine:
+    with throwaway_schema(url) as schema_url, open_store(schema_url) as engine:
         yield engine

@@ -18,6 +18,7 @@ from serving.store import (
     feedback,
     init_schema,
     make_engine,
+    open_store,
     read_arms,
     replace_arms,
 )
@@ -31,18 +32,18 @@ from tasks.deploy.registry import (
     start_cycle_run,
     tracking_client,
 )
-from tests.conftest import initialised_engine, throwaway_schema, tiny_params
+from tests.conftest import throwaway_schema, tiny_params
 
 _ids = itertools.count()
 
 
 def _engines(tmp_path):
     """SQLite, then PostgreSQL in a throwaway schema when TABRL_TEST_POSTGRES_URL is set."""
-    with initialised_engine(f"sqlite:///{tmp_path}/store.db") as engine:
+    with open_store(f"sqlite:///{tmp_path}/store.db") as engine:
         yield engine
     url = os.environ.get("TABRL_TEST_POSTGRES_URL")
     if url:
-        with throwaway_schema(url) as schema_url, initialised_engine(schema_url) as engine:
+        with throwaway_schema(url) as schema_url, open_store(schema_url) as engine:
             yield engine
 
 
