@@ -33,13 +33,19 @@ class Generation:
     finish_reason: str = field(default="stop")  # "stop" | "length"
 
 
-def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) from a local checkpoint directory; never downloads."""
+def check_model_dir(path: str | Path) -> Path:
+    """path, if it holds a checkpoint (config.json); else ModelLoadError naming it. Loads nothing."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ModelLoadError(
             f"{path} is not a model directory (no config.json); build it with `make demo` or `dvc repro base`"
         )
+    return path
+
+
+def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) from a local checkpoint directory; never downloads."""
+    path = check_model_dir(path)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
     model.to(device).eval()

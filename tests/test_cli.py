@@ -105,4 +105,4 @@ def test_missing_model_is_a_clear_error(tmp_path):
             str(tmp_path / "none.parquet"),
         ],
     )
-    assert r.exit_code == 2 and "not found" in r.output
+    assert r.exit_code == 2 and "nomodel is not a model directory" in r.output  # named before the data is read

@@ -38,10 +38,13 @@ def evaluate_cmd(
     from tasks.editor import read_regions
     from tasks.evaluate.evaluate import METRICS, compare, evaluate_model
     from tasks.evaluate.judge import JudgeError
-    from tasks.generate import ModelLoadError
+    from tasks.generate import ModelLoadError, check_model_dir
 
     p = params_or_exit(params, set_)
     try:
+        for path in (model, against):  # the models first: the likeliest mistake, named before any data is read
+            if path is not None:
+                check_model_dir(path)
         samples, typed = read_samples(test), read_regions(regions)
         if against is None:
             results, comparison = [evaluate_model(model, samples, typed, p)], None
@@ -96,12 +99,12 @@ def acceptance_cmd(
     characters saved, each with a 95 % bootstrap interval over typing sessions."""
     from tasks.acceptance import noise_floor, typing_acceptance
     from tasks.editor import read_regions
-    from tasks.generate import ModelLoadError
+    from tasks.generate import ModelLoadError, check_model_dir
     from tasks.intervals import interval, metric_fns
 
     p = params_or_exit(params, set_)
     try:
-        run = typing_acceptance(model or Path(p.model.base_dir), read_regions(regions), p)
+        run = typing_acceptance(check_model_dir(model or p.model.base_dir), read_regions(regions), p)
     except (FileNotFoundError, ModelLoadError) as err:
         fail(str(err), 2)
     fns = metric_fns(p.reward)
@@ -154,12 +157,17 @@ def headroom_cmd(
     """What a checkpoint could earn: right rate greedy and at the serving temperature, pass@k, noise floor."""
     from tasks.acceptance import headroom
     from tasks.editor import read_regions
-    from tasks.generate import ModelLoadError
+    from tasks.generate import ModelLoadError, check_model_dir
 
     p = params_or_exit(params, set_)
     try:
         h = headroom(
-            model or Path(p.model.base_dir), read_regions(regions), p, requests, k=k, min_accept_chars=min_chars
+            check_model_dir(model or p.model.base_dir),
+            read_regions(regions),
+            p,
+            requests,
+            k=k,
+            min_accept_chars=min_chars,
         )
     except (FileNotFoundError, ModelLoadError, ValueError) as err:
         fail(str(err), 2)
