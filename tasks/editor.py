@@ -38,7 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tasks.config import TrafficParams
-from tasks.simulated_users import SimUser, is_right, nonblank, user_rng
+from tasks.simulated_users import SimUser, Summary, is_right, nonblank, user_rng
 
 
 @dataclass(frozen=True)
@@ -292,25 +292,13 @@ def run_sessions(
 
 
 @dataclass(frozen=True)
-class TypingSummary:
-    """What users of one arm saw and took in typing sessions."""
+class TypingSummary(Summary):
+    """What users of one arm saw and took in typing sessions: the simulator's counts (requests, shown,
+    accepted, mean length; suggest and accept rates) plus what typing adds."""
 
-    requests: int
-    shown: int
-    accepted: int
     right: int  # shown suggestions right by the noise-free rule
     saved_chars: int
     typed_chars: int
-    mean_len: float  # characters per shown suggestion
-
-    @property
-    def suggest_rate(self) -> float:
-        return self.shown / self.requests if self.requests else 0.0
-
-    @property
-    def accept_rate(self) -> float:
-        """Accepted per shown suggestion (noise included)."""
-        return self.accepted / self.shown if self.shown else 0.0
 
     @property
     def right_rate(self) -> float:
