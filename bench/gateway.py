@@ -35,12 +35,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from serving.store import Arm  # noqa: E402
-from tasks.fim import build_prompt  # noqa: E402
+from tasks.fim import QWEN  # noqa: E402
 from tasks.procs import free_port  # noqa: E402
 from tests.harden_util import FastBackend as CannedBackend  # noqa: E402  (a real Backend answering at once)
 from tests.harden_util import bench_stores  # noqa: E402
 
-PROMPT = build_prompt("def add(a, b):\n    ", "\n\nprint(add(1, 2))\n")
+PROMPT = QWEN.render("def add(a, b):\n    ", "\n\nprint(add(1, 2))\n")
 
 
 def serve(kind: str, db_url: str, port: int) -> None:

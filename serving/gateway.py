@@ -45,11 +45,20 @@ from serving.compat import (
     texts_of,
 )
 from serving.errors import ApiError, error_body
-from serving.log import STORE_UNAVAILABLE, LogWriter, Outcome, Recorded, insert_completion, prompt_hash, record_outcome
-from serving.router import Router, UnknownArmError
+from serving.log import (
+    STORE_UNAVAILABLE,
+    LogWriter,
+    Outcome,
+    Recorded,
+    insert_completion,
+    prompt_hash,
+    record_outcome,
+    suffix_form_prompt,
+)
+from serving.router import FimRequest, Router, UnknownArmError
 from serving.store import Arm, init_schema, make_engine
 from tasks.config import Params, ServingParams
-from tasks.fim import STOP_STRINGS, FimFormatError, build_prompt, parse_prompt
+from tasks.fim import TEMPLATES, FimFormatError, FimPrompt, parse_any
 from tasks.generate import Generation
 
 log = logging.getLogger("tabrl.gateway")
@@ -189,15 +198,10 @@ class Metrics:
 
 @dataclass(frozen=True)
 class CompletionInputs:
-    """A completion request as the backends take it: the FIM prompt, its parts, stops and sampling."""
+    """A completion request as the router takes it, and the prompt the editor's outcomes will quote."""
 
-    prefix: str
-    suffix: str
-    prompt: str  # the model's FIM prompt
-    stop: list[str]
-    max_tokens: int
-    temperature: float
-    top_p: float
+    request: FimRequest
+    client_prompt: str  # the editor's prompt (prefix + suffix: their Qwen rendering), the key outcomes match on
 
 
 def check_size(field: str, text: str, limit: int) -> None:
@@ -206,9 +210,9 @@ def check_size(field: str, text: str, limit: int) -> None:
 
 
 def normalise_request(req: CompletionRequest, s: ServingParams) -> CompletionInputs:
-    """What an editor sent -> what a backend takes: one prompt (a one-element list is fine), a FIM prompt
-    parsed or built from prompt + suffix, the stop list, and sampling within the server's limits.
-    Pure: raises ApiError (413, 422) naming the field."""
+    """What an editor sent -> what the router takes: one prompt (a one-element list is fine), parsed in any
+    FIM template tabrl knows or given as prefix (prompt) + suffix, the stop list, and sampling within the
+    server's limits. Pure: raises ApiError (400, 413, 422) naming the field."""
     if isinstance(req.prompt, list):
         if len(req.prompt) != 1:
             raise ApiError(422, f"prompt: send one prompt per request (got a list of {len(req.prompt)})", "prompt")
@@ -218,25 +222,25 @@ def normalise_request(req: CompletionRequest, s: ServingParams) -> CompletionInp
     check_size("prompt", text, s.max_prompt_chars)
     if req.suffix is not None:
         check_size("suffix", req.suffix, s.max_prompt_chars)
-        prefix, suffix, prompt = text, req.suffix, build_prompt(text, req.suffix)
+        source, fim, client_prompt = None, FimPrompt(text, req.suffix), suffix_form_prompt(text, req.suffix)
     else:
         try:
-            fim = parse_prompt(text)
+            source, fim = parse_any(text)
         except FimFormatError as err:
             raise ApiError(
-                422,
-                f"prompt: {err}; send a FIM prompt (<|fim_prefix|>...<|fim_suffix|>...<|fim_middle|>) "
-                "or the prefix as prompt plus suffix",
+                400,
+                f"{err}; send a FIM prompt in one of {', '.join(TEMPLATES)} "
+                "(the prefix-only form: the prefix as prompt plus `suffix`)",
                 "prompt",
             ) from None
-        prefix, suffix, prompt = fim.prefix, fim.suffix, text
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or STOP_STRINGS)
-    if len(stop) > MAX_STOP_STRINGS:
+        client_prompt = text
+    stop = [req.stop] if isinstance(req.stop, str) else (list(req.stop) if req.stop else None)
+    if stop is not None and len(stop) > MAX_STOP_STRINGS:
         raise ApiError(422, f"stop: at most {MAX_STOP_STRINGS} stop strings (got {len(stop)})", "stop")
     max_tokens = min(req.max_tokens or s.max_tokens, s.max_tokens)  # clients ask for more than a FIM line needs
     temperature = s.temperature if req.temperature is None else req.temperature
     top_p = s.top_p if req.top_p is None else req.top_p
-    return CompletionInputs(prefix, suffix, prompt, stop, max_tokens, temperature, top_p)
+    return CompletionInputs(FimRequest(fim, source, stop, max_tokens, temperature, top_p), client_prompt)
 
 
 def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
@@ -318,16 +322,12 @@ class Gateway:
         started = time.perf_counter()
         caller = await self.caller_of(request, req.user)
         inputs = normalise_request(req, self.s)
-        prefix, suffix, prompt, stop = inputs.prefix, inputs.suffix, inputs.prompt, inputs.stop
-        max_tokens, temperature, top_p = inputs.max_tokens, inputs.temperature, inputs.top_p
         self.limiter.check(caller)
         try:
             arm, champion = await self.router.route(caller.user_id, request.headers.get("x-tabrl-arm"))
         except UnknownArmError as err:
             raise ApiError(404 if request.headers.get("x-tabrl-arm") else 503, str(err), "X-Tabrl-Arm") from None
-        arm, gen = await self.router.complete(
-            arm, champion, prompt, max_tokens, temperature, top_p, stop, self.fell_back
-        )
+        arm, prompt, gen = await self.router.complete(arm, champion, inputs.request, self.fell_back)
         completion_id = f"cmpl-{uuid.uuid4().hex}"
         latency_ms = (time.perf_counter() - started) * 1000.0
         if caller.logged:
@@ -339,16 +339,16 @@ class Gateway:
                         "user_id": caller.user_id,
                         "arm": arm.name,
                         "model_version": arm.model_version,
-                        "prompt": prompt,
-                        "prefix": prefix,
-                        "suffix": suffix,
+                        "prompt": prompt,  # as the arm's model saw it: training replays the same tokens
+                        "prefix": inputs.request.fim.prefix,
+                        "suffix": inputs.request.fim.suffix,
                         "completion": gen.text,
                         "token_ids": gen.token_ids,
                         "logprobs": gen.logprobs,
-                        "temperature": temperature,
+                        "temperature": inputs.request.temperature,
                         "latency_ms": latency_ms,
                         "abstained": not gen.text,
-                        "prompt_hash": prompt_hash(prompt, gen.text),
+                        "prompt_hash": prompt_hash(inputs.client_prompt, gen.text),
                     }
                 )
             )

@@ -24,6 +24,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from serving.store import completions, feedback
+from tasks.fim import QWEN
 
 Op = Callable[[Connection], Any]
 
@@ -114,6 +115,12 @@ def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+def suffix_form_prompt(prefix: str, suffix: str) -> str:
+    """The prompt a request or outcome sent as prefix + suffix is keyed by (Qwen's rendering: a fixed
+    convention, whichever model served it)."""
+    return QWEN.render(prefix, suffix)
 
 
 def prompt_hash(prompt: str, completion: str) -> str:

@@ -6,6 +6,10 @@ every request until the arms or the salt change. Arms are re-read from the store
 ``serving.config_ttl_s`` seconds, so `tabrl arms` (or the rollout flow) changes traffic without a
 restart. The champion is the arm named ``champion``, else the arm with the largest share; a failing
 challenger falls back to it (the gateway logs and counts that).
+
+Each arm's model speaks its own FIM template: the request's prefix, suffix and context are rendered
+in it here, so two families can be A/B tested on the same traffic, and the prompt the arm's model
+saw is what the gateway logs.
 """
 
 from __future__ import annotations
@@ -14,13 +18,38 @@ import asyncio
 import hashlib
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from sqlalchemy.engine import Engine
 
 from serving.backends import Backend, BackendError, make_backend
 from serving.errors import ApiError
 from serving.store import CHAMPION, Arm, read_arms
+from tasks.fim import FimPrompt, FimTemplate
 from tasks.generate import Generation
+
+
+@dataclass(frozen=True)
+class FimRequest:
+    """What the editor asked, independent of any model's format."""
+
+    fim: FimPrompt
+    source: FimTemplate | None  # the template the editor wrote the prompt in; None: prompt + suffix
+    stop: list[str] | None  # the editor's stop strings, None: the serving model's
+    max_tokens: int
+    temperature: float
+    top_p: float
+
+
+def stops_for(target: FimTemplate, request: FimRequest) -> list[str]:
+    """The stop list for a model in ``target``: the editor's when it wrote in that template; else the target's
+    own markers plus the editor's plain-text stops (its markers mean nothing to another family)."""
+    if request.stop is None:
+        return list(target.stops)
+    if request.source == target:
+        return request.stop
+    theirs = request.source.stops if request.source is not None else ()
+    return list(dict.fromkeys([*target.stops, *(s for s in request.stop if s not in theirs)]))
 
 
 class UnknownArmError(LookupError):
@@ -96,27 +125,33 @@ class Router:
             return match[0], champion
         return assign(user_id, self.salt, arms), champion
 
+    async def generate(self, arm: Arm, request: FimRequest) -> tuple[str, Generation]:
+        """(the prompt in the arm's template, its generation)."""
+        backend = self.backend(arm)
+        template = await backend.template()
+        prompt = template.rerender(request.fim, request.source)
+        gen = await backend.complete(
+            prompt, request.max_tokens, request.temperature, request.top_p, stops_for(template, request)
+        )
+        return prompt, gen
+
     async def complete(
         self,
         arm: Arm,
         champion: Arm,
-        prompt: str,
-        max_tokens: int,
-        temperature: float,
-        top_p: float,
-        stop: list[str],
+        request: FimRequest,
         on_fallback: Callable[[Arm, BackendError], None] = lambda arm, err: None,
-    ) -> tuple[Arm, Generation]:
-        """Generate with the arm; when a challenger's backend fails, the champion answers (on_fallback is told).
-        502 when the champion itself fails."""
+    ) -> tuple[Arm, str, Generation]:
+        """(arm that answered, the prompt its model saw, generation). When a challenger's backend fails, the
+        champion answers (on_fallback is told); 502 when the champion itself fails."""
         try:
-            return arm, await self.backend(arm).complete(prompt, max_tokens, temperature, top_p, stop)
+            return arm, *await self.generate(arm, request)
         except BackendError as err:
             if arm.name == champion.name:
                 raise ApiError(502, f"arm {arm.name!r} ({arm.backend} {arm.model_uri}) failed: {err}") from err
             on_fallback(arm, err)
         try:
-            return champion, await self.backend(champion).complete(prompt, max_tokens, temperature, top_p, stop)
+            return champion, *await self.generate(champion, request)
         except BackendError as err:
             raise ApiError(
                 502,

@@ -20,7 +20,6 @@ import httpx
 
 from tasks.config import TrafficParams
 from tasks.editor import Region, Session, Turn, TypingSummary, summarise_turns
-from tasks.fim import build_prompt
 from tasks.simulated_users import SimUser
 
 
@@ -52,7 +51,8 @@ async def _one_user(
         while not session.done and budget[0] > 0:  # the budget spent, the user stops where the cursor is
             budget[0] -= 1
             request = session.request()
-            body = {"prompt": build_prompt(request["prefix"], request["suffix"]), "user": user.user_id}
+            # prefix + suffix: the gateway renders them in the serving arm's own template, whatever its family
+            body = {"prompt": request["prefix"], "suffix": request["suffix"], "user": user.user_id}
             if max_tokens is not None:
                 body["max_tokens"] = max_tokens
             async with limiter:

@@ -23,8 +23,7 @@ from tqdm import tqdm
 
 from tasks.config import Params, SimulatorParams
 from tasks.editor import Region, Turn, TypingSummary, pause_requests, run_sessions, summarise_turns
-from tasks.fim import build_prompt
-from tasks.generate import generate, load_model
+from tasks.generate import LoadedModel, generate, load_model
 from tasks.simulated_users import SimUser, Summary, is_right, make_users, replay, right_if_cut, summarise
 
 
@@ -45,8 +44,7 @@ class TypingRun:
 
 
 def complete_samples(
-    model,
-    tokenizer,
+    lm: LoadedModel,
     samples: Sequence[dict],
     max_new_tokens: int,
     batch_size: int,
@@ -58,19 +56,17 @@ def complete_samples(
     suggestions: list[str] = []
     for start in tqdm(range(0, len(samples), batch_size), desc=desc, unit="batch"):
         chunk = samples[start : start + batch_size]
-        prompts = [build_prompt(s["prefix"], s["suffix"]) for s in chunk]
-        gens = generate(model, tokenizer, prompts, max_new_tokens, temperature=temperature, seed=seed + start)
+        prompts = [lm.template.render(s["prefix"], s["suffix"]) for s in chunk]
+        gens = generate(*lm, prompts, max_new_tokens, temperature=temperature, seed=seed + start)
         suggestions.extend(g.text for g in gens)
     return suggestions
 
 
 def acceptance(model_dir: str | Path, samples: Sequence[dict], params: Params, n_users: int = 16) -> AcceptanceResult:
     """Span FIM samples replayed to simulated users (greedy)."""
-    model, tokenizer = load_model(model_dir)
+    lm = load_model(model_dir)
     samples = list(samples)[: params.evaluate.n_samples]
-    suggestions = complete_samples(
-        model, tokenizer, samples, params.evaluate.max_new_tokens, params.evaluate.batch_size
-    )
+    suggestions = complete_samples(lm, samples, params.evaluate.max_new_tokens, params.evaluate.batch_size)
     users = make_users(n_users, params.simulator)
     outcomes = replay(samples, suggestions, users, params.simulator.seed)
     return AcceptanceResult(summarise(outcomes, suggestions), suggestions, outcomes)
@@ -96,8 +92,7 @@ def session_stats(turns: Sequence[Turn], typed: dict[str, int]) -> list[tuple[in
 
 
 def type_regions(
-    model,
-    tokenizer,
+    lm: LoadedModel,
     regions: Sequence[Region],
     params: Params,
     users: Sequence[SimUser] | None = None,
@@ -109,10 +104,9 @@ def type_regions(
     batch = itertools.count()
 
     def suggest(requests: list[dict]) -> list[str]:
-        prompts = [build_prompt(r["prefix"], r["suffix"]) for r in requests]
+        prompts = [lm.template.render(r["prefix"], r["suffix"]) for r in requests]
         gens = generate(
-            model,
-            tokenizer,
+            *lm,
             prompts,
             params.evaluate.max_new_tokens,
             temperature=temperature,
@@ -135,8 +129,7 @@ def type_regions(
 
 
 def typing_acceptance(model_dir: str | Path, regions: Sequence[Region], params: Params) -> TypingRun:
-    model, tokenizer = load_model(model_dir)
-    return type_regions(model, tokenizer, regions, params, desc=f"type with {Path(model_dir).name}")
+    return type_regions(load_model(model_dir), regions, params, desc=f"type with {Path(model_dir).name}")
 
 
 def noise_floor(simulator: SimulatorParams) -> float:
@@ -172,18 +165,17 @@ def headroom(
     min_accept_chars: int = 4,
 ) -> Headroom:
     """Right rates of a checkpoint on the first n_requests model-free held-out requests (noise-free rule)."""
-    model, tokenizer = load_model(model_dir)
+    lm = load_model(model_dir)
     requests = list(itertools.islice((q for r in regions for q in pause_requests(r, params.traffic)), n_requests))
     if not requests:
         raise ValueError("the regions produced no request")
     truths = [q["middle"] for q in requests]
     greedy = complete_samples(
-        model, tokenizer, requests, params.evaluate.max_new_tokens, params.evaluate.batch_size, desc="headroom: greedy"
+        lm, requests, params.evaluate.max_new_tokens, params.evaluate.batch_size, desc="headroom: greedy"
     )
     repeated = [q for q in requests for _ in range(k)]
     sampled = complete_samples(
-        model,
-        tokenizer,
+        lm,
         repeated,
         params.evaluate.max_new_tokens,
         params.evaluate.batch_size,

@@ -20,7 +20,7 @@ from tasks.console import ParamsOpt, SetOpt, console, params_or_exit
 from tasks.deploy.cli import ab_status_cmd, promote_cmd, rollback_cmd
 from tasks.evaluate.cli import acceptance_cmd, evaluate_cmd, headroom_cmd
 from tasks.ingest.cli import corpus_cmd, data_cmd, ingest_cmd
-from tasks.train.cli import build_base_cmd, train_cmd
+from tasks.train.cli import build_base_cmd, import_model_cmd, train_cmd
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
@@ -37,6 +37,7 @@ def show_params(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) ->
 app.command("corpus")(corpus_cmd)
 app.command("data")(data_cmd)
 app.command("build-base")(build_base_cmd)
+app.command("import-model")(import_model_cmd)
 app.command("acceptance")(acceptance_cmd)
 app.command("headroom")(headroom_cmd)
 app.command("evaluate")(evaluate_cmd)

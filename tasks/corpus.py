@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from tasks.config import DataParams, FimParams, TrafficParams
 from tasks.editor import pick_regions, write_regions
-from tasks.fim import FimFormatError, parse_prompt
+from tasks.fim import QWEN, FimFormatError
 from tasks.schema import CORPUS_SCHEMA, FIM_SCHEMA
 
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", ".git", ".venv", "node_modules"}
@@ -155,7 +155,7 @@ def _dataset_rows(source: Path) -> Iterable[dict]:
             prefix, suffix, middle = row["prefix"], row["suffix"], row["middle"]
         elif {"prompt", "solutions"} <= columns:
             try:
-                fim = parse_prompt(row["prompt"])
+                fim = QWEN.parse(row["prompt"])  # RLinf code-fim-v2 prompts are Qwen2.5-Coder's
             except FimFormatError as err:
                 raise CorpusError(f"{source} row {index}: {err}") from err
             solutions = row["solutions"]

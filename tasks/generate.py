@@ -1,6 +1,7 @@
 """Load a Hugging Face checkpoint and complete FIM prompts, keeping token ids and log-probs.
 
-One code path for the tiny model and for a local Qwen2.5-Coder directory. Log-probs are those of
+One code path for the tiny model, an imported checkpoint (`tabrl import-model`) and a local
+Qwen2.5-Coder directory; each model's FIM template comes with it (``model_template``). Log-probs are those of
 the sampled tokens under the distribution actually sampled from: logits / temperature (greedy
 decoding reports temperature 1). The stop token that ended a completion is kept in ``token_ids``
 (stopping is an action the policy learns), never in ``text``.
@@ -12,11 +13,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from tasks.fim import STOP_STRINGS, parse_completion
+from tasks.fim import FimTemplate, infer_template, parse_completion, read_template
 
 
 class ModelLoadError(ValueError):
@@ -43,31 +45,74 @@ def check_model_dir(path: str | Path) -> Path:
     return path
 
 
-def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) from a local checkpoint directory; never downloads."""
+class LoadedModel(NamedTuple):
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    template: FimTemplate
+
+
+def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """(model, tokenizer, FIM template) from a local checkpoint directory; never downloads."""
     path = check_model_dir(path)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
     model.to(device).eval()
-    return model, tokenizer
+    return LoadedModel(model, tokenizer, model_template(path, tokenizer))
 
 
-def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """Ids of the stop strings that are single special tokens in this vocabulary."""
+def model_template(path: str | Path, tokenizer: PreTrainedTokenizerBase | None = None) -> FimTemplate:
+    """A checkpoint's FIM template: the one recorded with it, else inferred from its tokenizer's special tokens."""
+    recorded = read_template(path)
+    if recorded is not None:
+        return recorded
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(check_model_dir(path), local_files_only=True)
+    return infer_template(set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab()))
+
+
+def stops_of(template: FimTemplate, tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
+    """The template's stop strings plus the tokenizer's end of text (a model always may stop)."""
+    eos = tokenizer.eos_token
+    return template.stops + ((eos,) if eos and eos not in template.stops else ())
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, stops: Sequence[str]) -> list[int]:
+    """Ids of the stop strings that are single special tokens in this vocabulary, EOS always among them."""
     vocab = tokenizer.get_vocab()
-    return [vocab[s] for s in STOP_STRINGS if s in vocab]
+    ids = [vocab[s] for s in stops if s in vocab]
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
 
 
-def fit_prompt(ids: list[int], limit: int) -> list[int]:
-    """Prompt ids within limit tokens: keep the first (a FIM or repo marker) and drop the oldest after it."""
+def fit_prompt(ids: list[int], limit: int, keep_first: bool = True) -> list[int]:
+    """Prompt ids within limit tokens, dropping the oldest; keep_first keeps a leading FIM or repo marker."""
     if len(ids) <= limit:
         return ids
+    if not keep_first:
+        return ids[len(ids) - limit :]
     return ids[:1] + ids[len(ids) - limit + 1 :]
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, limit: int) -> list[int]:
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, limit: int, template: FimTemplate) -> list[int]:
     """The prompt ids a model sees, identical at serving and training time."""
-    return fit_prompt(tokenizer(prompt, add_special_tokens=False)["input_ids"], limit)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    return fit_prompt(ids, limit, template.keeps_first_token)
+
+
+def cut_tokens_at_text_stop(
+    tokenizer: PreTrainedTokenizerBase, ids: list[int], text_stops: Sequence[str]
+) -> tuple[list[int], bool]:
+    """(ids up to and including the token that completes a plain-text stop string, whether one did).
+    That token is the stop action; what the model wrote after it was never shown and is not kept."""
+    full = tokenizer.decode(ids, skip_special_tokens=False)
+    if not any(s in full for s in text_stops):
+        return ids, False
+    for n in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:n], skip_special_tokens=False)
+        if any(s in text for s in text_stops):
+            return ids[:n], True
+    return ids, False
 
 
 def prompt_limit(model: PreTrainedModel, max_new_tokens: int) -> int:
@@ -78,21 +123,26 @@ def prompt_limit(model: PreTrainedModel, max_new_tokens: int) -> int:
 def generate(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
+    template: FimTemplate,
     prompts: Sequence[str],
     max_new_tokens: int,
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int | None = None,
-    stop: Sequence[str] = STOP_STRINGS,
+    stop: Sequence[str] | None = None,
 ) -> list[Generation]:
-    """Complete a batch of prompts (left-padded); greedy when temperature == 0."""
+    """Complete a batch of prompts in the model's template (left-padded); greedy when temperature == 0.
+    stop: the request's stop strings (default: the template's, with the tokenizer's EOS)."""
     if not prompts:
         return []
     started = time.perf_counter()
-    stops = stop_token_ids(tokenizer)
+    stop = tuple(stop) if stop is not None else stops_of(template, tokenizer)
+    stops = stop_token_ids(tokenizer, stop)
+    vocab = tokenizer.get_vocab()
+    text_stops = [s for s in stop if s and s not in vocab]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     limit = prompt_limit(model, max_new_tokens)
-    encoded = [encode_prompt(tokenizer, p, limit) for p in prompts]
+    encoded = [encode_prompt(tokenizer, p, limit, template) for p in prompts]
     width = max(len(ids) for ids in encoded)
     device = next(model.parameters()).device
     input_ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
@@ -103,6 +153,8 @@ def generate(
     if seed is not None:
         torch.manual_seed(seed)
     sample = temperature > 0
+    # Plain-text stops (a newline for a prefix-only model) end a row early too; its tokens are cut below.
+    text_stop_kw = {"stop_strings": text_stops, "tokenizer": tokenizer} if text_stops else {}
     out = model.generate(
         input_ids=input_ids.to(device),
         attention_mask=attention.to(device),
@@ -115,6 +167,7 @@ def generate(
         pad_token_id=pad_id,
         return_dict_in_generate=True,
         output_logits=True,
+        **text_stop_kw,
     )
     new_tokens = out.sequences[:, width:].cpu()
     logits = torch.stack(out.logits, dim=1).float().cpu()  # (B, new, V)
@@ -132,6 +185,9 @@ def generate(
             if tok in stop_set:
                 finish = "stop"
                 break
+        ids, text_stopped = cut_tokens_at_text_stop(tokenizer, ids, text_stops)
+        if text_stopped:
+            lps, finish = lps[: len(ids)], "stop"
         raw = tokenizer.decode([t for t in ids if t not in stop_set], skip_special_tokens=False)
         results.append(
             Generation(

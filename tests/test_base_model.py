@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tasks.fim import EOS, FIM_MIDDLE, FIM_PAD, FIM_PREFIX, FIM_SUFFIX, SPECIAL_TOKENS, build_prompt
+from tasks.fim import QWEN, SPECIAL_TOKENS
 from tasks.generate import generate, load_model
 from tasks.train.base import encode_fim
 
@@ -14,9 +14,9 @@ def test_tokenizer_has_qwen_fim_special_tokens_as_single_ids(tiny_model_dir):
     for special in SPECIAL_TOKENS:
         ids = tok(special, add_special_tokens=False)["input_ids"]
         assert len(ids) == 1 and tok.decode(ids) == special
-    assert tok.eos_token == EOS and tok.pad_token == FIM_PAD
-    ids = tok(build_prompt("x = ", "\n"), add_special_tokens=False)["input_ids"]
-    assert ids[0] == tok.convert_tokens_to_ids(FIM_PREFIX) and ids[-1] == tok.convert_tokens_to_ids(FIM_MIDDLE)
+    assert tok.eos_token == QWEN.end and tok.pad_token == "<|fim_pad|>"
+    ids = tok(QWEN.render("x = ", "\n"), add_special_tokens=False)["input_ids"]
+    assert ids[0] == tok.convert_tokens_to_ids(QWEN.prefix) and ids[-1] == tok.convert_tokens_to_ids(QWEN.middle)
     text = "def f(x):\n\treturn x  # ünïcode\n"
     assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text  # byte-level: lossless
 
@@ -28,20 +28,21 @@ def test_checkpoint_is_a_plain_hf_directory_that_generates(tiny_model_dir):
     stats = json.loads((tiny_model_dir / "build_stats.json").read_text())
     assert stats["loss_last10_mean"] < stats["loss_first"]  # pre-training learned something
 
-    model, tok = load_model(tiny_model_dir)
-    prompts = [build_prompt("import os\n\ndef main():\n    ", "\n"), build_prompt("x = ", "")]
-    gens = generate(model, tok, prompts, max_new_tokens=8, temperature=0.0)
+    model, tok, template = load_model(tiny_model_dir)
+    assert template == QWEN  # inferred from the tokenizer's special tokens
+    prompts = [QWEN.render("import os\n\ndef main():\n    ", "\n"), QWEN.render("x = ", "")]
+    gens = generate(model, tok, template, prompts, max_new_tokens=8, temperature=0.0)
     assert len(gens) == 2
     for gen in gens:
         assert 1 <= len(gen.token_ids) <= 8 and len(gen.logprobs) == len(gen.token_ids)
         assert all(lp <= 0 for lp in gen.logprobs)
-        assert FIM_SUFFIX not in gen.text and EOS not in gen.text
+        assert QWEN.suffix not in gen.text and QWEN.end not in gen.text
 
 
 def test_sampled_logprobs_match_a_fresh_forward(tiny_model_dir):
-    model, tok = load_model(tiny_model_dir)
-    prompt = build_prompt("for i in range(10):\n    ", "\n")
-    gen = generate(model, tok, [prompt], max_new_tokens=6, temperature=0.8, seed=0)[0]
+    model, tok, template = load_model(tiny_model_dir)
+    prompt = QWEN.render("for i in range(10):\n    ", "\n")
+    gen = generate(model, tok, template, [prompt], max_new_tokens=6, temperature=0.8, seed=0)[0]
     ids = tok(prompt, add_special_tokens=False)["input_ids"]
     full = torch.tensor([ids + gen.token_ids])
     with torch.no_grad():
@@ -59,15 +60,15 @@ def test_encode_fim_fits_seq_len(tiny_model_dir):
 
 
 def test_long_prompts_are_cut_from_the_oldest_context(tiny_model_dir):
-    model, tok = load_model(tiny_model_dir)
-    prompt = build_prompt("value = compute(value)\n" * 400, "\n")
-    gen = generate(model, tok, [prompt], max_new_tokens=4)[0]
+    model, tok, template = load_model(tiny_model_dir)
+    prompt = QWEN.render("value = compute(value)\n" * 400, "\n")
+    gen = generate(model, tok, template, [prompt], max_new_tokens=4)[0]
     assert len(gen.token_ids) >= 1
     from tasks.generate import encode_prompt, prompt_limit
 
-    ids = encode_prompt(tok, prompt, prompt_limit(model, 4))
+    ids = encode_prompt(tok, prompt, prompt_limit(model, 4), template)
     assert len(ids) == model.config.max_position_embeddings - 4
-    assert ids[0] == tok.convert_tokens_to_ids(FIM_PREFIX) and ids[-1] == tok.convert_tokens_to_ids(FIM_MIDDLE)
+    assert ids[0] == tok.convert_tokens_to_ids(QWEN.prefix) and ids[-1] == tok.convert_tokens_to_ids(QWEN.middle)
 
 
 class _Killed(Exception):

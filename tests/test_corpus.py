@@ -13,7 +13,7 @@ from tasks.corpus import (
     write_corpus,
     write_fim,
 )
-from tasks.fim import build_prompt
+from tasks.fim import QWEN
 from tests.conftest import tiny_params
 
 
@@ -79,7 +79,7 @@ def test_external_jsonl_fim_sets_load(tmp_path):
     rows = []
     for i in range(40):
         prefix, suffix, middle = f"def f{i}(x):\n    ", "\n", f"return x * {i} + helper_{i}(x)"
-        rows.append({"prompt": build_prompt(prefix, suffix), "solutions": [middle], "path": f"repo/file{i}.py"})
+        rows.append({"prompt": QWEN.render(prefix, suffix), "solutions": [middle], "path": f"repo/file{i}.py"})
     code_fim = tmp_path / "code-fim.jsonl"
     code_fim.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     params = tiny_params(data={"source": str(code_fim)}, fim={"n_train": 100, "n_test": 100})

@@ -12,13 +12,13 @@ import sqlalchemy as sa
 from serving.auth import add_key, set_opt_out
 from serving.gateway import create_app
 from serving.store import Arm, completions, feedback, init_schema, make_engine, replace_arms
-from tasks.fim import build_prompt
+from tasks.fim import QWEN
 from tests.conftest import tiny_params
 from tests.serving_util import serve_app
 
 PREFIX = "def add(a, b):\n    "
 SUFFIX = "\n\nprint(add(1, 2))\n"
-FIM = build_prompt(PREFIX, SUFFIX)
+FIM = QWEN.render(PREFIX, SUFFIX)
 # Continue's repo-level template for qwen...coder models.
 REPO_FIM = (
     f"<|repo_name|>demo\n<|file_sep|>util.py\ndef helper():\n    return 1\n"
@@ -151,7 +151,7 @@ def test_opted_out_users_are_served_not_logged(gw):
 BAD_INPUTS = [
     ("/v1/completions", b"{not json", 422, "malformed JSON"),
     ("/v1/completions", {"max_tokens": 4}, 422, "prompt"),
-    ("/v1/completions", {"prompt": "def f():"}, 422, "<|fim_prefix|>"),
+    ("/v1/completions", {"prompt": "def f():"}, 400, "starcoder"),
     ("/v1/completions", {"prompt": "x" * 5000, "suffix": ""}, 413, "prompt is 5000 characters"),
     ("/v1/completions", {"prompt": FIM, "temperature": -1}, 422, "temperature"),
     ("/v1/completions", {"prompt": [FIM, FIM]}, 422, "one prompt per request"),

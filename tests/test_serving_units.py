@@ -9,33 +9,51 @@ import pytest
 from serving.auth import Caller, Directory, RateLimiter, add_key, resolve_caller, set_opt_out
 from serving.errors import ApiError
 from serving.gateway import CompletionRequest, normalise_request
+from serving.router import FimRequest, stops_for
 from serving.store import init_schema, make_engine
 from tasks.config import ServingParams
-from tasks.fim import STOP_STRINGS, build_prompt
+from tasks.fim import CODELLAMA, CODESTRAL, DEEPSEEK, PREFIX_ONLY, QWEN, STARCODER, FimPrompt
 
 SERVING = ServingParams(max_tokens=48, temperature=0.7, max_prompt_chars=100)
 
 
 def test_a_fim_prompt_is_parsed_and_sampling_follows_the_server():
-    inputs = normalise_request(CompletionRequest(prompt=build_prompt("def f(", "):\n"), max_tokens=500), SERVING)
-    assert (inputs.prefix, inputs.suffix, inputs.prompt) == ("def f(", "):\n", build_prompt("def f(", "):\n"))
-    assert inputs.max_tokens == 48  # capped at serving.max_tokens
-    assert inputs.temperature == 0.7 and inputs.stop == list(STOP_STRINGS)
+    prompt = QWEN.render("def f(", "):\n")
+    inputs = normalise_request(CompletionRequest(prompt=prompt, max_tokens=500), SERVING)
+    req = inputs.request
+    assert (req.fim, req.source, inputs.client_prompt) == (FimPrompt("def f(", "):\n"), QWEN, prompt)
+    assert req.max_tokens == 48  # capped at serving.max_tokens
+    assert req.temperature == 0.7 and req.stop is None  # no stop: the serving model's own
 
 
-def test_prefix_and_suffix_become_a_fim_prompt_and_a_one_element_list_is_one_prompt():
+def test_prefix_and_suffix_are_taken_as_they_are_and_a_one_element_list_is_one_prompt():
     inputs = normalise_request(
         CompletionRequest(prompt=["x = "], suffix="\n", temperature=0.0, stop="\n", max_tokens=4), SERVING
     )
-    assert inputs.prompt == build_prompt("x = ", "\n") and inputs.prefix == "x = " and inputs.suffix == "\n"
-    assert inputs.temperature == 0.0 and inputs.stop == ["\n"] and inputs.max_tokens == 4
+    req = inputs.request
+    assert req.fim == FimPrompt("x = ", "\n") and req.source is None
+    assert inputs.client_prompt == QWEN.render("x = ", "\n")  # the key outcomes sent as prefix + suffix match on
+    assert req.temperature == 0.0 and req.stop == ["\n"] and req.max_tokens == 4
+
+
+@pytest.mark.parametrize("template", [QWEN, STARCODER, DEEPSEEK, CODELLAMA, CODESTRAL])
+def test_every_fim_template_continue_sends_is_understood(template):
+    inputs = normalise_request(CompletionRequest(prompt=template.render("a = ", "\nb")), SERVING)
+    assert inputs.request.source == template and inputs.request.fim == FimPrompt("a = ", "\nb")
+
+
+def test_stops_follow_the_serving_model_when_families_differ():
+    req = FimRequest(FimPrompt("a", "b"), QWEN, [*QWEN.stops[:2], "\n\n"], 8, 0.0, 1.0)
+    assert stops_for(QWEN, req) == req.stop  # same family: the editor's list as sent
+    assert stops_for(STARCODER, req) == [*STARCODER.stops, "\n\n"]  # Qwen's markers swapped for StarCoder's
+    assert stops_for(PREFIX_ONLY, FimRequest(FimPrompt("a", "b"), None, None, 8, 0.0, 1.0)) == ["\n"]
 
 
 @pytest.mark.parametrize(
     "request_, status, param",
     [
         (CompletionRequest(prompt=["a", "b"]), 422, "prompt"),
-        (CompletionRequest(prompt="no fim markers here"), 422, "prompt"),
+        (CompletionRequest(prompt="no fim markers here"), 400, "prompt"),
         (CompletionRequest(prompt="x" * 101, suffix=""), 413, "prompt"),
         (CompletionRequest(prompt="x", suffix="y" * 101), 413, "suffix"),
         (CompletionRequest(prompt="x", suffix="", stop=[str(i) for i in range(33)]), 422, "stop"),

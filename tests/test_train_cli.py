@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from tasks.cli import app
 from tasks.corpus import write_samples
-from tasks.fim import build_prompt
+from tasks.fim import QWEN
 from tasks.generate import generate, load_model
 from tasks.train.grpo import group_advantages
 from tests.conftest import tiny_params
@@ -33,9 +33,9 @@ def test_group_advantages_are_normalised_within_the_group():
 
 def test_cli_grpo_then_ppo_on_its_snapshot(tiny_model_dir, fim_samples, tmp_path):
     # the tiny model is rarely right on real middles; make the truth its own greedy guess so groups have signal
-    model, tok = load_model(tiny_model_dir)
+    model, tok, template = load_model(tiny_model_dir)
     short = [dict(s, prefix=s["prefix"][-300:], suffix=s["suffix"][:60]) for s in fim_samples[:6]]
-    greedy = generate(model, tok, [build_prompt(s["prefix"], s["suffix"]) for s in short], 8)
+    greedy = generate(model, tok, template, [QWEN.render(s["prefix"], s["suffix"]) for s in short], 8)
     fim = tmp_path / "train.parquet"
     write_samples([dict(s, middle=g.text or s["middle"]) for s, g in zip(short, greedy, strict=True)], fim)
     params = _params_file(tmp_path)

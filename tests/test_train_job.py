@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from tasks.fim import build_prompt
+from tasks.fim import QWEN
 from tasks.generate import generate, load_model, prompt_limit
 from tasks.schema import REWARDED_SCHEMA
 from tasks.train.batching import build_examples, pack, read_snapshot
@@ -49,9 +49,9 @@ def _row(prompt, text, ids, logps, advantage, outcome="rejected"):
 @pytest.fixture(scope="module")
 def snapshot(tmp_path_factory, tiny_model_dir, fim_samples) -> Path:
     """16 sampled completions with behaviour log-probs, plus the edge rows of real logs."""
-    model, tok = load_model(tiny_model_dir)
-    prompts = [build_prompt(s["prefix"][-300:], s["suffix"][:60]) for s in fim_samples[:16]]  # short: fast on 2 cores
-    gens = generate(model, tok, prompts, MAX_NEW, temperature=TEMPERATURE, seed=0)
+    model, tok, template = load_model(tiny_model_dir)
+    prompts = [QWEN.render(s["prefix"][-300:], s["suffix"][:60]) for s in fim_samples[:16]]  # short: fast on 2 cores
+    gens = generate(model, tok, template, prompts, MAX_NEW, temperature=TEMPERATURE, seed=0)
     rng = random.Random(0)
     rows = [
         _row(p, g.text, g.token_ids, g.logprobs, rng.choice([0.75, -0.25])) for p, g in zip(prompts, gens, strict=True)
@@ -79,8 +79,8 @@ def _params(tmp, **train):
 
 
 def _examples(model_dir, snapshot, params):
-    model, tok = load_model(model_dir)
-    return model, build_examples(read_snapshot(snapshot), tok, prompt_limit(model, MAX_NEW), 512)
+    model, tok, template = load_model(model_dir)
+    return model, build_examples(read_snapshot(snapshot), tok, template, prompt_limit(model, MAX_NEW), 512)
 
 
 def _logps(model, examples, one_row=False):
@@ -203,7 +203,19 @@ def test_target_kl_stops_the_update_early_and_keeps_the_checkpoint(tiny_model_di
     assert full.stopped_early == "" and full.steps > 1
     assert "exceeds train.target_kl=1e-06" in early.stopped_early and 1 <= early.steps < full.steps
     assert json.loads((tmp_path / "early" / RESULT_FILE).read_text())["stopped_early"] == early.stopped_early
-    start, _ = load_model(tiny_model_dir)
-    stopped, _ = load_model(tmp_path / "early")
+    start, *_ = load_model(tiny_model_dir)
+    stopped, *_ = load_model(tmp_path / "early")
     pairs = zip(start.state_dict().values(), stopped.state_dict().values(), strict=True)
     assert any(not torch.equal(a, b) for a, b in pairs)
+
+
+def test_rows_another_family_sampled_are_not_trained_on(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from tasks.train.batching import sampled_by_another_model
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
+    ids = tok("return x", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert not sampled_by_another_model({"token_ids": ids, "completion": "return x"}, tok)
+    assert sampled_by_another_model({"token_ids": [len(tok) + 5], "completion": ""}, tok)  # outside the vocabulary
+    assert sampled_by_another_model({"token_ids": ids, "completion": "import os"}, tok)  # decodes to another text

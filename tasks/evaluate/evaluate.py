@@ -112,18 +112,17 @@ def held_out(samples: Sequence[dict], params: Params) -> list[dict]:
 
 def suggest(model_dir: str | Path, samples: Sequence[dict], regions: Sequence[Region], params: Params) -> Suggestions:
     """Greedy batched completions of a model for the samples (timed) and its typing sessions."""
-    model, tokenizer = load_model(model_dir)
+    lm = load_model(model_dir)
     started = time.perf_counter()
     texts = complete_samples(
-        model,
-        tokenizer,
+        lm,
         samples,
         params.evaluate.max_new_tokens,
         params.evaluate.batch_size,
         desc=f"generate {Path(model_dir).name}",
     )
     elapsed_ms = (time.perf_counter() - started) * 1000.0
-    typing = type_regions(model, tokenizer, regions, params, desc=f"type with {Path(model_dir).name}")
+    typing = type_regions(lm, regions, params, desc=f"type with {Path(model_dir).name}")
     return Suggestions(str(model_dir), texts, elapsed_ms / max(len(samples), 1), typing)
 
 

