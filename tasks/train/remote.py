@@ -98,7 +98,8 @@ def train_from_references(
     train in a scratch directory under work_dir, log the candidate as the run's `model` artifact and tag
     the outcome. A guard that stops the update is an outcome (tagged `diverged`, returns None), not a failure.
 
-    Model downloads are cached in work_dir/state/model_cache (this host's own), never in the cycle's paths."""
+    work_dir is the flow run's working directory: a fresh one per run from the process worker, or the pool's
+    `working_dir` job variable, which then keeps the downloaded models (work_dir/state/model_cache) across runs."""
     here = params.model_copy(update={"paths": params.paths.model_copy(update={"state_dir": str(work_dir / "state")})})
     mlflow.set_tracking_uri(here.paths.mlflow_tracking_uri)  # the update's per-step metrics go to the cycle's run
     client = tracking_client(here)
