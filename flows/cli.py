@@ -1,4 +1,5 @@
-"""`tabrl cycle` (a manual retraining run) and `tabrl schedule` (both flows as Prefect deployments)."""
+"""`tabrl cycle` (a manual retraining run), `tabrl schedule` (both flows served from one process: a laptop)
+and `tabrl deploy` (the flows as deployments on Prefect work pools: a cluster)."""
 
 from __future__ import annotations
 
@@ -65,3 +66,74 @@ def schedule_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -
         f"serving deployments: online-rl-cycle ({timing}), ab-decision (every {p.deploy.decision_every_minutes} min)"
     )
     serve(cycle, decision)
+
+
+RepoOpt = Annotated[Path, typer.Option(help="Project repo (DVC) on the cpu hosts; recorded as an absolute path.")]
+
+
+def deploy_cmd(
+    repo: RepoOpt = Path("."),
+    params: ParamsOpt = DEFAULT_PARAMS_FILE,
+    set_: SetOpt = None,
+) -> None:
+    """Register the flows on a Prefect server's work pools (created when missing, type `process`).
+
+    online-rl-cycle and ab-decision go to the cluster.cpu_pool on the schedules in params; the training
+    step, train-candidate, to cluster.gpu_pool, started by each cycle with run_deployment
+    (cluster.train_on=pool is added to the cycle's overrides). Then start workers:
+    `prefect worker start --pool cpu` on hosts with the project repo, `--pool gpu` on GPU hosts. The
+    params file and the repo are recorded as absolute paths (the cpu hosts' checkout). See the README,
+    "Running on a cluster"."""
+    from datetime import timedelta
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.deployments.runner import EntrypointType
+    from prefect.exceptions import ObjectNotFound
+    from prefect.workers.process import ProcessWorker
+
+    from flows.ab_decision import ab_decision
+    from flows.cycle import online_rl_cycle
+    from flows.train_flow import train_candidate
+
+    overrides = [*(set_ or []), "cluster.train_on=pool"]
+    p = params_or_exit(params, overrides)
+    if not os.environ.get("PREFECT_API_URL"):
+        console.print("error: PREFECT_API_URL is not set: deployments live on a Prefect server (http://HOST:4200/api)")
+        raise typer.Exit(2)
+    cp = p.cluster
+    with get_client(sync_client=True) as client:
+        for pool in (cp.cpu_pool, cp.gpu_pool):
+            try:
+                client.read_work_pool(pool)
+            except ObjectNotFound:
+                template = ProcessWorker.get_default_base_job_template()
+                client.create_work_pool(WorkPoolCreate(name=pool, type="process", base_job_template=template))
+                console.print(f"created work pool {pool} (process)")
+    args = {"params_file": str(params.resolve()), "overrides": overrides}
+    timing = (
+        {"cron": p.deploy.cycle_cron}
+        if p.deploy.cycle_cron
+        else {"interval": timedelta(minutes=p.deploy.cycle_every_minutes)}
+    )
+    by_module = {"entrypoint_type": EntrypointType.MODULE_PATH}  # workers import tabrl; no source dir to share
+    deployments = [
+        online_rl_cycle.to_deployment(
+            name="online-rl-cycle",
+            parameters={**args, "repo_dir": str(repo.resolve())},
+            work_pool_name=cp.cpu_pool,
+            **by_module,
+            **timing,
+        ),
+        ab_decision.to_deployment(
+            name="ab-decision",
+            parameters=args,
+            work_pool_name=cp.cpu_pool,
+            interval=timedelta(minutes=p.deploy.decision_every_minutes),
+            **by_module,
+        ),
+        train_candidate.to_deployment(name=cp.train_deployment, work_pool_name=cp.gpu_pool, **by_module),
+    ]
+    for deployment in deployments:
+        deployment.apply()
+        console.print(f"deployed {deployment.flow_name}/{deployment.name} on pool {deployment.work_pool_name}")

@@ -5,7 +5,11 @@
 
 The flow holds no logic but the gate: it skips (and says why) while a challenger is still under
 test (unless forced) or when the snapshot is too small to train on, and keeps the champion when a
-training guard (non-finite loss, approx-KL) stops the update.
+training guard (non-finite loss, approx-KL) stops the update. Training runs here or, with
+`cluster.train_on: pool` (`tabrl deploy`), as the `train-candidate` deployment on the gpu pool
+(tasks/train/remote.py); a training run that fails, is cancelled or loses its worker ends the cycle
+as `train_failed` with the champion and the ingest watermark as they were (the snapshot's rows are
+trained on by the next cycle).
 """
 
 from __future__ import annotations
@@ -29,15 +33,15 @@ from tasks.deploy.registry import (
 from tasks.deploy.rollout import rollout
 from tasks.editor import read_regions, regions_path
 from tasks.evaluate.evaluate import compare_task
-from tasks.ingest.task import ingest_task
+from tasks.ingest.task import commit_ingest_task, ingest_task
 from tasks.reward.task import reward_task
-from tasks.train.launch import train_task
 from tasks.train.ppo import TrainingDiverged
+from tasks.train.remote import TrainingLost, train_step
 
 
 @dataclass
 class CycleReport:
-    status: str  # "deployed" | "gate_failed" | "diverged" (a training guard fired) | "skipped"
+    status: str  # "deployed" | "gate_failed" | "diverged" (a training guard fired) | "train_failed" | "skipped"
     reason: str
     run_id: str | None = None
     snapshot: str | None = None
@@ -70,9 +74,11 @@ def online_rl_cycle(
     report = CycleReport("skipped", "", run_id=run_id)
     mlflow.set_tracking_uri(params.paths.mlflow_tracking_uri)  # the stages log into the active run
     with mlflow.start_run(run_id=run_id, log_system_metrics=False):  # ends FAILED if a stage raises
-        ingested = ingest_task(params, Path(repo_dir))
+        pending = ingest_task(params, Path(repo_dir))  # the watermark moves once training has finished
+        ingested = pending.result
         report.snapshot = str(ingested.snapshot) if ingested.snapshot else None
         if ingested.snapshot is None or ingested.rows < params.train.min_rows:
+            commit_ingest_task(params, pending)
             report.reason = f"too few rows to train on ({ingested.rows} < train.min_rows={params.train.min_rows})"
             log.info(f"skipped training: {report.reason}")
         else:
@@ -80,13 +86,17 @@ def online_rl_cycle(
             rewarded = reward_task(
                 ingested.snapshot, params.reward, ingested.snapshot.with_suffix(".rewarded.parquet"), ingested.arms
             )
-            candidate_dir = Path(params.paths.models_dir) / "candidates" / run_id
             try:
-                trained = train_task(str(rewarded.path), str(champion_dir), str(candidate_dir), params)
+                trained, candidate_dir = train_step(rewarded.path, champion, champion_dir, params, run_id)
             except TrainingDiverged as err:  # a guard stopped the update: nothing to evaluate, the champion stays
+                commit_ingest_task(params, pending)
                 report.status, report.reason = "diverged", f"training stopped by a guard: {err}"
                 log.warning(f"candidate not trained: {report.reason}")
+            except TrainingLost as err:  # the watermark stays: the next cycle trains on these rows
+                report.status, report.reason = "train_failed", str(err)
+                log.error(f"candidate not trained: {report.reason}")
             else:
+                commit_ingest_task(params, pending)
                 if trained.stopped_early:
                     log.info(f"update ended early: {trained.stopped_early}")
                     mlflow.set_tag("tabrl.train_stopped_early", trained.stopped_early[:5000])

@@ -13,7 +13,7 @@ import json
 
 import typer
 
-from flows.cli import cycle_cmd, schedule_cmd
+from flows.cli import cycle_cmd, deploy_cmd, schedule_cmd
 from serving.cli import arms_cmd, import_continue_cmd, keys_app, purge_cmd, serve_cmd, simulate_cmd
 from tasks.config import DEFAULT_PARAMS_FILE
 from tasks.console import ParamsOpt, SetOpt, console, params_or_exit
@@ -53,4 +53,5 @@ app.command("train")(train_cmd)
 app.command("ingest")(ingest_cmd)
 app.command("cycle")(cycle_cmd)
 app.command("schedule")(schedule_cmd)
+app.command("deploy")(deploy_cmd)
 app.command("purge")(purge_cmd)

@@ -257,6 +257,18 @@ class TrainParams(Section):
     """A cycle skips training when its snapshot has fewer usable rows."""
     seed: int = 0
     """Seed of shuffling and dropout."""
+    num_nodes: int = Field(1, ge=1)
+    """Hosts of one DeepSpeed job (GPUs only; the launcher's `--num_nodes`), each running train.nproc ranks;
+    more than 1 needs train.hostfile."""
+    hostfile: str | None = None
+    """DeepSpeed hostfile on the GPU worker that launches the job (`HOST slots=GPUS` per line; the launcher's
+    `--hostfile`, reached over passwordless ssh/pdsh); null: this host only."""
+
+    @model_validator(mode="after")
+    def _nodes(self) -> TrainParams:
+        if self.num_nodes > 1 and not self.hostfile:
+            raise ValueError(f"num_nodes = {self.num_nodes} needs a hostfile listing the nodes (train.hostfile)")
+        return self
 
 
 class JudgeParams(Section):
@@ -428,6 +440,28 @@ class IngestParams(Section):
     across requests is scanned once."""
 
 
+class ClusterParams(Section):
+    """Across machines (`tabrl deploy`): Prefect work pools, the training deployment, the shared stores."""
+
+    cpu_pool: str = "cpu"
+    """Prefect work pool of the cycle and the A/B decision flows (ingest, reward, evaluate, register, decide)."""
+    gpu_pool: str = "gpu"
+    """Prefect work pool of the training flow (GPU hosts run `prefect worker start --pool gpu`)."""
+    train_on: Literal["process", "pool"] = "process"
+    """`process`: the cycle trains in its own process (`tabrl cycle`, `tabrl schedule`); `pool`: it starts the
+    training deployment on the gpu pool with run_deployment and waits for it (`tabrl deploy` sets this)."""
+    train_deployment: str = "train-candidate"
+    """Name of the training deployment (of the flow `train-candidate`) that `tabrl deploy` registers."""
+    train_timeout_s: float = Field(6 * 3600.0, gt=0)
+    """How long the cycle waits for its training run (queued and running) before it cancels the run and ends
+    with status `train_failed`; a GPU worker that died leaves its run Running, and this is what ends it."""
+    train_poll_s: float = Field(5.0, gt=0)
+    """Seconds between the cycle's looks at the training run's state."""
+    dvc_remote: str | None = None
+    """DVC remote (a name from `dvc remote add` in the project repo) every snapshot is pushed to after
+    `dvc add`; null: snapshots stay in the local DVC cache (one machine)."""
+
+
 class PathsParams(Section):
     data_dir: str = "data"
     """Corpus, FIM samples and interaction snapshots."""
@@ -453,7 +487,18 @@ class Params(Section):
     deploy: DeployParams = DeployParams()
     serving: ServingParams = ServingParams()
     ingest: IngestParams = IngestParams()
+    cluster: ClusterParams = ClusterParams()
     paths: PathsParams = PathsParams()
+
+    @model_validator(mode="after")
+    def _shared_tracking_store(self) -> Params:
+        uri = self.paths.mlflow_tracking_uri
+        if self.cluster.train_on == "pool" and not uri.startswith(("http://", "https://")):
+            raise ValueError(
+                f"cluster.train_on = 'pool' needs an MLflow tracking server every host reaches "
+                f"(paths.mlflow_tracking_uri = http://HOST:PORT), got paths.mlflow_tracking_uri = {uri!r}"
+            )
+        return self
 
     def flat(self) -> dict[str, Any]:
         """Dotted key -> value, for logging the resolved config (MLflow params)."""

@@ -70,3 +70,22 @@ def test_params_are_frozen():
 def test_missing_file_says_how_to_fix(tmp_path):
     with pytest.raises(ParamsError, match="not found"):
         load_params(tmp_path / "nope.yaml", environ={})
+
+
+def test_cluster_settings_that_cannot_work_are_rejected_with_the_value():
+    with pytest.raises(
+        ParamsError, match=r"train_on = 'pool' needs an MLflow tracking server.*'sqlite:///state/mlflow.db'"
+    ):
+        load_params(None, ["cluster.train_on=pool"], environ={})
+    ok = load_params(None, ["cluster.train_on=pool", "paths.mlflow_tracking_uri=http://10.0.0.5:5000"], environ={})
+    assert ok.cluster.gpu_pool == "gpu" and ok.cluster.cpu_pool == "cpu"
+    with pytest.raises(ParamsError, match=r"num_nodes = 2 needs a hostfile"):
+        load_params(None, ["train.num_nodes=2"], environ={})
+
+
+def test_multi_node_deepspeed_launch_takes_the_hostfile_and_node_count():
+    from tasks.train.launch import launcher_command
+
+    cmd = launcher_command(8, gpus=True, num_nodes=4, hostfile="/etc/tabrl/hostfile")
+    assert cmd[:7] == ["deepspeed", "--hostfile", "/etc/tabrl/hostfile", "--num_nodes", "4", "--num_gpus", "8"]
+    assert "--hostfile" not in launcher_command(2, gpus=True)

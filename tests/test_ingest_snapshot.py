@@ -125,6 +125,30 @@ def test_snapshot_is_versioned_with_dvc_in_a_git_repo(tmp_path):
         _git(repo, "ls-files", "--error-unmatch", str(rel))
 
 
+def test_snapshot_is_pushed_to_the_dvc_remote_and_a_clone_pulls_it(tmp_path):
+    """cluster.dvc_remote: another machine with a clone of the project gets the snapshot from the remote."""
+    repo, remote = tmp_path / "project", tmp_path / "remote"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    _git(repo, "config", "user.name", "tabrl test")
+    _git(repo, "config", "user.email", "test@tabrl.invalid")
+    for args in (["init", "-q"], ["config", "core.analytics", "false"], ["remote", "add", "store", str(remote)]):
+        subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, check=True)
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "init")
+    params = tiny_params(tmp_path, paths={"data_dir": "data"}, cluster={"dvc_remote": "store"})
+    with store("sqlite", tmp_path) as engine:
+        add_completions(engine, _rows(6, 0, 100.0))
+        result = run_ingest(engine, params, repo, 200.0)
+    assert result.dvc == "committed, pushed to store"
+    clone = tmp_path / "elsewhere"
+    subprocess.run(["git", "clone", "-q", str(repo), str(clone)], check=True)
+    rel = result.snapshot.relative_to(repo)
+    assert not (clone / rel).exists()
+    subprocess.run([sys.executable, "-m", "dvc", "pull", "-q", "-r", "store", str(rel) + ".dvc"], cwd=clone, check=True)
+    assert (clone / rel).read_bytes() == result.snapshot.read_bytes()
+
+
 def test_outside_a_dvc_repo_versioning_is_skipped_with_a_warning(tmp_path, caplog):
     params = tiny_params(tmp_path)
     with store("sqlite", tmp_path) as engine:
@@ -137,18 +161,42 @@ def test_outside_a_dvc_repo_versioning_is_skipped_with_a_warning(tmp_path, caplo
 def test_prefect_task_logs_namespaced_metrics_to_an_active_mlflow_run(tmp_path):
     import mlflow
 
-    from tasks.ingest.task import ingest_task
+    from tasks.ingest.task import commit_ingest_task, ingest_task
 
-    assert ingest_task.retries == 2
+    assert ingest_task.retries == 2 and commit_ingest_task.retries == 2
     params = tiny_params(tmp_path)
     _log_at(params.paths.database_url, _rows(8, 0, 100.0))  # the task opens params.paths.database_url itself
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
     with mlflow.start_run() as run:
-        result = ingest_task.fn(params, tmp_path, now=200.0)
+        pending = ingest_task.fn(params, tmp_path, now=200.0)
+        assert mlflow.get_run(run.info.run_id).data.metrics["ingest/watermark"] == 0  # not committed yet
+        result = commit_ingest_task.fn(params, pending)
     logged = mlflow.get_run(run.info.run_id).data.metrics
     assert logged["ingest/rows"] == result.rows == 8
-    assert logged["ingest/clean/rows_in"] == 8 and logged["ingest/watermark"] == 8
-    assert ingest_task.fn(params, tmp_path, now=201.0).snapshot is None  # no run active: nothing logged, no error
+    assert logged["ingest/clean/rows_in"] == 8 and logged["ingest/watermark"] == result.watermark == 8
+    assert ingest_task.fn(params, tmp_path, now=201.0).result.snapshot is None  # no run active: nothing logged
+
+
+def test_an_uncommitted_snapshot_is_written_again_with_the_same_rows(tmp_path):
+    """A cycle whose training failed never commits: the next cycle gets the same range and bytes, and the rows
+    logged since wait for the cycle after it (no row in two snapshots, none lost)."""
+    from tasks.ingest.snapshot import commit_snapshot, write_snapshot
+
+    params = tiny_params(tmp_path)
+    with store("sqlite", tmp_path) as engine:
+        add_completions(engine, _rows(10, 0, 100.0))
+        first = write_snapshot(engine, params, tmp_path, 200.0).result
+        assert first.watermark == 0 and first.snapshot is not None and first.last_seq == 10
+        add_completions(engine, _rows(5, 10, 150.0))
+        again = write_snapshot(engine, params, tmp_path, 300.0)
+        assert (again.result.snapshot, again.result.sha256, again.result.recovered) == (
+            first.snapshot,
+            first.sha256,
+            True,
+        )
+        assert commit_snapshot(engine, params, again).watermark == 10
+        later = run_ingest(engine, params, tmp_path, 300.0)
+        assert (later.first_seq, later.last_seq, later.rows, later.watermark) == (11, 15, 5, 15)
 
 
 def test_cli_prints_the_report_and_snapshot_path(tmp_path):

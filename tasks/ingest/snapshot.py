@@ -8,9 +8,15 @@ Order of work, and why it is exactly-once:
    and stream them into a temporary file;
 2. rename it to ``interactions-<first seq>-<last seq>.parquet`` (atomic): the name records the
    cycle's range of completion sequence numbers;
-3. ``dvc add`` it and commit the ``.dvc`` file when the project is a DVC (and git) repo;
+3. ``dvc add`` it and commit the ``.dvc`` file when the project is a DVC (and git) repo, and
+   ``dvc push`` it to ``cluster.dvc_remote`` when one is set (the store other hosts reach);
 4. in one database transaction: advance the watermark to ``last seq``, record the snapshot and any
    late feedback. A second ingest racing this one fails here instead of double-counting.
+
+``run_ingest`` does all four. The cycle splits them: ``write_snapshot`` (1-3) before training and
+``commit_snapshot`` (4) once training has finished (a trained candidate, or a guard that stopped
+it): a training run that failed, was cancelled or lost its worker leaves the watermark where it
+was, exactly like a crash before 4, and the next cycle trains on the same rows again.
 
 A crash before 4 leaves the old watermark and, maybe, a snapshot whose first seq is the watermark
 + 1. The next run finds that file and re-runs exactly its range (every row in it was decided the
@@ -32,7 +38,7 @@ import re
 import subprocess
 import sys
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -69,7 +75,7 @@ class IngestResult:
     arms: dict[str, Summary]  # outcomes of every decided row by arm (trainable or not), "all" included
     late_feedback: int  # late feedback recorded this cycle
     pending: int  # completions left for later cycles
-    dvc: str  # "committed" | "added" | "skipped: <why>" | "" (no snapshot)
+    dvc: str  # "committed" | "added" (+ ", pushed to REMOTE") | "skipped: <why>" | "" (no snapshot)
     recovered: bool  # this run finished a cycle an earlier run crashed in
 
 
@@ -157,8 +163,47 @@ def _fsync_replace(src: Path, dst: Path) -> None:
         os.close(dir_fd)
 
 
+@dataclass(frozen=True)
+class PendingIngest:
+    """Steps 1-3 done, the watermark not yet moved: ``commit_snapshot`` finishes the cycle."""
+
+    result: IngestResult  # as it stands before the commit (old watermark, no late feedback yet)
+    old: Watermark
+    late: list[dict]  # late feedback of this cycle's rows, recorded by the commit
+    shown_path: str  # the snapshot's path as the watermark records it
+    now: float
+
+
 def run_ingest(engine: Engine, params: Params, repo_dir: Path, now: float) -> IngestResult:
     """One ingest cycle: pull -> clean -> Parquet snapshot -> DVC -> watermark (see the module doc)."""
+    return commit_snapshot(engine, params, write_snapshot(engine, params, repo_dir, now))
+
+
+def commit_snapshot(engine: Engine, params: Params, pending: PendingIngest) -> IngestResult:
+    """Step 4: advance the watermark past the snapshot (a no-op without one); returns the final result."""
+    before = pending.result
+    if before.snapshot is None or before.sha256 is None:
+        return before
+    n_late = advance_watermark(
+        engine,
+        pending.old,
+        before.snapshot,
+        before.sha256,
+        before.rows,
+        before.first_seq,
+        before.last_seq,
+        pending.late,
+        params.ingest,
+        pending.now,
+        pending.shown_path,
+    )
+    with engine.connect() as conn:
+        left = count_after(conn, before.last_seq)
+    return replace(before, watermark=before.last_seq, late_feedback=n_late, pending=left)
+
+
+def write_snapshot(engine: Engine, params: Params, repo_dir: Path, now: float) -> PendingIngest:
+    """Steps 1-3: pull -> clean -> Parquet snapshot -> DVC, leaving the watermark for ``commit_snapshot``."""
     ip = params.ingest
     repo_dir = Path(repo_dir)
     out_dir = snapshot_dir(params, repo_dir)
@@ -202,23 +247,24 @@ def run_ingest(engine: Engine, params: Params, repo_dir: Path, now: float) -> In
     last_seq = upto if upto is not None else last_seq
     first_seq = old.completion_seq + 1
 
-    def result(path: Path | None, sha: str | None, watermark: int, n_late: int, dvc: str) -> IngestResult:
+    def result(path: Path | None, sha: str | None, dvc: str) -> PendingIngest:
         with engine.connect() as conn:
-            pending = count_after(conn, watermark)
-        return IngestResult(
+            pending = count_after(conn, old.completion_seq)
+        before = IngestResult(
             path,
             sha,
             rows if path else 0,
             first_seq,
             last_seq,
-            watermark,
+            old.completion_seq,
             cleaner.report,
             stats.result(),
-            n_late,
+            0,
             pending,
             dvc,
             crashed is not None,
         )
+        return PendingIngest(before, old, late if path else [], _display_path(path, repo_dir) if path else "", now)
 
     if rows < ip.min_rows:
         incoming.unlink(missing_ok=True)
@@ -231,7 +277,7 @@ def run_ingest(engine: Engine, params: Params, repo_dir: Path, now: float) -> In
             ip.min_rows,
             old.completion_seq,
         )
-        return result(None, None, old.completion_seq, 0, "")
+        return result(None, None, "")
 
     path = out_dir / snapshot_name(first_seq, last_seq)
     sha = file_sha256(incoming)
@@ -243,11 +289,7 @@ def run_ingest(engine: Engine, params: Params, repo_dir: Path, now: float) -> In
                 "re-run of %s differs from the crashed run's file (a user opted out since?); replacing it", path
             )
         _fsync_replace(incoming, path)
-    dvc = version_with_dvc(repo_dir, path)
-    n_late = advance_watermark(
-        engine, old, path, sha, rows, first_seq, last_seq, late, ip, now, _display_path(path, repo_dir)
-    )
-    return result(path, sha, last_seq, n_late, dvc)
+    return result(path, sha, version_with_dvc(repo_dir, path, params.cluster.dvc_remote))
 
 
 def _display_path(path: Path, repo_dir: Path) -> str:
@@ -266,8 +308,9 @@ def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return proc
 
 
-def version_with_dvc(repo_dir: Path, path: Path) -> str:
-    """``dvc add`` the snapshot and commit its .dvc file (only those paths); skip with a warning outside DVC."""
+def version_with_dvc(repo_dir: Path, path: Path, remote: str | None = None) -> str:
+    """``dvc add`` the snapshot, ``dvc push`` it to `remote` (when given) and commit its .dvc file (only
+    those paths); skip with a warning outside DVC."""
     if not (repo_dir / ".dvc").is_dir():
         log.warning("%s is not a DVC repo (no .dvc/): snapshot %s is not versioned", repo_dir, path)
         return f"skipped: {repo_dir} is not a DVC repo"
@@ -277,14 +320,17 @@ def version_with_dvc(repo_dir: Path, path: Path) -> str:
         log.warning("snapshot %s is outside the DVC repo %s: not versioned", path, repo_dir)
         return f"skipped: {path} is outside {repo_dir}"
     _run([sys.executable, "-m", "dvc", "add", "-q", str(rel)], repo_dir)
+    if remote is not None:  # before the commit: a committed .dvc file always has its data in the remote
+        _run([sys.executable, "-m", "dvc", "push", "-q", "-r", remote, str(rel) + ".dvc"], repo_dir)
+    pushed = f", pushed to {remote}" if remote is not None else ""
     if not (repo_dir / ".git").exists():
-        return "added"
+        return "added" + pushed
     tracked = [str(rel) + ".dvc", str(rel.parent / ".gitignore")]
     _run(["git", "add", "--", *tracked], repo_dir)
     staged = subprocess.run(["git", "diff", "--cached", "--quiet", "--", *tracked], cwd=repo_dir)
     if staged.returncode == 1:
         _run(["git", "commit", "-q", "-m", f"ingest: snapshot {rel.name}", "--", *tracked], repo_dir)
-    return "committed"
+    return "committed" + pushed
 
 
 def advance_watermark(

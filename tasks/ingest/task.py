@@ -1,7 +1,8 @@
-"""The ingest stage as a Prefect task (the work is in ``snapshot.run_ingest``).
+"""The ingest stage as Prefect tasks (the work is in ``snapshot.write_snapshot`` / ``commit_snapshot``).
 
-Retrying is safe: a cycle that failed before committing its watermark is finished by the retry
-with the same snapshot (see ``snapshot.py``).
+The cycle writes the snapshot before training and commits the watermark once training has finished
+(see ``snapshot.py``). Retrying either is safe: a cycle that failed before committing its watermark
+is finished by the retry, or by the next cycle, with the same snapshot.
 """
 
 from __future__ import annotations
@@ -15,14 +16,25 @@ from prefect.cache_policies import NO_CACHE
 
 from serving.store import open_store
 from tasks.config import Params
-from tasks.ingest.snapshot import IngestResult, ingest_metrics, run_ingest
+from tasks.ingest.snapshot import IngestResult, PendingIngest, commit_snapshot, ingest_metrics, write_snapshot
 
 
 @task(name="ingest", retries=2, retry_delay_seconds=[10, 60], cache_policy=NO_CACHE)
-def ingest_task(params: Params, repo_dir: Path, now: float | None = None) -> IngestResult:
-    """Pull, clean and snapshot the log store of ``params.paths.database_url``; log to MLflow if a run is active."""
+def ingest_task(params: Params, repo_dir: Path, now: float | None = None) -> PendingIngest:
+    """Pull, clean, snapshot and version the log store of ``params.paths.database_url``; the watermark waits
+    for ``commit_ingest_task``. Logs to MLflow if a run is active."""
     with open_store(params.paths.database_url) as engine:
-        result = run_ingest(engine, params, Path(repo_dir), time.time() if now is None else now)
+        pending = write_snapshot(engine, params, Path(repo_dir), time.time() if now is None else now)
+    if mlflow.active_run():
+        mlflow.log_metrics(ingest_metrics(pending.result))
+    return pending
+
+
+@task(name="commit-ingest", retries=2, retry_delay_seconds=[10, 60], cache_policy=NO_CACHE)
+def commit_ingest_task(params: Params, pending: PendingIngest) -> IngestResult:
+    """Advance the watermark past the snapshot (one transaction); logs the final ingest metrics."""
+    with open_store(params.paths.database_url) as engine:
+        result = commit_snapshot(engine, params, pending)
     if mlflow.active_run():
         mlflow.log_metrics(ingest_metrics(result))
     return result

@@ -3,7 +3,8 @@
 * train.nproc = 1 on CPU: in this process (no process group, no launcher start-up).
 * train.nproc > 1 on CPU: `torchrun --nproc_per_node N` (gloo ranks).
 * GPUs: the `deepspeed` launcher (`--num_gpus N`, NCCL, ZeRO stage from params), always a child
-  process so the GPU memory is given back when it ends.
+  process so the GPU memory is given back when it ends; with train.hostfile and train.num_nodes it
+  starts the ranks on every listed host (DeepSpeed's own multi-node launch, over pdsh/ssh).
 
 A finished job leaves `OUT/train_result.json`; asking again for the same inputs (snapshot bytes,
 starting checkpoint, train params) returns it without training, so a retried task that was killed
@@ -63,6 +64,10 @@ def launch_train(
         mlflow_run_id = run.info.run_id if run else None
     tp = params.train
     gpus = torch.cuda.is_available()
+    if tp.num_nodes > 1 and not gpus:
+        raise TrainError(
+            f"train.num_nodes = {tp.num_nodes} needs GPUs (DeepSpeed's multi-node launcher); this host has none"
+        )
     if tp.nproc == 1 and not gpus and tp.engine != "deepspeed":
         return train(snapshot, from_dir, out, params, mlflow_run_id)
     with tempfile.TemporaryDirectory(prefix="tabrl-train-") as tmp:
@@ -80,15 +85,16 @@ def launch_train(
         ]
         if mlflow_run_id:
             job += ["--mlflow-run-id", mlflow_run_id]
-        _run(launcher_command(tp.nproc, gpus) + job)
+        _run(launcher_command(tp.nproc, gpus, tp.num_nodes, tp.hostfile) + job)
     return read_result(out)
 
 
-def launcher_command(nproc: int, gpus: bool) -> list[str]:
-    """The launcher prefix that starts nproc ranks of tasks.train.ppo."""
+def launcher_command(nproc: int, gpus: bool, num_nodes: int = 1, hostfile: str | None = None) -> list[str]:
+    """The launcher prefix that starts nproc ranks of tasks.train.ppo (per node, on num_nodes hosts of hostfile)."""
     port = str(free_port())
     if gpus:
-        return ["deepspeed", "--num_gpus", str(nproc), "--master_port", port, "--module", "tasks.train.ppo"]
+        nodes = ["--hostfile", hostfile, "--num_nodes", str(num_nodes)] if hostfile else []
+        return ["deepspeed", *nodes, "--num_gpus", str(nproc), "--master_port", port, "--module", "tasks.train.ppo"]
     return [
         sys.executable,
         "-m",
@@ -130,5 +136,7 @@ def _retry_unless_guard(task, task_run, state) -> bool:
 
 
 @task(name="train", retries=1, retry_delay_seconds=10, retry_condition_fn=_retry_unless_guard)
-def train_task(snapshot: str, from_dir: str, out_dir: str, params: Params) -> TrainResult:
-    return launch_train(snapshot, from_dir, out_dir, params)
+def train_task(
+    snapshot: str, from_dir: str, out_dir: str, params: Params, mlflow_run_id: str | None = None
+) -> TrainResult:
+    return launch_train(snapshot, from_dir, out_dir, params, mlflow_run_id)

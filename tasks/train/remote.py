@@ -1,0 +1,121 @@
+"""Training on the `gpu` work pool: the cycle's side (start the training deployment, wait, read what
+it left) and the training flow's side (pull its inputs by reference, train, log the candidate).
+
+The two flows share no disk and no working directory: everything moves through the MLflow
+tracking server both hosts reach, under the cycle's run.
+
+* ``snapshot/<name>.parquet``: the rewarded snapshot the update reads (the cycle logs it; the raw
+  snapshot is versioned with DVC and pushed to ``cluster.dvc_remote``);
+* the starting checkpoint: the champion's immutable ``models:/NAME/VERSION`` URI (a GPU host
+  downloads it once into its own ``state/model_cache``);
+* ``model/``: the candidate checkpoint the training flow logs, ``train_result.json`` inside it.
+  Registering a candidate that passes the gate uploads the same files to the same path, so the
+  registry still keeps exactly one copy (tasks/deploy/registry.py);
+* tags ``tabrl.train_outcome`` (``trained`` | ``diverged``) and ``tabrl.train_reason``.
+
+A training run that fails, crashes, is cancelled, or does not finish within
+``cluster.train_timeout_s`` (a GPU worker that died leaves its run Running for ever: the cycle then
+cancels it) raises ``TrainingLost``; the cycle ends with status ``train_failed`` and touches
+neither the registry nor the ingest watermark.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import mlflow
+from prefect.client.orchestration import get_client
+from prefect.deployments import run_deployment
+from prefect.states import Cancelled
+
+from tasks.config import Params
+from tasks.deploy.registry import MODEL_ARTIFACT, ModelVersion, resolve_model_dir, tracking_client
+from tasks.train.launch import read_result, train_task
+from tasks.train.ppo import TrainingDiverged, TrainResult
+
+TRAIN_FLOW = "train-candidate"  # the flow's name (flows/train_flow.py); its deployment's is cluster.train_deployment
+SNAPSHOT_ARTIFACT = "snapshot"
+OUTCOME_TAG = "tabrl.train_outcome"
+REASON_TAG = "tabrl.train_reason"
+
+
+class TrainingLost(RuntimeError):
+    """The training run failed, crashed, was cancelled or did not finish in time; the message says which run."""
+
+
+def train_step(
+    rewarded: Path, champion: ModelVersion, champion_dir: Path, params: Params, run_id: str
+) -> tuple[TrainResult, Path]:
+    """Train the champion on the rewarded snapshot here (``cluster.train_on: process``) or on the gpu pool
+    (``pool``); returns the result and the candidate's local checkpoint directory.
+
+    Raises TrainingDiverged (a guard stopped the update) and, on the pool, TrainingLost."""
+    if params.cluster.train_on == "pool":
+        return train_on_pool(rewarded, champion.uri, params, run_id)
+    candidate_dir = Path(params.paths.models_dir) / "candidates" / run_id
+    return train_task(str(rewarded), str(champion_dir), str(candidate_dir), params), candidate_dir
+
+
+def train_on_pool(rewarded: Path, from_uri: str, params: Params, run_id: str) -> tuple[TrainResult, Path]:
+    """Run the training deployment for this cycle's MLflow run, wait for it, and download its candidate."""
+    cp = params.cluster
+    client = tracking_client(params)
+    client.log_artifact(run_id, str(rewarded), SNAPSHOT_ARTIFACT)
+    flow_run = run_deployment(
+        f"{TRAIN_FLOW}/{cp.train_deployment}",
+        parameters={
+            "run_id": run_id,
+            "snapshot_uri": f"runs:/{run_id}/{SNAPSHOT_ARTIFACT}/{rewarded.name}",
+            "from_uri": from_uri,
+            "params": params.model_dump(mode="json"),
+        },
+        timeout=cp.train_timeout_s,
+        poll_interval=cp.train_poll_s,
+    )
+    state = flow_run.state
+    shown = f"training run {flow_run.name!r} ({flow_run.id})"
+    if state is None or not state.is_final():
+        why = f"{shown} did not finish within cluster.train_timeout_s={cp.train_timeout_s:g} s"
+        with get_client(sync_client=True) as prefect:
+            prefect.set_flow_run_state(flow_run.id, Cancelled(message=why + "; cancelled by the cycle"), force=True)
+        raise TrainingLost(f"{why} (state {state.name if state else None}); cancelled it")
+    if not state.is_completed():
+        raise TrainingLost(f"{shown} ended {state.name}: {state.message}")
+    tags = client.get_run(run_id).data.tags
+    if tags.get(OUTCOME_TAG) == "diverged":
+        raise TrainingDiverged(tags.get(REASON_TAG, ""))
+    if tags.get(OUTCOME_TAG) != "trained":
+        raise TrainingLost(f"{shown} completed without tagging MLflow run {run_id} {OUTCOME_TAG}=trained")
+    candidate_dir = resolve_model_dir(f"runs:/{run_id}/{MODEL_ARTIFACT}", params)
+    return read_result(candidate_dir), candidate_dir
+
+
+def train_from_references(
+    run_id: str, snapshot_uri: str, from_uri: str, params: Params, work_dir: Path
+) -> TrainResult | None:
+    """The training flow's work on a GPU host: pull the snapshot and the starting checkpoint from MLflow,
+    train in a scratch directory under work_dir, log the candidate as the run's `model` artifact and tag
+    the outcome. A guard that stops the update is an outcome (tagged `diverged`, returns None), not a failure.
+
+    work_dir is the flow run's working directory: a fresh one per run from the process worker, or the pool's
+    `working_dir` job variable, which then keeps the downloaded models (work_dir/state/model_cache) across runs."""
+    here = params.model_copy(update={"paths": params.paths.model_copy(update={"state_dir": str(work_dir / "state")})})
+    mlflow.set_tracking_uri(here.paths.mlflow_tracking_uri)  # the update's per-step metrics go to the cycle's run
+    client = tracking_client(here)
+    from_dir = resolve_model_dir(from_uri, here)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="tabrl-train-", dir=work_dir) as tmp:
+        snapshot = mlflow.artifacts.download_artifacts(
+            artifact_uri=snapshot_uri, dst_path=tmp, tracking_uri=here.paths.mlflow_tracking_uri
+        )
+        candidate = Path(tmp) / "candidate"
+        try:
+            result = train_task(snapshot, str(from_dir), str(candidate), here, mlflow_run_id=run_id)
+        except TrainingDiverged as err:
+            client.set_tag(run_id, OUTCOME_TAG, "diverged")
+            client.set_tag(run_id, REASON_TAG, str(err)[:5000])
+            return None
+        client.log_artifacts(run_id, str(candidate), MODEL_ARTIFACT)
+    client.set_tag(run_id, OUTCOME_TAG, "trained")
+    return result
