@@ -262,7 +262,7 @@ def print_report(rows: list[CycleRow], state: Path, params: Params) -> None:
             f"{fmt(r.eval_reward_per_request)} ({fmt(r.champion_eval_reward_per_request)})",
         )
     print_table(table)
-    plot = plot_cycles(rows, state / "cycles.png", params.paths.mlflow_tracking_uri)
+    plot = plot_cycles(rows, state / "cycles.png", params)
     (state / "cycles.json").write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
     console.print(f"Plot: {plot}   Table: {state / 'cycles.json'}")
 

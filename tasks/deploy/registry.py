@@ -1,12 +1,17 @@
 """The MLflow side of deploy: one run per cycle, one registered model, aliases, local model dirs.
 
-* Every cycle is one MLflow run in experiment ``deploy.experiment``: the full resolved params (as
-  MLflow params, and untruncated as the artifact ``params.json``), the data snapshot hash as a tag,
-  the metrics every stage logs through :func:`log_cycle_metrics`.
+* Every cycle, a skipped one too, is one MLflow run in experiment ``deploy.experiment``: the full
+  resolved params (as MLflow params, and untruncated as the artifact ``params.json``), the metrics
+  every stage logs, the snapshot's path and hashes (sha256, DVC md5) as tags. It is numbered and, once
+  its outcome is known, named for it (`cycle 3 · deployed · tabrl-completion/4`, `cycle 4 · skipped:
+  challenger under test`) with the status, reason and version as tags: the runs list tells the story.
+* tabrl's experiments carry ``mlflow.experimentKind = custom_model_development`` and a description, so
+  MLflow 3's UI opens them on their runs rather than on its (empty) GenAI views.
 * A candidate checkpoint (a Hugging Face directory) becomes a new version of ``deploy.registered_model``.
   MLflow 3.17's ``register_model('runs:/..')`` refuses plain folders (it wants an MLmodel file), so the
   folder is logged once as the run's ``model`` artifact and the version is created by reference to it
-  with ``MlflowClient.create_model_version(source=<run artifact uri>/model)``.
+  with ``MlflowClient.create_model_version(source=<run artifact uri>/model)``. The version's
+  description links its run, its snapshot and the gate's numbers; the A/B decision adds its own.
 * Aliases ``champion`` (serves 100 % unless a test runs) and ``challenger`` (under A/B test).
 
 Copies of big checkpoints: the registry holds exactly one immutable copy, the run artifact (the
@@ -33,7 +38,7 @@ from urllib.parse import unquote, urlparse
 
 import mlflow
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import Metric, Param, Run, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH, MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
@@ -42,6 +47,16 @@ from serving.store import CHAMPION
 from tasks.config import Params
 
 MODEL_ARTIFACT = "model"
+KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+NOTE_TAG = "mlflow.note.content"  # what the MLflow UI shows as an experiment's or a run's description
+CYCLES_DESCRIPTION = (
+    "tabrl online RL: one run per cycle (ingest -> reward -> train -> evaluate -> register -> rollout), "
+    "named `cycle N · status · version`; the tags say why (tabrl.cycle_reason) and on which snapshot "
+    "(tabrl.snapshot_dvc_md5). Select runs and Compare to see how the cycles' metrics move."
+)
+CYCLE_TAG = "tabrl.cycle"  # the cycle's number, 1 for the first cycle run of the experiment
+MAX_RUN_NAME_LENGTH = 250
+SNAPSHOT_TAGS = ("tabrl.snapshot", "tabrl.snapshot_sha256", "tabrl.snapshot_dvc_md5")  # copied onto its version
 CACHE_DONE = ".tabrl-complete"  # written last into a downloaded model dir; a dir without it is partial
 
 
@@ -77,19 +92,24 @@ def tracking_client(params: Params) -> MlflowClient:
     return MlflowClient(tracking_uri=uri)
 
 
-def experiment_id(client: MlflowClient, name: str, params: Params) -> str:
-    """The id of experiment `name`, created on first use.
+def experiment_id(client: MlflowClient, name: str, params: Params, description: str) -> str:
+    """The id of experiment `name`, created on first use with its kind and `description`.
 
+    The kind tag makes MLflow 3's UI open the experiment on its runs ("Model training") instead of
+    the empty GenAI views; an experiment that lacks it (made by an older tabrl or by hand) gets it.
     With a local tracking store the artifacts go under `<paths.state_dir>/mlartifacts` (MLflow's own
     default is ./mlruns of whatever the working directory is); a tracking server decides for itself.
     """
     found = client.get_experiment_by_name(name)
     if found is not None:
+        if KIND_TAG not in found.tags:
+            client.set_experiment_tag(found.experiment_id, KIND_TAG, EXPERIMENT_KIND)
         return found.experiment_id
     location = None
     if _is_local_store(params.paths.mlflow_tracking_uri):
         location = (Path(params.paths.state_dir) / "mlartifacts").resolve().as_uri()
-    return client.create_experiment(name, artifact_location=location)
+    tags = {KIND_TAG: EXPERIMENT_KIND, NOTE_TAG: description}
+    return client.create_experiment(name, artifact_location=location, tags=tags)
 
 
 def _is_local_store(tracking_uri: str) -> bool:
@@ -109,8 +129,10 @@ def start_cycle_run(
 ) -> str:
     """Start the cycle's MLflow run (or resume `run_id`) with the full resolved params; returns the run id.
 
-    Resuming a run checks that its logged params are the ones given (a cycle resumed under another
-    config would no longer be comparable) and logs any that a crash left out.
+    A new cycle run (tag `tabrl.kind` = cycle) gets the next cycle number (tag `tabrl.cycle`) and the
+    name `cycle N` until :func:`name_cycle_run` tells its outcome. Resuming a run checks that its
+    logged params are the ones given (a cycle resumed under another config would no longer be
+    comparable) and logs any that a crash left out.
     """
     client = tracking_client(params)
     all_tags = {"tabrl.kind": "cycle", **(tags or {})}
@@ -118,7 +140,11 @@ def start_cycle_run(
         all_tags["tabrl.snapshot_sha256"] = snapshot_sha256
     wanted = mlflow_params(params)
     if run_id is None:
-        exp = experiment_id(client, params.deploy.experiment, params)
+        exp = experiment_id(client, params.deploy.experiment, params, CYCLES_DESCRIPTION)
+        if all_tags["tabrl.kind"] == "cycle":
+            number = _last_cycle_number(client, exp) + 1
+            all_tags[CYCLE_TAG] = str(number)
+            run_name = run_name or f"cycle {number}"
         run_id = client.create_run(exp, run_name=run_name, tags=all_tags).info.run_id
         missing = wanted
         client.log_dict(run_id, params.model_dump(mode="json"), "params.json")
@@ -139,6 +165,44 @@ def start_cycle_run(
     for start in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
         client.log_batch(run_id, params=items[start : start + MAX_PARAMS_TAGS_PER_BATCH])
     return run_id
+
+
+def _last_cycle_number(client: MlflowClient, experiment: str) -> int:
+    """The number of the latest cycle run in the experiment, 0 before the first.
+
+    Cycles run one at a time (one flow, one schedule); two started in the same instant would share a number.
+    """
+    runs = client.search_runs(
+        [experiment], "tags.`tabrl.kind` = 'cycle'", order_by=["attributes.start_time DESC"], max_results=1
+    )
+    return int(runs[0].data.tags.get(CYCLE_TAG, "0")) if runs else 0
+
+
+def cycle_run_name(cycle: str, status: str, reason: str, version: str | None) -> str:
+    """`cycle 3 · deployed · tabrl-completion/4`, `cycle 4 · skipped: challenger under test`, `cycle 5 · diverged`.
+
+    A skip says why in a few words (the reason up to its first parenthesis); the full reason is a tag.
+    """
+    name = f"cycle {cycle} · {status.replace('_', ' ')}"
+    if status == "skipped":
+        name += f": {reason.split(' (', 1)[0]}"
+    if version:
+        name += f" · {version}"
+    return name[:MAX_RUN_NAME_LENGTH]
+
+
+def name_cycle_run(params: Params, run_id: str, status: str, reason: str, version: str | None = None) -> str:
+    """Tell the cycle's outcome on its run: the name (see :func:`cycle_run_name`) and the tags
+    `tabrl.cycle_status`, `tabrl.cycle_reason` and, when one was registered, `tabrl.version`; returns the name."""
+    client = tracking_client(params)
+    cycle = _get_run(client, run_id).data.tags.get(CYCLE_TAG, "?")
+    name = cycle_run_name(cycle, status, reason, version)
+    tags = {"tabrl.cycle_status": status, "tabrl.cycle_reason": reason}
+    if version:
+        tags["tabrl.version"] = version
+    client.log_batch(run_id, tags=as_flat_tags(tags))
+    client.update_run(run_id, name=name)
+    return name
 
 
 def end_cycle_run(params: Params, run_id: str, status: str = "FINISHED") -> None:
@@ -187,11 +251,18 @@ def _get_run(client: MlflowClient, run_id: str):
 
 
 def register_candidate(
-    model_dir: str | Path, params: Params, run_id: str, tags: Mapping[str, str] | None = None
+    model_dir: str | Path,
+    params: Params,
+    run_id: str,
+    tags: Mapping[str, str] | None = None,
+    *,
+    gate: Mapping[str, float] | None = None,
 ) -> ModelVersion:
     """Log a checkpoint directory as the run's `model` artifact and register it as a new version.
 
-    The one copy the registry keeps is this artifact; the version refers to it.
+    The one copy the registry keeps is this artifact; the version refers to it. Its description
+    links the run, names the snapshot it was trained on and, given `gate` (the numbers of the gate it
+    passed, `GateDecision.numbers`), shows what the gate compared.
     """
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
@@ -202,13 +273,47 @@ def register_candidate(
     name = params.deploy.registered_model
     _ensure_registered_model(client, name)
     version_tags = {"tabrl.cycle_run_id": run_id, **(tags or {})}
-    snapshot = run.data.tags.get("tabrl.snapshot_sha256")
-    if snapshot:
-        version_tags["tabrl.snapshot_sha256"] = snapshot
+    for key in SNAPSHOT_TAGS:
+        if run.data.tags.get(key):
+            version_tags[key] = run.data.tags[key]
     mv = client.create_model_version(
-        name, source=f"{run.info.artifact_uri}/{MODEL_ARTIFACT}", run_id=run_id, tags=version_tags
+        name,
+        source=f"{run.info.artifact_uri}/{MODEL_ARTIFACT}",
+        run_id=run_id,
+        tags=version_tags,
+        description=version_description(run, gate),
     )
     return _version(mv)
+
+
+def version_description(run: Run, gate: Mapping[str, float] | None) -> str:
+    """Markdown for a version's page in the MLflow UI: its run (a link), its snapshot, the gate's numbers."""
+    tags = run.data.tags
+    link = f"[{run.info.run_name or run.info.run_id}](#/experiments/{run.info.experiment_id}/runs/{run.info.run_id})"
+    lines = [f"Trained in run {link} (run id `{run.info.run_id}`)."]
+    if tags.get("tabrl.snapshot"):
+        lines.append(
+            f"Snapshot `{tags['tabrl.snapshot']}`: DVC md5 `{tags.get('tabrl.snapshot_dvc_md5', 'not versioned')}`, "
+            f"sha256 `{tags.get('tabrl.snapshot_sha256', '?')}` "
+            f"(`dvc checkout` at the commit whose .dvc file holds that md5 brings it back)."
+        )
+    elif tags.get("tabrl.kind") == "base":
+        lines.append("The base model: no interaction snapshot, not gated.")
+    if gate:
+        lines += ["", "Gate (candidate vs champion on held-out traffic): passed.", ""]
+        columns = ("candidate", "champion", "delta", "tolerance", "margin")
+        lines += ["| metric | " + " | ".join(columns) + " |", "| --- " * (len(columns) + 1) + "|"]
+        for metric in [key.removeprefix("candidate/") for key in gate if key.startswith("candidate/")]:
+            cells = [gate.get(f"{column}/{metric}") for column in columns]
+            lines.append(f"| {metric} | " + " | ".join("-" if v is None else f"{v:.4g}" for v in cells) + " |")
+    return "\n".join(lines)
+
+
+def append_version_description(params: Params, version: ModelVersion, text: str) -> None:
+    """Add a paragraph (e.g. the A/B decision) to the version's description."""
+    client = tracking_client(params)
+    current = client.get_model_version(version.name, str(version.version)).description or ""
+    client.update_model_version(version.name, str(version.version), description=f"{current}\n\n{text}".strip())
 
 
 def ensure_champion(base_dir: str | Path, params: Params) -> ModelVersion:
@@ -227,8 +332,10 @@ def ensure_champion(base_dir: str | Path, params: Params) -> ModelVersion:
             f"registered model {name!r} has versions but no {CHAMPION!r} alias; set one in the MLflow UI "
             f"or with MlflowClient().set_registered_model_alias({name!r}, {CHAMPION!r}, VERSION)"
         )
-    run_id = start_cycle_run(params, run_name="base-model", tags={"tabrl.kind": "base"})
+    run_id = start_cycle_run(params, run_name="base model", tags={"tabrl.kind": "base"})
     mv = register_candidate(base_dir, params, run_id, tags={"tabrl.kind": "base"})
+    client.log_batch(run_id, tags=as_flat_tags({"tabrl.version": mv.label, "tabrl.base_dir": str(base_dir)}))
+    client.update_run(run_id, name=f"base model · {mv.label}")
     end_cycle_run(params, run_id)
     set_alias(params, CHAMPION, mv.version)
     return mv
