@@ -20,6 +20,7 @@ from tasks.deploy.registry import (
     name_cycle_run,
     register_candidate,
     resolve_model_dir,
+    runs_view_url,
     set_alias,
     start_cycle_run,
     tracking_client,
@@ -119,6 +120,8 @@ def test_cycle_runs_are_numbered_and_named_for_their_outcome_in_a_runs_first_exp
     exp = client.get_experiment_by_name(params.deploy.experiment)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # MLflow's UI opens on the runs
     assert "one run per cycle" in exp.tags["mlflow.note.content"]
+    link = runs_view_url(params, "http://127.0.0.1:5000/")  # MLflow 3.17's UI reads its switch, not the tag
+    assert link == f"http://127.0.0.1:5000/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning"
     assert client.get_run(base.run_id).info.run_name == f"base model · {base.label}"
 
     first, second, third = (start_cycle_run(params) for _ in range(3))  # the base run is not a cycle

@@ -112,6 +112,17 @@ def experiment_id(client: MlflowClient, name: str, params: Params, description: 
     return client.create_experiment(name, artifact_location=location, tags=tags)
 
 
+def runs_view_url(params: Params, ui_url: str) -> str:
+    """The link that opens the cycles experiment on its runs in the MLflow UI served at `ui_url`.
+
+    MLflow 3.17's UI picks its GenAI or "Model training" views with one global switch (the link's
+    `workflowType`, else the browser's last choice, GenAI at first); it reads the experiment's kind
+    tag only where that switch is off. The link sets the switch, so the runs show at once.
+    """
+    exp = experiment_id(tracking_client(params), params.deploy.experiment, params, CYCLES_DESCRIPTION)
+    return f"{ui_url.rstrip('/')}/#/experiments/{exp}/runs?workflowType=machine_learning"
+
+
 def _is_local_store(tracking_uri: str) -> bool:
     return urlparse(tracking_uri).scheme in ("", "file", "sqlite")
 
