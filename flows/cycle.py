@@ -21,16 +21,9 @@ from prefect import flow, get_run_logger
 from serving.store import CHALLENGER
 from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
 from tasks.corpus import read_samples
-from tasks.deploy.registry import (
-    end_cycle_run,
-    ensure_champion,
-    get_alias_version,
-    name_cycle_run,
-    register_candidate,
-    resolve_model_dir,
-    start_cycle_run,
-)
+from tasks.deploy.registry import ensure_champion, get_alias_version, register_candidate, resolve_model_dir
 from tasks.deploy.rollout import rollout
+from tasks.deploy.tracking import end_cycle_run, name_cycle_run, start_cycle_run
 from tasks.editor import read_regions, regions_path
 from tasks.evaluate.evaluate import compare_task
 from tasks.ingest.task import ingest_task

@@ -29,7 +29,8 @@ from flows.cycle import online_rl_cycle
 from serving.simulate import run_simulation
 from serving.store import CHAMPION, Arm, open_store, replace_arms
 from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
-from tasks.deploy.registry import ensure_champion, resolve_model_dir, runs_view_url
+from tasks.deploy.registry import ensure_champion, resolve_model_dir
+from tasks.deploy.tracking import runs_view_url
 from tasks.editor import merge_typing, read_regions, regions_path
 from tasks.outcomes import reward_per_request
 from tasks.procs import NotUp, free_port, wait_until_up

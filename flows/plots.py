@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import mlflow  # noqa: E402
 
 from tasks.config import Params  # noqa: E402
-from tasks.deploy.registry import CYCLES_DESCRIPTION, experiment_id, tracking_client  # noqa: E402
+from tasks.deploy.tracking import CYCLES_DESCRIPTION, experiment_id, tracking_client  # noqa: E402
 
 
 def plot_cycles(rows: Sequence, path: Path, params: Params | None = None) -> Path:

@@ -24,14 +24,8 @@ from serving.store import (
 )
 from tasks.deploy.ab import arm_stats, decide, live_since, stats_from_counts, two_proportion_test, welch_test
 from tasks.deploy.promote import NoChallengerError, promote, rollback
-from tasks.deploy.registry import (
-    ensure_champion,
-    get_alias_version,
-    register_candidate,
-    set_alias,
-    start_cycle_run,
-    tracking_client,
-)
+from tasks.deploy.registry import ensure_champion, get_alias_version, register_candidate, set_alias
+from tasks.deploy.tracking import start_cycle_run, tracking_client
 from tests.conftest import throwaway_schema, tiny_params
 
 _ids = itertools.count()
@@ -358,7 +352,7 @@ def test_decision_flow_retries_store_hiccups_but_not_states_that_need_a_person()
     from prefect.states import Failed
 
     from flows.ab_decision import _transient
-    from tasks.deploy.registry import DeployError
+    from tasks.deploy.errors import DeployError
 
     assert _transient(None, None, Failed(data=sa.exc.OperationalError("SELECT 1", {}, Exception("locked"))))
     assert not _transient(None, None, Failed(data=NoChallengerError("nothing to promote")))

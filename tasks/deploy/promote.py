@@ -28,17 +28,9 @@ from sqlalchemy.exc import SQLAlchemyError
 from serving.store import CHALLENGER, CHAMPION, Arm, ArmError, read_arms, replace_arms
 from tasks.config import Params
 from tasks.deploy.ab import ArmStats, Decision, arm_stats, decide
-from tasks.deploy.registry import (
-    DeployError,
-    ModelVersion,
-    append_version_description,
-    as_flat_tags,
-    delete_alias,
-    experiment_id,
-    get_alias_version,
-    set_alias,
-    tracking_client,
-)
+from tasks.deploy.errors import DeployError
+from tasks.deploy.registry import ModelVersion, append_version_description, delete_alias, get_alias_version, set_alias
+from tasks.deploy.tracking import as_flat_tags, experiment_id, tracking_client
 
 DECISIONS_DESCRIPTION = (
     "tabrl A/B decisions: one run per look at the live test (promote, rollback or continue), with the "
