@@ -2,6 +2,8 @@
 
     make screenshot                          # the demo's store (state/demo/mlflow.db) -> docs/mlflow-runs.png
     python bench/mlflow_screenshot.py --store sqlite:///state/shot/mlflow.db --out /tmp/runs.png
+    python bench/mlflow_screenshot.py --page models/tabrl-completion/versions/2 --wait-for "Source run" \
+        --out docs/mlflow-version.png           # another page of the UI: a registered version
 
 Starts `mlflow server` on a free loopback port against the store (one worker, no job runner: two
 processes), then Chromium from Debian's packages (`apt-get install -y chromium`) headless, and drives
@@ -45,7 +47,6 @@ from tasks.procs import free_port, wait_until_up  # noqa: E402
 
 # MLflow's own localStorage keys (its `useLocalStorage` hook stores JSON under `<key>_v<version>`).
 ASSISTANT_CLOSED = {"mlflow.assistant.panelOpen_v1": "false", "mlflow.assistant.fab.autoOpenedOnFirstLoad_v1": "true"}
-RUNS_SHOWN = "document.body.innerText.includes('matching runs')"
 # The overflow of the widest run name, and where the Run Name header's resize edge is.
 NAME_COLUMN = """(() => {
   const header = [...document.querySelectorAll('.ag-header-cell')].find(c => c.innerText.trim() === 'Run Name');
@@ -96,8 +97,11 @@ def experiment_id(store: str, name: str) -> str:
     return found.experiment_id
 
 
-def screenshot(store: str, experiment: str, out: Path, width: int, height: int, chromium: str) -> str:
-    """Take the picture; returns the URL it shows (on a server that is gone by then)."""
+def screenshot(
+    store: str, experiment: str, out: Path, width: int, height: int, chromium: str, page: str | None, wait_for: str
+) -> str:
+    """Take the picture of the experiment's runs view, or of `page` (the part of the UI's URL after `#/`),
+    once the text `wait_for` shows; returns the URL (on a server that is gone by then)."""
     if shutil.which(chromium) is None:
         raise SystemExit(f"no {chromium!r} on PATH: apt-get install -y chromium")
     exp = experiment_id(store, experiment)
@@ -131,18 +135,19 @@ def screenshot(store: str, experiment: str, out: Path, width: int, height: int, 
         )
         wait_until_up(f"http://127.0.0.1:{devtools_port}/json/version", browser, 60)
         targets = httpx.get(f"http://127.0.0.1:{devtools_port}/json/list").json()
-        page = next(t for t in targets if t["type"] == "page")
-        url = f"http://127.0.0.1:{port}/#/experiments/{exp}/runs?workflowType=machine_learning"
-        with connect(page["webSocketDebuggerUrl"], max_size=None) as ws:
+        target = next(t for t in targets if t["type"] == "page")
+        url = f"http://127.0.0.1:{port}/#/" + (page or f"experiments/{exp}/runs?workflowType=machine_learning")
+        shown = f"document.body.innerText.includes({json.dumps(wait_for)})"
+        with connect(target["webSocketDebuggerUrl"], max_size=None) as ws:
             cdp = DevTools(ws)
             cdp("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
             cdp("Page.navigate", url=url)
-            cdp.wait_for(RUNS_SHOWN, 90)
+            cdp.wait_for(shown, 90)
             for key, value in ASSISTANT_CLOSED.items():
                 cdp.evaluate(f"localStorage.setItem({json.dumps(key)}, {json.dumps(value)})")
             cdp("Page.reload")
             time.sleep(1.0)
-            cdp.wait_for(RUNS_SHOWN, 90)
+            cdp.wait_for(shown, 90)
             time.sleep(2.0)  # the grid settles (column sizes, run colours)
             column = cdp.evaluate(NAME_COLUMN)
             if isinstance(column, dict) and column["overflow"] > 0:
@@ -179,9 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/mlflow-runs.png"), help="PNG to write")
     parser.add_argument("--size", default="1600,900", help="browser window WIDTH,HEIGHT in pixels")
     parser.add_argument("--chromium", default="chromium", help="the Chromium binary")
+    parser.add_argument("--page", default=None, help="another page: the UI's URL after '#/' (default: the runs)")
+    parser.add_argument("--wait-for", default="matching runs", help="text the page shows once it has loaded")
     args = parser.parse_args(argv)
     width, height = (int(v) for v in args.size.split(","))
-    url = screenshot(args.store, args.experiment, args.out, width, height, args.chromium)
+    url = screenshot(args.store, args.experiment, args.out, width, height, args.chromium, args.page, args.wait_for)
     print(f"{args.out}: {url} ({args.store})")
     return 0
 
