@@ -9,7 +9,7 @@ export DO_NOT_TRACK := 1
 # Prefect's ephemeral server may need more than its default 20 s to start on a busy 2-core machine.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 
-.PHONY: install test lint demo data base clean help
+.PHONY: install test lint demo data base screenshot clean help
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -52,6 +52,9 @@ demo: base  ## data + base model, its held-out acceptance, then online RL cycles
 	$(BIN)/tabrl acceptance --set evaluate.n_requests=500 --json state/base_acceptance.json
 	@echo ">> online loop: gateway + simulated users over HTTP + RL cycles + A/B decisions (state/demo)"
 	$(BIN)/python -m flows.online_loop $(DEMO_ARGS)
+
+screenshot: install  ## PNG of the MLflow runs view of the demo's cycles (needs Debian's chromium): docs/mlflow-runs.png
+	$(BIN)/python bench/mlflow_screenshot.py --store sqlite:///state/demo/mlflow.db --out docs/mlflow-runs.png
 
 clean:  ## remove built data, candidate models and local state (not .venv, not the shipped base in models/tabrl-tiny)
 	rm -rf data/corpus data/fim models/tabrl-tiny.partial models/candidates state

@@ -30,7 +30,8 @@ def main() -> None:
 
     from serving.store import CHAMPION
     from tasks.config import load_params
-    from tasks.deploy.registry import register_candidate, resolve_model_dir, set_alias, start_cycle_run
+    from tasks.deploy.registry import register_candidate, resolve_model_dir, set_alias
+    from tasks.deploy.tracking import start_cycle_run
 
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)

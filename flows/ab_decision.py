@@ -12,8 +12,9 @@ from prefect.cache_policies import NO_CACHE
 from serving.store import CHALLENGER, CHAMPION, ArmError, open_store
 from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
 from tasks.deploy import ab
+from tasks.deploy.errors import DeployError
 from tasks.deploy.promote import DeployChange, log_decision, promote, rollback
-from tasks.deploy.registry import DeployError, get_alias_version
+from tasks.deploy.registry import get_alias_version
 
 
 def _transient(task, task_run, state) -> bool:

@@ -1,4 +1,4 @@
-"""online_rl_cycle: ingest -> reward -> train -> evaluate -> register -> rollout (one MLflow run).
+"""online_rl_cycle: ingest -> reward -> train -> evaluate -> register -> rollout (one MLflow run per cycle).
 
     tabrl cycle                                   # a manual run (Prefect ephemeral mode without a server)
     prefect deployment run 'online-rl-cycle/online-rl-cycle'   # against `tabrl schedule`
@@ -9,7 +9,9 @@ training guard (non-finite loss, approx-KL) stops the update. Training runs here
 `cluster.train_on: pool` (`tabrl deploy`), as the `train-candidate` deployment on the gpu pool
 (tasks/train/remote.py); a training run that fails, is cancelled or loses its worker ends the cycle
 as `train_failed` with the champion and the ingest watermark as they were (the snapshot's rows are
-trained on by the next cycle).
+trained on by the next cycle). Every cycle, a skipped one too, leaves an MLflow run named for its
+outcome (`cycle 3 · deployed · tabrl-completion/4`, `cycle 4 · skipped: challenger under test`), so
+the runs list of the MLflow UI tells the loop's story.
 """
 
 from __future__ import annotations
@@ -23,14 +25,9 @@ from prefect import flow, get_run_logger
 from serving.store import CHALLENGER
 from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
 from tasks.corpus import read_samples
-from tasks.deploy.registry import (
-    ensure_champion,
-    get_alias_version,
-    register_candidate,
-    resolve_model_dir,
-    start_cycle_run,
-)
+from tasks.deploy.registry import ensure_champion, get_alias_version, register_candidate, resolve_model_dir
 from tasks.deploy.rollout import rollout
+from tasks.deploy.tracking import end_cycle_run, name_cycle_run, start_cycle_run
 from tasks.editor import read_regions, regions_path
 from tasks.evaluate.evaluate import compare_task
 from tasks.ingest.task import commit_ingest_task, ingest_task
@@ -43,7 +40,7 @@ from tasks.train.remote import TrainingLost, train_step
 class CycleReport:
     status: str  # "deployed" | "gate_failed" | "diverged" (a training guard fired) | "train_failed" | "skipped"
     reason: str
-    run_id: str | None = None
+    run_id: str  # the cycle's MLflow run (skipped cycles have one too), named `cycle N · status · version`
     snapshot: str | None = None
     version: str | None = None  # registered NAME/VERSION when deployed
     metrics: dict[str, float] = field(default_factory=dict)
@@ -67,11 +64,14 @@ def online_rl_cycle(
             "skipped: a challenger is still under test (the A/B decision flow promotes or rolls it back; "
             "pass force=True to train anyway)"
         )
-        return CycleReport("skipped", "challenger under test")
+        report = CycleReport("skipped", "challenger under test", run_id=start_cycle_run(params))
+        name_cycle_run(params, report.run_id, report.status, report.reason)  # every cycle leaves a run
+        end_cycle_run(params, report.run_id)
+        return report
     champion = ensure_champion(params.model.base_dir, params)
     champion_dir = resolve_model_dir(champion.uri, params)
-    run_id = start_cycle_run(params, run_name="online-rl-cycle")
-    report = CycleReport("skipped", "", run_id=run_id)
+    run_id = start_cycle_run(params)
+    report = CycleReport("skipped", "", run_id)
     mlflow.set_tracking_uri(params.paths.mlflow_tracking_uri)  # the stages log into the active run
     with mlflow.start_run(run_id=run_id, log_system_metrics=False):  # ends FAILED if a stage raises
         pending = ingest_task(params, Path(repo_dir))  # the watermark moves once training has finished
@@ -82,7 +82,6 @@ def online_rl_cycle(
             report.reason = f"too few rows to train on ({ingested.rows} < train.min_rows={params.train.min_rows})"
             log.info(f"skipped training: {report.reason}")
         else:
-            mlflow.set_tag("tabrl.snapshot_sha256", ingested.sha256)
             rewarded = reward_task(
                 ingested.snapshot, params.reward, ingested.snapshot.with_suffix(".rewarded.parquet"), ingested.arms
             )
@@ -111,10 +110,10 @@ def online_rl_cycle(
                     report.status, report.reason = "gate_failed", "; ".join(comparison.decision.reasons)
                     log.info(f"candidate not deployed: {report.reason}")
                 else:
-                    version = register_candidate(candidate_dir, params, run_id)
+                    version = register_candidate(candidate_dir, params, run_id, gate=comparison.decision.numbers)
                     rollout(version, str(resolve_model_dir(version.uri, params)), params)
                     report.status, report.version = "deployed", version.label
                     report.reason = "; ".join(comparison.decision.reasons)
                     log.info(f"{version.label} is the challenger at {params.deploy.challenger_share:.0%} of traffic")
-        mlflow.set_tags({"tabrl.cycle_status": report.status, "tabrl.cycle_reason": report.reason[:5000]})
+        name_cycle_run(params, run_id, report.status, report.reason, report.version)
     return report

@@ -30,6 +30,7 @@ from serving.simulate import run_simulation
 from serving.store import CHAMPION, Arm, open_store, replace_arms
 from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
 from tasks.deploy.registry import ensure_champion, resolve_model_dir
+from tasks.deploy.tracking import runs_view_url
 from tasks.editor import merge_typing, read_regions, regions_path
 from tasks.outcomes import reward_per_request
 from tasks.procs import NotUp, free_port, wait_until_up
@@ -262,7 +263,7 @@ def print_report(rows: list[CycleRow], state: Path, params: Params) -> None:
             f"{fmt(r.eval_reward_per_request)} ({fmt(r.champion_eval_reward_per_request)})",
         )
     print_table(table)
-    plot = plot_cycles(rows, state / "cycles.png", params.paths.mlflow_tracking_uri)
+    plot = plot_cycles(rows, state / "cycles.png", params)
     (state / "cycles.json").write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
     console.print(f"Plot: {plot}   Table: {state / 'cycles.json'}")
 
@@ -308,8 +309,8 @@ def print_story(base_dir: Path, final_dir: Path, state: Path, params: Params) ->
     )
     (state / "story.json").write_text(json.dumps(story, indent=2) + "\n")
     console.print(
-        f"MLflow UI:  mlflow ui --backend-store-uri {params.paths.mlflow_tracking_uri} --workers 1  "
-        "(then http://127.0.0.1:5000)"
+        f"MLflow UI:  mlflow ui --backend-store-uri {params.paths.mlflow_tracking_uri} --workers 1, then "
+        f"{runs_view_url(params, 'http://127.0.0.1:5000')} (the cycles' runs, named for their outcome)"
     )
     console.print(
         "Prefect UI: prefect server start --host 127.0.0.1, then `tabrl schedule` (http://127.0.0.1:4200); "

@@ -11,9 +11,13 @@ matplotlib.use("Agg")  # headless; set at import because pyplot is imported righ
 import matplotlib.pyplot as plt  # noqa: E402
 import mlflow  # noqa: E402
 
+from tasks.config import Params  # noqa: E402
+from tasks.deploy.tracking import CYCLES_DESCRIPTION, experiment_id, tracking_client  # noqa: E402
 
-def plot_cycles(rows: Sequence, path: Path, tracking_uri: str | None = None) -> Path:
-    """Plot suggestion rate, accept rate and reward per request per cycle; log the PNG to MLflow if asked."""
+
+def plot_cycles(rows: Sequence, path: Path, params: Params | None = None) -> Path:
+    """Plot suggestion rate, accept rate and reward per request per cycle; given `params`, log the PNG and
+    the online metrics per cycle to a run `online loop · N cycles` beside the cycle runs."""
     cycles = [r.cycle for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     online = axes[0]
@@ -43,10 +47,11 @@ def plot_cycles(rows: Sequence, path: Path, tracking_uri: str | None = None) -> 
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    if tracking_uri:
-        mlflow.set_tracking_uri(tracking_uri)
-        mlflow.set_experiment("tabrl")
-        with mlflow.start_run(run_name="online-loop-summary"):
+    if params is not None:
+        exp = experiment_id(tracking_client(params), params.deploy.experiment, params, CYCLES_DESCRIPTION)
+        mlflow.set_tracking_uri(params.paths.mlflow_tracking_uri)
+        name = f"online loop · {len(rows)} cycles"
+        with mlflow.start_run(experiment_id=exp, run_name=name, tags={"tabrl.kind": "loop_summary"}):
             mlflow.log_artifact(str(path))
             for r in rows:
                 mlflow.log_metrics(

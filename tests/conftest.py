@@ -154,7 +154,7 @@ def _mlflow_template(tmp_path_factory) -> Path:
 @pytest.fixture
 def mlflow_store(tmp_path, _mlflow_template, monkeypatch) -> str:
     """A fresh MLflow store at tmp_path/mlflow.db (where `tiny_params(tmp_path)` points), also the global
-    tracking URI for the test; artifacts go under tmp_path (see tasks/deploy/registry.py)."""
+    tracking URI for the test; artifacts go under tmp_path (see tasks/deploy/tracking.py)."""
     import shutil
 
     import mlflow

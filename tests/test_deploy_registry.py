@@ -1,4 +1,4 @@
-"""MLflow registry on a temp SQLite store: cycle runs, versions, aliases, models:/ -> local dir."""
+"""MLflow on a temp SQLite store: cycle runs (tracking.py); versions, aliases, models:/ -> local dir (registry.py)."""
 
 from pathlib import Path
 
@@ -6,18 +6,23 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from serving.store import CHALLENGER, CHAMPION
+from tasks.deploy.errors import DeployError
 from tasks.deploy.registry import (
     CACHE_DONE,
-    DeployError,
+    append_version_description,
     delete_alias,
-    end_cycle_run,
     ensure_champion,
     get_alias_version,
-    log_cycle_metrics,
-    mlflow_params,
     register_candidate,
     resolve_model_dir,
     set_alias,
+)
+from tasks.deploy.tracking import (
+    as_flat_tags,
+    end_cycle_run,
+    mlflow_params,
+    name_cycle_run,
+    runs_view_url,
     start_cycle_run,
     tracking_client,
 )
@@ -27,7 +32,6 @@ from tests.conftest import tiny_params
 def test_cycle_run_logs_every_param_within_mlflow_limits_and_resumes(tmp_path, mlflow_store):
     params = tiny_params(tmp_path, data={"split_salt": "s" * 7000})  # longer than MLflow's 6000-char limit
     run_id = start_cycle_run(params, snapshot_sha256="ab" * 32, run_name="cycle-1")
-    log_cycle_metrics(params, run_id, {"train/loss": 1.5, "eval/judge_mean": 6.0}, step=1)
     end_cycle_run(params, run_id)
 
     run = tracking_client(params).get_run(run_id)
@@ -36,7 +40,6 @@ def test_cycle_run_logs_every_param_within_mlflow_limits_and_resumes(tmp_path, m
     assert run.data.params["data.split_salt"].endswith("]") and "sha256:" in run.data.params["data.split_salt"]
     assert run.data.params["deploy.min_samples"] == str(params.deploy.min_samples)
     assert run.data.tags["tabrl.snapshot_sha256"] == "ab" * 32
-    assert run.data.metrics == {"train/loss": 1.5, "eval/judge_mean": 6.0}
     assert run.info.status == "FINISHED"
     assert Path(run.info.artifact_uri.removeprefix("file://")).is_relative_to(tmp_path)  # artifacts under state_dir
 
@@ -105,3 +108,73 @@ def test_ensure_champion_refuses_a_registry_that_lost_its_champion(tmp_path, mlf
     delete_alias(params, CHAMPION)
     with pytest.raises(DeployError, match="no 'champion' alias"):
         ensure_champion(tiny_model_dir, params)
+
+
+def test_cycle_runs_are_numbered_and_named_for_their_outcome_in_a_runs_first_experiment(
+    tmp_path, mlflow_store, tiny_model_dir
+):
+    params = tiny_params(tmp_path)
+    client = tracking_client(params)
+    base = ensure_champion(tiny_model_dir, params)
+    exp = client.get_experiment_by_name(params.deploy.experiment)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # MLflow's UI opens on the runs
+    assert "one run per cycle" in exp.tags["mlflow.note.content"]
+    link = runs_view_url(params, "http://127.0.0.1:5000/")  # MLflow 3.17's UI reads its switch, not the tag
+    assert link == f"http://127.0.0.1:5000/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning"
+    assert client.get_run(base.run_id).info.run_name == f"base model · {base.label}"
+
+    first, second, third = (start_cycle_run(params) for _ in range(3))  # the base run is not a cycle
+    assert [client.get_run(r).data.tags["tabrl.cycle"] for r in (first, second, third)] == ["1", "2", "3"]
+    assert client.get_run(third).info.run_name == "cycle 3"  # until its outcome is known
+    name_cycle_run(params, first, "skipped", "too few rows to train on (3 < train.min_rows=8)")
+    name_cycle_run(params, second, "gate_failed", "judge_mean drops -1.2; FAIL: the champion stays")
+    name_cycle_run(params, third, "deployed", "reward improves", "tabrl-completion/2")
+    runs = {r.info.run_id: r for r in client.search_runs([exp.experiment_id])}
+    assert [runs[r].info.run_name for r in (first, second, third)] == [
+        "cycle 1 · skipped: too few rows to train on",
+        "cycle 2 · gate failed",
+        "cycle 3 · deployed · tabrl-completion/2",
+    ]
+    assert runs[second].data.tags["tabrl.cycle_status"] == "gate_failed"
+    assert runs[second].data.tags["tabrl.cycle_reason"].startswith("judge_mean drops")
+    assert (
+        runs[third].data.tags["tabrl.version"] == "tabrl-completion/2" and "tabrl.version" not in runs[second].data.tags
+    )
+
+    # An experiment made before tabrl set its kind (by hand, an older tabrl) gets the kind on first use.
+    other = tiny_params(tmp_path, deploy={"experiment": "made-by-hand"})
+    made = client.create_experiment("made-by-hand")
+    assert (
+        start_cycle_run(other)
+        and client.get_experiment(made).tags["mlflow.experimentKind"] == "custom_model_development"
+    )
+
+
+def test_a_version_description_links_its_run_snapshot_and_gate(tmp_path, mlflow_store, tiny_model_dir):
+    params = tiny_params(tmp_path)
+    client = tracking_client(params)
+    base = ensure_champion(tiny_model_dir, params)
+    base_text = client.get_model_version(base.name, str(base.version)).description
+    assert f"/runs/{base.run_id})" in base_text and "base model" in base_text
+
+    run_id = start_cycle_run(params)
+    client.log_batch(
+        run_id,
+        tags=as_flat_tags({"tabrl.snapshot": "data/interactions/x.parquet", "tabrl.snapshot_dvc_md5": "f" * 32}),
+    )
+    gate = {
+        "candidate/reward_per_request": 0.25,
+        "champion/reward_per_request": 0.125,
+        "delta/reward_per_request": 0.125,
+    }
+    cand = register_candidate(tiny_model_dir, params, run_id, gate=gate)
+    mv = client.get_model_version(cand.name, str(cand.version))
+    exp = client.get_run(run_id).info.experiment_id
+    assert f"[cycle 1](#/experiments/{exp}/runs/{run_id})" in mv.description
+    assert "`data/interactions/x.parquet`" in mv.description and "f" * 32 in mv.description
+    assert "| reward_per_request | 0.25 | 0.125 | 0.125 | - | - |" in mv.description
+    assert mv.tags["tabrl.snapshot_dvc_md5"] == "f" * 32 and mv.tags["tabrl.snapshot"] == "data/interactions/x.parquet"
+
+    append_version_description(params, cand, "A/B decision: **promoted**.")
+    after = client.get_model_version(cand.name, str(cand.version)).description
+    assert after.startswith(mv.description) and after.endswith("\n\nA/B decision: **promoted**.")

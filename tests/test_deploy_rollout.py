@@ -5,14 +5,10 @@ from prefect import flow
 
 import tasks.deploy.rollout as rollout_mod
 from serving.store import CHALLENGER, CHAMPION, Arm, init_schema, make_engine, read_arms, replace_arms
-from tasks.deploy.registry import (
-    DeployError,
-    ensure_champion,
-    get_alias_version,
-    register_candidate,
-    start_cycle_run,
-)
+from tasks.deploy.errors import DeployError
+from tasks.deploy.registry import ensure_champion, get_alias_version, register_candidate
 from tasks.deploy.rollout import challenger_arms, rollout
+from tasks.deploy.tracking import start_cycle_run
 from tests.conftest import tiny_params
 
 

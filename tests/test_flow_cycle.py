@@ -15,12 +15,14 @@ from pathlib import Path
 import mlflow
 import pytest
 import yaml
+from mlflow import MlflowClient
 
 from flows.cycle import online_rl_cycle
 from serving.gateway import create_app
 from serving.simulate import run_simulation
 from serving.store import CHALLENGER, CHAMPION, Arm, init_schema, make_engine, read_arms, replace_arms
 from tasks.corpus import write_samples
+from tasks.deploy.promote import rollback
 from tasks.deploy.registry import ensure_champion, get_alias_version, resolve_model_dir
 from tasks.editor import regions_path, write_regions
 from tasks.simulated_users import make_users
@@ -109,8 +111,28 @@ def test_cycle_registers_and_rolls_out_a_challenger(
     assert arms[CHALLENGER].share == pytest.approx(0.3) and arms[CHAMPION].share == pytest.approx(0.7)
     assert arms[CHALLENGER].model_version == version.label
 
+    # What a person sees in the MLflow UI: the runs view (not GenAI), the run named for its outcome, the
+    # snapshot's DVC hash, and a version page that links the run, the snapshot and the gate's numbers.
+    client = MlflowClient()
+    experiment = client.get_experiment_by_name(params.deploy.experiment)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    assert run.info.run_name == f"cycle 1 · deployed · {version.label}" and run.data.tags["tabrl.cycle"] == "1"
+    assert run.data.tags["tabrl.version"] == version.label and run.data.tags["tabrl.cycle_reason"] == report.reason
+    md5 = yaml.safe_load(snapshot.with_name(snapshot.name + ".dvc").read_text())["outs"][0]["md5"]
+    assert run.data.tags["tabrl.snapshot_dvc_md5"] == md5 and run.data.tags["tabrl.snapshot"].endswith(snapshot.name)
+    description = client.get_model_version(version.name, str(version.version)).description
+    m = report.metrics
+    gate_row = (
+        f"| reward_per_request | {m['eval/typing/reward_per_request']:.4g} "
+        f"| {m['eval/champion/typing/reward_per_request']:.4g} |"
+    )
+    assert f"/runs/{report.run_id})" in description and md5 in description and gate_row in description
+
     again = online_rl_cycle(str(params_file), [], repo_dir=str(repo))  # the challenger is still under test
     assert again.status == "skipped" and again.reason == "challenger under test"
+    skipped = client.get_run(again.run_id)  # a skipped cycle leaves a run too: MLflow counts every cycle
+    assert skipped.info.run_name == "cycle 2 · skipped: challenger under test" and skipped.info.status == "FINISHED"
+    assert skipped.data.tags["tabrl.cycle_status"] == "skipped"
 
     # More traffic, then a forced cycle whose update trips the approx-KL guard: the champion and the
     # challenger under test stay as they are, and the run says why.
@@ -133,3 +155,15 @@ def test_cycle_registers_and_rolls_out_a_challenger(
     assert get_alias_version(params, CHALLENGER).label == version.label
     assert {a.name: a.model_version for a in read_arms(engine)} == {n: a.model_version for n, a in arms.items()}
     assert mlflow.get_run(diverged.run_id).data.tags["tabrl.cycle_status"] == "diverged"
+
+    # Rolled back by hand: the A/B decision joins the story on the cycle run's name and the version page.
+    rollback(engine, params)
+    runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
+    assert [r.info.run_name for r in runs] == [
+        f"base model · {champion.label}",
+        f"cycle 1 · deployed · {version.label} → rolled back",
+        "cycle 2 · skipped: challenger under test",
+        "cycle 3 · diverged",
+    ]
+    description = client.get_model_version(version.name, str(version.version)).description
+    assert "A/B decision: **rolled back**: by hand" in description and "p-values:" in description

@@ -23,13 +23,9 @@ import tasks.deploy.rollout as rollout_mod
 from serving.auth import add_key
 from serving.gateway import create_app
 from serving.store import CHALLENGER, CHAMPION, Arm, completions, init_schema, make_engine, read_arms, replace_arms
-from tasks.deploy.registry import (
-    DeployError,
-    ensure_champion,
-    get_alias_version,
-    register_candidate,
-    start_cycle_run,
-)
+from tasks.deploy.errors import DeployError
+from tasks.deploy.registry import ensure_champion, get_alias_version, register_candidate
+from tasks.deploy.tracking import start_cycle_run
 from tasks.evaluate.evaluate import compare
 from tasks.evaluate.judge import JudgeUnavailable
 from tasks.train.ppo import RESULT_FILE

@@ -118,7 +118,7 @@ def test_snapshot_is_versioned_with_dvc_in_a_git_repo(tmp_path):
     meta = yaml.safe_load((repo / f"{rel}.dvc").read_text())
     import hashlib
 
-    assert meta["outs"][0]["md5"] == hashlib.md5(result.snapshot.read_bytes()).hexdigest()
+    assert meta["outs"][0]["md5"] == hashlib.md5(result.snapshot.read_bytes()).hexdigest() == result.dvc_md5
     assert f"ingest: snapshot {rel.name}" in _git(repo, "log", "--oneline")
     assert _git(repo, "status", "--porcelain") == ""  # the Parquet file is DVC's (git-ignored), the .dvc is committed
     with pytest.raises(subprocess.CalledProcessError):
@@ -155,6 +155,7 @@ def test_outside_a_dvc_repo_versioning_is_skipped_with_a_warning(tmp_path, caplo
         add_completions(engine, _rows(3, 0, 100.0))
         result = run_ingest(engine, params, tmp_path, 200.0)
     assert result.dvc.startswith("skipped") and result.snapshot.is_file() and result.watermark == 3
+    assert result.dvc_md5 is None
     assert "not a DVC repo" in caplog.text
 
 
@@ -173,6 +174,9 @@ def test_prefect_task_logs_namespaced_metrics_to_an_active_mlflow_run(tmp_path):
         result = commit_ingest_task.fn(params, pending)
     logged = mlflow.get_run(run.info.run_id).data.metrics
     assert logged["ingest/rows"] == result.rows == 8
+    tags = mlflow.get_run(run.info.run_id).data.tags  # the snapshot, found again from the run (no DVC here)
+    assert tags["tabrl.snapshot_sha256"] == result.sha256 and "tabrl.snapshot_dvc_md5" not in tags
+    assert tags["tabrl.snapshot"] == str(result.snapshot.relative_to(tmp_path))
     assert logged["ingest/clean/rows_in"] == 8 and logged["ingest/watermark"] == result.watermark == 8
     assert ingest_task.fn(params, tmp_path, now=201.0).result.snapshot is None  # no run active: nothing logged
 

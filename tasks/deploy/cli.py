@@ -51,8 +51,8 @@ def ab_status_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) 
 
 def _change(action: str, params, set_) -> None:
     from serving.store import ArmError, open_store
+    from tasks.deploy.errors import DeployError
     from tasks.deploy.promote import NoChallengerError, promote, rollback
-    from tasks.deploy.registry import DeployError
 
     p = params_or_exit(params, set_)
     with open_store(p.paths.database_url) as engine:

@@ -28,16 +28,15 @@ from sqlalchemy.exc import SQLAlchemyError
 from serving.store import CHALLENGER, CHAMPION, Arm, ArmError, read_arms, replace_arms
 from tasks.config import Params
 from tasks.deploy.ab import ArmStats, Decision, arm_stats, decide
-from tasks.deploy.registry import (
-    DeployError,
-    ModelVersion,
-    as_flat_tags,
-    delete_alias,
-    experiment_id,
-    get_alias_version,
-    set_alias,
-    tracking_client,
+from tasks.deploy.errors import DeployError
+from tasks.deploy.registry import ModelVersion, append_version_description, delete_alias, get_alias_version, set_alias
+from tasks.deploy.tracking import as_flat_tags, experiment_id, tracking_client
+
+DECISIONS_DESCRIPTION = (
+    "tabrl A/B decisions: one run per look at the live test (promote, rollback or continue), with the "
+    "per-arm numbers as ab/* metrics and decision.json; the cycle run that made the challenger is tabrl.cycle_run_id."
 )
+OUTCOME = {"promote": "promoted", "rollback": "rolled back"}  # how a cycle run's name ends after the decision
 
 
 class NoChallengerError(DeployError):
@@ -134,9 +133,11 @@ def log_decision(
     stats: dict[str, ArmStats] | None = None,
 ) -> str:
     """One run in `deploy.decisions_experiment` per decision: action, reason, `ab/*` numbers, the record
-    as `decision.json`. A promote or rollback also tags the challenger's cycle run with the outcome."""
+    as `decision.json`. A promote or rollback also tells the challenger's story where it is read: its
+    cycle run gets the outcome as tags and at the end of its name (`... → promoted`), its registered
+    version's description the decision and its p-values."""
     client = tracking_client(params)
-    exp = experiment_id(client, params.deploy.decisions_experiment, params)
+    exp = experiment_id(client, params.deploy.decisions_experiment, params, DECISIONS_DESCRIPTION)
     label = challenger.label if challenger else "none"
     tags = {
         "tabrl.kind": "ab_decision",
@@ -160,10 +161,27 @@ def log_decision(
     }
     client.log_text(run_id, json.dumps(record, indent=2, sort_keys=True), "decision.json")
     client.set_terminated(run_id)
-    if applied and challenger and challenger.run_id and decision.action != "continue":
-        client.log_batch(
-            challenger.run_id,
-            metrics=metrics,
-            tags=as_flat_tags({"tabrl.ab_decision": decision.action, "tabrl.ab_reason": decision.reason}),
-        )
+    if applied and challenger and decision.action != "continue":
+        append_version_description(params, challenger, decision_note(decision, run_id))
+        if challenger.run_id:
+            client.log_batch(
+                challenger.run_id,
+                metrics=metrics,
+                tags=as_flat_tags({"tabrl.ab_decision": decision.action, "tabrl.ab_reason": decision.reason}),
+            )
+            name = client.get_run(challenger.run_id).info.run_name or ""
+            client.update_run(challenger.run_id, name=f"{name.split(' → ')[0]} → {OUTCOME[decision.action]}")
     return run_id
+
+
+def decision_note(decision: Decision, record_run_id: str) -> str:
+    """The A/B decision as a paragraph of a version's description: action, reason, p-values."""
+    n = decision.numbers
+    if "reward_p" in n and "accept_p" in n:
+        tests = (
+            f"p-values: reward per request (Welch's t) {n['reward_p']:.3g}, "
+            f"accept rate (two-proportion z) {n['accept_p']:.3g}, at alpha {n['alpha']:.3g}."
+        )
+    else:
+        tests = "p-values: none (no live numbers for both arms)."
+    return f"A/B decision: **{OUTCOME[decision.action]}**: {decision.reason}. {tests} Record: run `{record_run_id}`."

@@ -1,13 +1,13 @@
-"""The MLflow side of deploy: one run per cycle, one registered model, aliases, local model dirs.
+"""The MLflow model registry side of deploy: one registered model, its versions, aliases, local model dirs.
 
-* Every cycle is one MLflow run in experiment ``deploy.experiment``: the full resolved params (as
-  MLflow params, and untruncated as the artifact ``params.json``), the data snapshot hash as a tag,
-  the metrics every stage logs through :func:`log_cycle_metrics`.
 * A candidate checkpoint (a Hugging Face directory) becomes a new version of ``deploy.registered_model``.
   MLflow 3.17's ``register_model('runs:/..')`` refuses plain folders (it wants an MLmodel file), so the
-  folder is logged once as the run's ``model`` artifact and the version is created by reference to it
-  with ``MlflowClient.create_model_version(source=<run artifact uri>/model)``.
+  folder is logged once as its cycle run's ``model`` artifact and the version is created by reference
+  to it with ``MlflowClient.create_model_version(source=<run artifact uri>/model)``. The version's
+  description links its run, its snapshot and the gate's numbers; the A/B decision adds its own.
 * Aliases ``champion`` (serves 100 % unless a test runs) and ``challenger`` (under A/B test).
+
+The cycle runs themselves (experiments, params, names, tags) are in ``tracking.py``.
 
 Copies of big checkpoints: the registry holds exactly one immutable copy, the run artifact (the
 trainer's output directory is scratch that the next cycle may overwrite, so a reference to it would
@@ -20,33 +20,27 @@ reuses that (versions are immutable, so the cache never goes stale).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import shutil
 import tempfile
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 from urllib.parse import unquote, urlparse
 
 import mlflow
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import Run
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
-from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH, MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
 
 from serving.store import CHAMPION
 from tasks.config import Params
+from tasks.deploy.errors import DeployError
+from tasks.deploy.tracking import as_flat_tags, end_cycle_run, get_run, start_cycle_run, tracking_client
 
 MODEL_ARTIFACT = "model"
+SNAPSHOT_TAGS = ("tabrl.snapshot", "tabrl.snapshot_sha256", "tabrl.snapshot_dvc_md5")  # copied onto its version
 CACHE_DONE = ".tabrl-complete"  # written last into a downloaded model dir; a dir without it is partial
-
-
-class DeployError(RuntimeError):
-    """The registry or the arms are not in a state that allows the step; the message says why and what to do."""
 
 
 @dataclass(frozen=True)
@@ -67,148 +61,73 @@ class ModelVersion:
         return f"{self.name}/{self.version}"
 
 
-def tracking_client(params: Params) -> MlflowClient:
-    """A client on `paths.mlflow_tracking_uri`; a SQLite store's directory is created first."""
-    uri = params.paths.mlflow_tracking_uri
-    if uri.startswith("sqlite:///"):
-        db_path = uri[len("sqlite:///") :]
-        if db_path and db_path != ":memory:":
-            Path(db_path).parent.mkdir(parents=True, exist_ok=True)
-    return MlflowClient(tracking_uri=uri)
-
-
-def experiment_id(client: MlflowClient, name: str, params: Params) -> str:
-    """The id of experiment `name`, created on first use.
-
-    With a local tracking store the artifacts go under `<paths.state_dir>/mlartifacts` (MLflow's own
-    default is ./mlruns of whatever the working directory is); a tracking server decides for itself.
-    """
-    found = client.get_experiment_by_name(name)
-    if found is not None:
-        return found.experiment_id
-    location = None
-    if _is_local_store(params.paths.mlflow_tracking_uri):
-        location = (Path(params.paths.state_dir) / "mlartifacts").resolve().as_uri()
-    return client.create_experiment(name, artifact_location=location)
-
-
-def _is_local_store(tracking_uri: str) -> bool:
-    return urlparse(tracking_uri).scheme in ("", "file", "sqlite")
-
-
-# --- cycle runs -----------------------------------------------------------------------------------
-
-
-def start_cycle_run(
-    params: Params,
-    *,
-    run_id: str | None = None,
-    snapshot_sha256: str | None = None,
-    run_name: str | None = None,
-    tags: Mapping[str, str] | None = None,
-) -> str:
-    """Start the cycle's MLflow run (or resume `run_id`) with the full resolved params; returns the run id.
-
-    Resuming a run checks that its logged params are the ones given (a cycle resumed under another
-    config would no longer be comparable) and logs any that a crash left out.
-    """
-    client = tracking_client(params)
-    all_tags = {"tabrl.kind": "cycle", **(tags or {})}
-    if snapshot_sha256 is not None:
-        all_tags["tabrl.snapshot_sha256"] = snapshot_sha256
-    wanted = mlflow_params(params)
-    if run_id is None:
-        exp = experiment_id(client, params.deploy.experiment, params)
-        run_id = client.create_run(exp, run_name=run_name, tags=all_tags).info.run_id
-        missing = wanted
-        client.log_dict(run_id, params.model_dump(mode="json"), "params.json")
-    else:
-        run = _get_run(client, run_id)
-        logged = run.data.params
-        differ = sorted(k for k, v in wanted.items() if k in logged and logged[k] != v)
-        if differ:
-            shown = ", ".join(f"{k}: {logged[k]!r} -> {wanted[k]!r}" for k in differ[:5])
-            raise DeployError(
-                f"cannot resume MLflow run {run_id} with different params ({shown}); start a new cycle run"
-            )
-        missing = {k: v for k, v in wanted.items() if k not in logged}
-        if run.info.status != "RUNNING":
-            client.update_run(run_id, status="RUNNING")
-        client.log_batch(run_id, tags=[RunTag(k, v) for k, v in all_tags.items()])
-    items = [Param(k, v) for k, v in missing.items()]
-    for start in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
-        client.log_batch(run_id, params=items[start : start + MAX_PARAMS_TAGS_PER_BATCH])
-    return run_id
-
-
-def end_cycle_run(params: Params, run_id: str, status: str = "FINISHED") -> None:
-    """Close the cycle run: FINISHED, FAILED or KILLED."""
-    tracking_client(params).set_terminated(run_id, status=status)
-
-
-def log_cycle_metrics(params: Params, run_id: str, metrics: Mapping[str, float], step: int | None = None) -> None:
-    """Log a stage's metrics (namespaced names, e.g. `train/loss`) to the cycle run in batches."""
-    items = [Metric(k, float(v), int(time.time() * 1000), step or 0) for k, v in metrics.items()]
-    client = tracking_client(params)
-    for start in range(0, len(items), 1000):  # MLflow's batch limit for metrics
-        client.log_batch(run_id, metrics=items[start : start + 1000])
-
-
-def mlflow_params(params: Params) -> dict[str, str]:
-    """params.flat() as MLflow param strings, within MLflow's key and value length limits.
-
-    A value longer than the limit keeps its head and ends in its sha256, so two different long values
-    never log the same string; the untruncated tree is the run's `params.json` artifact.
-    """
-    out = {}
-    for key, value in params.flat().items():
-        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-        out[_fit(key, MAX_ENTITY_KEY_LENGTH)] = _fit(text, MAX_PARAM_VAL_LENGTH)
-    return out
-
-
-def _fit(text: str, limit: int) -> str:
-    if len(text) <= limit:
-        return text
-    tail = f"...[sha256:{hashlib.sha256(text.encode()).hexdigest()}]"
-    return text[: limit - len(tail)] + tail
-
-
-def _get_run(client: MlflowClient, run_id: str):
-    try:
-        return client.get_run(run_id)
-    except MlflowException as err:
-        if err.error_code == ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
-            raise DeployError(f"MLflow run {run_id} not found in {client.tracking_uri}") from err
-        raise
-
-
 # --- registered model versions and aliases ---------------------------------------------------------
 
 
 def register_candidate(
-    model_dir: str | Path, params: Params, run_id: str, tags: Mapping[str, str] | None = None
+    model_dir: str | Path,
+    params: Params,
+    run_id: str,
+    tags: Mapping[str, str] | None = None,
+    *,
+    gate: Mapping[str, float] | None = None,
 ) -> ModelVersion:
     """Log a checkpoint directory as the run's `model` artifact and register it as a new version.
 
-    The one copy the registry keeps is this artifact; the version refers to it.
+    The one copy the registry keeps is this artifact; the version refers to it. Its description
+    links the run, names the snapshot it was trained on and, given `gate` (the numbers of the gate it
+    passed, `GateDecision.numbers`), shows what the gate compared.
     """
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise DeployError(f"{model_dir} is not a Hugging Face checkpoint directory (no config.json)")
     client = tracking_client(params)
-    run = _get_run(client, run_id)
+    run = get_run(client, run_id)
     client.log_artifacts(run_id, str(model_dir), MODEL_ARTIFACT)
     name = params.deploy.registered_model
     _ensure_registered_model(client, name)
     version_tags = {"tabrl.cycle_run_id": run_id, **(tags or {})}
-    snapshot = run.data.tags.get("tabrl.snapshot_sha256")
-    if snapshot:
-        version_tags["tabrl.snapshot_sha256"] = snapshot
+    for key in SNAPSHOT_TAGS:
+        if run.data.tags.get(key):
+            version_tags[key] = run.data.tags[key]
     mv = client.create_model_version(
-        name, source=f"{run.info.artifact_uri}/{MODEL_ARTIFACT}", run_id=run_id, tags=version_tags
+        name,
+        source=f"{run.info.artifact_uri}/{MODEL_ARTIFACT}",
+        run_id=run_id,
+        tags=version_tags,
+        description=version_description(run, gate),
     )
     return _version(mv)
+
+
+def version_description(run: Run, gate: Mapping[str, float] | None) -> str:
+    """Markdown for a version's page in the MLflow UI: its run (a link), its snapshot, the gate's numbers."""
+    tags = run.data.tags
+    link = f"[{run.info.run_name or run.info.run_id}](#/experiments/{run.info.experiment_id}/runs/{run.info.run_id})"
+    lines = [f"Trained in run {link} (run id `{run.info.run_id}`)."]
+    if tags.get("tabrl.snapshot"):
+        lines.append(
+            f"Snapshot `{tags['tabrl.snapshot']}`: DVC md5 `{tags.get('tabrl.snapshot_dvc_md5', 'not versioned')}`, "
+            f"sha256 `{tags.get('tabrl.snapshot_sha256', '?')}` "
+            f"(`dvc checkout` at the commit whose .dvc file holds that md5 brings it back)."
+        )
+    elif tags.get("tabrl.kind") == "base":
+        lines.append("The base model: no interaction snapshot, not gated.")
+    if gate:
+        lines += ["", "Gate (candidate vs champion on held-out traffic): passed.", ""]
+        columns = ("candidate", "champion", "delta", "tolerance", "margin")
+        lines += ["| metric | " + " | ".join(columns) + " |", "| --- " * (len(columns) + 1) + "|"]
+        for metric in [key.removeprefix("candidate/") for key in gate if key.startswith("candidate/")]:
+            cells = [gate.get(f"{column}/{metric}") for column in columns]
+            lines.append(f"| {metric} | " + " | ".join("-" if v is None else f"{v:.4g}" for v in cells) + " |")
+    return "\n".join(lines)
+
+
+def append_version_description(params: Params, version: ModelVersion, text: str) -> None:
+    """Add a paragraph (e.g. the A/B decision) to the version's description."""
+    client = tracking_client(params)
+    current = client.get_model_version(version.name, str(version.version)).description or ""
+    client.update_model_version(version.name, str(version.version), description=f"{current}\n\n{text}".strip())
 
 
 def ensure_champion(base_dir: str | Path, params: Params) -> ModelVersion:
@@ -227,8 +146,10 @@ def ensure_champion(base_dir: str | Path, params: Params) -> ModelVersion:
             f"registered model {name!r} has versions but no {CHAMPION!r} alias; set one in the MLflow UI "
             f"or with MlflowClient().set_registered_model_alias({name!r}, {CHAMPION!r}, VERSION)"
         )
-    run_id = start_cycle_run(params, run_name="base-model", tags={"tabrl.kind": "base"})
+    run_id = start_cycle_run(params, run_name="base model", tags={"tabrl.kind": "base"})
     mv = register_candidate(base_dir, params, run_id, tags={"tabrl.kind": "base"})
+    client.log_batch(run_id, tags=as_flat_tags({"tabrl.version": mv.label, "tabrl.base_dir": str(base_dir)}))
+    client.update_run(run_id, name=f"base model · {mv.label}")
     end_cycle_run(params, run_id)
     set_alias(params, CHAMPION, mv.version)
     return mv
@@ -348,8 +269,3 @@ def _download(artifact_uri: str, target: Path, params: Params) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
-
-
-def as_flat_tags(values: Mapping[str, Any]) -> list[RunTag]:
-    """MLflow tags from plain values (within the tag value limit)."""
-    return [RunTag(_fit(k, MAX_ENTITY_KEY_LENGTH), _fit(str(v), MAX_PARAM_VAL_LENGTH)) for k, v in values.items()]

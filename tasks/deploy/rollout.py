@@ -30,13 +30,8 @@ from prefect.transactions import get_transaction, transaction
 
 from serving.store import CHALLENGER, CHAMPION, Arm, init_schema, make_engine, read_arms, replace_arms
 from tasks.config import Params
-from tasks.deploy.registry import (
-    DeployError,
-    ModelVersion,
-    delete_alias,
-    get_alias_version,
-    set_alias,
-)
+from tasks.deploy.errors import DeployError
+from tasks.deploy.registry import ModelVersion, delete_alias, get_alias_version, set_alias
 from tasks.deploy.vllm_server import start_vllm, stop_vllm, stop_vllm_at
 
 

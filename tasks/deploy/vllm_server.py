@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tasks.config import Params
-from tasks.deploy.registry import DeployError
+from tasks.deploy.errors import DeployError
 from tasks.procs import NotUp, free_port, wait_until_up
 
 

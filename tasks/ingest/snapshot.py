@@ -44,6 +44,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import sqlalchemy as sa
+import yaml
 from sqlalchemy.engine import Engine
 
 from serving.store import completions, feedback, late_feedback, snapshots, watermarks
@@ -77,6 +78,7 @@ class IngestResult:
     pending: int  # completions left for later cycles
     dvc: str  # "committed" | "added" (+ ", pushed to REMOTE") | "skipped: <why>" | "" (no snapshot)
     recovered: bool  # this run finished a cycle an earlier run crashed in
+    dvc_md5: str | None = None  # DVC's hash of the snapshot (from its .dvc file) when versioned
 
 
 def snapshot_name(first_seq: int, last_seq: int) -> str:
@@ -263,6 +265,7 @@ def write_snapshot(engine: Engine, params: Params, repo_dir: Path, now: float) -
             pending,
             dvc,
             crashed is not None,
+            dvc_md5(path) if path else None,
         )
         return PendingIngest(before, old, late if path else [], _display_path(path, repo_dir) if path else "", now)
 
@@ -331,6 +334,16 @@ def version_with_dvc(repo_dir: Path, path: Path, remote: str | None = None) -> s
     if staged.returncode == 1:
         _run(["git", "commit", "-q", "-m", f"ingest: snapshot {rel.name}", "--", *tracked], repo_dir)
     return "committed" + pushed
+
+
+def dvc_md5(path: Path) -> str | None:
+    """The md5 DVC recorded for `path` in `path.dvc` (what `dvc checkout` restores), None when not versioned."""
+    meta = path.with_name(path.name + ".dvc")
+    if not meta.is_file():
+        return None
+    outs = yaml.safe_load(meta.read_text()).get("outs") or [{}]
+    md5 = outs[0].get("md5")
+    return str(md5) if md5 else None
 
 
 def advance_watermark(
@@ -407,6 +420,16 @@ def _late_for_earlier_snapshots(conn, old: Watermark, params: IngestParams, now:
         {"completion_id": r.completion_id, "accepted": r.accepted, "snapshot": r.name, "recorded_at": now}
         for r in conn.execute(stmt)
     ]
+
+
+def ingest_tags(result: IngestResult, repo_dir: Path) -> dict[str, str]:
+    """The snapshot a cycle ingested, as MLflow tags: its path in the repo, sha256 and DVC md5 (when versioned)."""
+    if result.snapshot is None or result.sha256 is None:
+        return {}
+    tags = {"tabrl.snapshot": _display_path(result.snapshot, repo_dir), "tabrl.snapshot_sha256": result.sha256}
+    if result.dvc_md5:
+        tags["tabrl.snapshot_dvc_md5"] = result.dvc_md5
+    return tags
 
 
 def ingest_metrics(result: IngestResult) -> dict[str, float]:

@@ -16,17 +16,26 @@ from prefect.cache_policies import NO_CACHE
 
 from serving.store import open_store
 from tasks.config import Params
-from tasks.ingest.snapshot import IngestResult, PendingIngest, commit_snapshot, ingest_metrics, write_snapshot
+from tasks.ingest.snapshot import (
+    IngestResult,
+    PendingIngest,
+    commit_snapshot,
+    ingest_metrics,
+    ingest_tags,
+    write_snapshot,
+)
 
 
 @task(name="ingest", retries=2, retry_delay_seconds=[10, 60], cache_policy=NO_CACHE)
 def ingest_task(params: Params, repo_dir: Path, now: float | None = None) -> PendingIngest:
     """Pull, clean, snapshot and version the log store of ``params.paths.database_url``; the watermark waits
-    for ``commit_ingest_task``. Logs to MLflow if a run is active."""
+    for ``commit_ingest_task``. Logs to MLflow if a run is active (the numbers as metrics, the snapshot's path
+    and hashes as tags)."""
     with open_store(params.paths.database_url) as engine:
         pending = write_snapshot(engine, params, Path(repo_dir), time.time() if now is None else now)
     if mlflow.active_run():
         mlflow.log_metrics(ingest_metrics(pending.result))
+        mlflow.set_tags(ingest_tags(pending.result, Path(repo_dir)))
     return pending
 
 

@@ -1,0 +1,217 @@
+"""The MLflow tracking side of deploy: experiments and one run per cycle, named for its outcome.
+
+* Every cycle, a skipped one too, is one MLflow run in experiment ``deploy.experiment``: the full
+  resolved params (as MLflow params, and untruncated as the artifact ``params.json``), the metrics
+  every stage logs into the active run, the snapshot's path and hashes (sha256, DVC md5) as tags. It
+  is numbered and, once its outcome is known, named for it (`cycle 3 · deployed · tabrl-completion/4`,
+  `cycle 4 · skipped: challenger under test`) with the status, reason and version as tags: the runs
+  list tells the story.
+* tabrl's experiments carry ``mlflow.experimentKind = custom_model_development`` and a description.
+  MLflow 3.17's UI reads the kind only where its global GenAI / Model training switch is off, so
+  :func:`runs_view_url` sets the switch in the link that opens the runs.
+
+The registered model and its versions built from these runs are in ``registry.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from mlflow import MlflowClient
+from mlflow.entities import Param, Run, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
+from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH, MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
+
+from tasks.config import Params
+from tasks.deploy.errors import DeployError
+
+KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+NOTE_TAG = "mlflow.note.content"  # what the MLflow UI shows as an experiment's or a run's description
+CYCLES_DESCRIPTION = (
+    "tabrl online RL: one run per cycle (ingest -> reward -> train -> evaluate -> register -> rollout), "
+    "named `cycle N · status · version`; the tags say why (tabrl.cycle_reason) and on which snapshot "
+    "(tabrl.snapshot_dvc_md5). Select runs and Compare to see how the cycles' metrics move."
+)
+CYCLE_TAG = "tabrl.cycle"  # the cycle's number, 1 for the first cycle run of the experiment
+MAX_RUN_NAME_LENGTH = 250
+
+
+def tracking_client(params: Params) -> MlflowClient:
+    """A client on `paths.mlflow_tracking_uri`; a SQLite store's directory is created first."""
+    uri = params.paths.mlflow_tracking_uri
+    if uri.startswith("sqlite:///"):
+        db_path = uri[len("sqlite:///") :]
+        if db_path and db_path != ":memory:":
+            Path(db_path).parent.mkdir(parents=True, exist_ok=True)
+    return MlflowClient(tracking_uri=uri)
+
+
+def experiment_id(client: MlflowClient, name: str, params: Params, description: str) -> str:
+    """The id of experiment `name`, created on first use with its kind and `description`.
+
+    The kind tag marks it as model training, not GenAI (MLflow's UI reads it where its global GenAI /
+    Model training switch is off: see :func:`runs_view_url`); an experiment that lacks it (made by an
+    older tabrl or by hand) gets it.
+    With a local tracking store the artifacts go under `<paths.state_dir>/mlartifacts` (MLflow's own
+    default is ./mlruns of whatever the working directory is); a tracking server decides for itself.
+    """
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        if KIND_TAG not in found.tags:
+            client.set_experiment_tag(found.experiment_id, KIND_TAG, EXPERIMENT_KIND)
+        return found.experiment_id
+    location = None
+    if _is_local_store(params.paths.mlflow_tracking_uri):
+        location = (Path(params.paths.state_dir) / "mlartifacts").resolve().as_uri()
+    tags = {KIND_TAG: EXPERIMENT_KIND, NOTE_TAG: description}
+    return client.create_experiment(name, artifact_location=location, tags=tags)
+
+
+def runs_view_url(params: Params, ui_url: str) -> str:
+    """The link that opens the cycles experiment on its runs in the MLflow UI served at `ui_url`.
+
+    MLflow 3.17's UI picks its GenAI or "Model training" views with one global switch (the link's
+    `workflowType`, else the browser's last choice, GenAI at first); it reads the experiment's kind
+    tag only where that switch is off. The link sets the switch, so the runs show at once.
+    """
+    exp = experiment_id(tracking_client(params), params.deploy.experiment, params, CYCLES_DESCRIPTION)
+    return f"{ui_url.rstrip('/')}/#/experiments/{exp}/runs?workflowType=machine_learning"
+
+
+def _is_local_store(tracking_uri: str) -> bool:
+    return urlparse(tracking_uri).scheme in ("", "file", "sqlite")
+
+
+# --- cycle runs -----------------------------------------------------------------------------------
+
+
+def start_cycle_run(
+    params: Params,
+    *,
+    run_id: str | None = None,
+    snapshot_sha256: str | None = None,
+    run_name: str | None = None,
+    tags: Mapping[str, str] | None = None,
+) -> str:
+    """Start the cycle's MLflow run (or resume `run_id`) with the full resolved params; returns the run id.
+
+    A new cycle run (tag `tabrl.kind` = cycle) gets the next cycle number (tag `tabrl.cycle`) and the
+    name `cycle N` until :func:`name_cycle_run` tells its outcome. Resuming a run checks that its
+    logged params are the ones given (a cycle resumed under another config would no longer be
+    comparable) and logs any that a crash left out.
+    """
+    client = tracking_client(params)
+    all_tags = {"tabrl.kind": "cycle", **(tags or {})}
+    if snapshot_sha256 is not None:
+        all_tags["tabrl.snapshot_sha256"] = snapshot_sha256
+    wanted = mlflow_params(params)
+    if run_id is None:
+        exp = experiment_id(client, params.deploy.experiment, params, CYCLES_DESCRIPTION)
+        if all_tags["tabrl.kind"] == "cycle":
+            number = _last_cycle_number(client, exp) + 1
+            all_tags[CYCLE_TAG] = str(number)
+            run_name = run_name or f"cycle {number}"
+        run_id = client.create_run(exp, run_name=run_name, tags=all_tags).info.run_id
+        missing = wanted
+        client.log_dict(run_id, params.model_dump(mode="json"), "params.json")
+    else:
+        run = get_run(client, run_id)
+        logged = run.data.params
+        differ = sorted(k for k, v in wanted.items() if k in logged and logged[k] != v)
+        if differ:
+            shown = ", ".join(f"{k}: {logged[k]!r} -> {wanted[k]!r}" for k in differ[:5])
+            raise DeployError(
+                f"cannot resume MLflow run {run_id} with different params ({shown}); start a new cycle run"
+            )
+        missing = {k: v for k, v in wanted.items() if k not in logged}
+        if run.info.status != "RUNNING":
+            client.update_run(run_id, status="RUNNING")
+        client.log_batch(run_id, tags=[RunTag(k, v) for k, v in all_tags.items()])
+    items = [Param(k, v) for k, v in missing.items()]
+    for start in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
+        client.log_batch(run_id, params=items[start : start + MAX_PARAMS_TAGS_PER_BATCH])
+    return run_id
+
+
+def _last_cycle_number(client: MlflowClient, experiment: str) -> int:
+    """The number of the latest cycle run in the experiment, 0 before the first.
+
+    Cycles run one at a time (one flow, one schedule); two started in the same instant would share a number.
+    """
+    runs = client.search_runs(
+        [experiment], "tags.`tabrl.kind` = 'cycle'", order_by=["attributes.start_time DESC"], max_results=1
+    )
+    return int(runs[0].data.tags.get(CYCLE_TAG, "0")) if runs else 0
+
+
+def cycle_run_name(cycle: str, status: str, reason: str, version: str | None) -> str:
+    """`cycle 3 · deployed · tabrl-completion/4`, `cycle 4 · skipped: challenger under test`, `cycle 5 · diverged`.
+
+    A skip says why in a few words (the reason up to its first parenthesis); the full reason is a tag.
+    """
+    name = f"cycle {cycle} · {status.replace('_', ' ')}"
+    if status == "skipped":
+        name += f": {reason.split(' (', 1)[0]}"
+    if version:
+        name += f" · {version}"
+    return name[:MAX_RUN_NAME_LENGTH]
+
+
+def name_cycle_run(params: Params, run_id: str, status: str, reason: str, version: str | None = None) -> str:
+    """Tell the cycle's outcome on its run: the name (see :func:`cycle_run_name`) and the tags
+    `tabrl.cycle_status`, `tabrl.cycle_reason` and, when one was registered, `tabrl.version`; returns the name."""
+    client = tracking_client(params)
+    cycle = get_run(client, run_id).data.tags.get(CYCLE_TAG, "?")
+    name = cycle_run_name(cycle, status, reason, version)
+    tags = {"tabrl.cycle_status": status, "tabrl.cycle_reason": reason}
+    if version:
+        tags["tabrl.version"] = version
+    client.log_batch(run_id, tags=as_flat_tags(tags))
+    client.update_run(run_id, name=name)
+    return name
+
+
+def end_cycle_run(params: Params, run_id: str, status: str = "FINISHED") -> None:
+    """Close the cycle run: FINISHED, FAILED or KILLED."""
+    tracking_client(params).set_terminated(run_id, status=status)
+
+
+def mlflow_params(params: Params) -> dict[str, str]:
+    """params.flat() as MLflow param strings, within MLflow's key and value length limits.
+
+    A value longer than the limit keeps its head and ends in its sha256, so two different long values
+    never log the same string; the untruncated tree is the run's `params.json` artifact.
+    """
+    out = {}
+    for key, value in params.flat().items():
+        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+        out[_fit(key, MAX_ENTITY_KEY_LENGTH)] = _fit(text, MAX_PARAM_VAL_LENGTH)
+    return out
+
+
+def _fit(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    tail = f"...[sha256:{hashlib.sha256(text.encode()).hexdigest()}]"
+    return text[: limit - len(tail)] + tail
+
+
+def get_run(client: MlflowClient, run_id: str) -> Run:
+    """The run `run_id`; a DeployError naming the store when there is none."""
+    try:
+        return client.get_run(run_id)
+    except MlflowException as err:
+        if err.error_code == ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
+            raise DeployError(f"MLflow run {run_id} not found in {client.tracking_uri}") from err
+        raise
+
+
+def as_flat_tags(values: Mapping[str, Any]) -> list[RunTag]:
+    """MLflow tags from plain values (within the tag value limit)."""
+    return [RunTag(_fit(k, MAX_ENTITY_KEY_LENGTH), _fit(str(v), MAX_PARAM_VAL_LENGTH)) for k, v in values.items()]
