@@ -7,7 +7,7 @@ The flow holds no logic but the gate: it skips (and says why) while a challenger
 test (unless forced) or when the snapshot is too small to train on, and keeps the champion when a
 training guard (non-finite loss, approx-KL) stops the update. Training runs here or, with
 `cluster.train_on: pool` (`tabrl deploy`), as the `train-candidate` deployment on the gpu pool
-(tasks/train/remote.py); a training run that fails, is cancelled or loses its worker ends the cycle
+(flows/remote_training.py); a training run that fails, is cancelled or loses its worker ends the cycle
 as `train_failed` with the champion and the ingest watermark as they were (the snapshot's rows are
 trained on by the next cycle). Every cycle, a skipped one too, leaves an MLflow run named for its
 outcome (`cycle 3 · deployed · tabrl-completion/4`, `cycle 4 · skipped: challenger under test`), so
@@ -22,6 +22,7 @@ from pathlib import Path
 import mlflow
 from prefect import flow, get_run_logger
 
+from flows.remote_training import TrainingLost, train_step
 from serving.store import CHALLENGER
 from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
 from tasks.corpus import read_samples
@@ -33,7 +34,6 @@ from tasks.evaluate.evaluate import compare_task
 from tasks.ingest.task import commit_ingest_task, ingest_task
 from tasks.reward.task import reward_task
 from tasks.train.ppo import TrainingDiverged
-from tasks.train.remote import TrainingLost, train_step
 
 
 @dataclass

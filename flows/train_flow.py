@@ -4,7 +4,7 @@
     prefect worker start --pool gpu --type process   # on each GPU host, in any working directory
 
 The cycle (flows/cycle.py, `cluster.train_on: pool`) starts it with `run_deployment` and waits; the
-inputs and the candidate move through the MLflow tracking server (tasks/train/remote.py), so this
+inputs and the candidate move through the MLflow tracking server (flows/remote_training.py), so this
 flow runs in whatever directory its worker runs in and reads nothing the cycle wrote to disk.
 """
 
@@ -15,8 +15,8 @@ from typing import Any
 
 from prefect import flow
 
+from flows.remote_training import TRAIN_FLOW, train_from_references
 from tasks.config import Params
-from tasks.train.remote import TRAIN_FLOW, train_from_references
 
 
 @flow(name=TRAIN_FLOW, log_prints=True)

@@ -95,8 +95,12 @@ def fit_prompt(ids: list[int], limit: int, keep_first: bool = True) -> list[int]
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, limit: int, template: FimTemplate) -> list[int]:
-    """The prompt ids a model sees, identical at serving and training time."""
+    """The prompt ids a model sees, identical at serving and training time. An empty prompt (a prefix-only
+    model at the top of a file) is the start-of-text token alone: a model cannot continue nothing."""
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    if not ids:
+        start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        ids = [start]
     return fit_prompt(ids, limit, template.keeps_first_token)
 
 
