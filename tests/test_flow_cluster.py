@@ -25,19 +25,15 @@ from pathlib import Path
 
 import httpx
 import sqlalchemy as sa
-import yaml
 from mlflow import MlflowClient
 
 from serving.simulate import run_simulation
 from serving.store import CHALLENGER, CHAMPION, Arm, completions, init_schema, make_engine, read_arms, replace_arms
-from tasks.corpus import write_samples
 from tasks.deploy.registry import ensure_champion, get_alias_version, resolve_model_dir
-from tasks.editor import regions_path, write_regions
 from tasks.ingest.pull import read_watermark
 from tasks.procs import free_port, wait_until_up
 from tasks.simulated_users import make_users
-from tests.conftest import tiny_params
-from tests.test_flow_cycle import ACCEPT_ALL, _dvc_repo
+from tests.test_flow_cycle import ACCEPT_ALL, _dvc_repo, write_cycle_inputs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
@@ -160,15 +156,9 @@ def test_cycle_trains_on_the_gpu_worker_and_survives_losing_it(
         "evaluate": {"n_samples": 16, "n_requests": 32, "max_new_tokens": 1, "gate_tolerance": 1.0},
         "deploy": {"challenger_share": 0.3, "cycle_every_minutes": 600},
         "cluster": {"train_timeout_s": 240, "train_poll_s": 1, "dvc_remote": "store"},
-        "paths": {"data_dir": str(repo / "data"), "mlflow_tracking_uri": tracking},
+        "paths": {"mlflow_tracking_uri": tracking},
     }
-    params = tiny_params(tmp_path, **sections)
-    params_file = tmp_path / "params.yaml"
-    params_file.write_text(yaml.safe_dump(params.model_dump(mode="json")))
-    write_samples(
-        [dict(s, split="test") for s in fim_samples[:16]], repo / params.paths.data_dir / "fim" / "test.parquet"
-    )
-    write_regions(typing_regions, regions_path(repo / params.paths.data_dir, "test"), params.traffic)
+    params, params_file = write_cycle_inputs(tmp_path, repo, fim_samples, typing_regions, **sections)
     logs = {name: tmp_path / f"{name}.log" for name in ("prefect", "mlflow", "gateway", "cpu", "gpu", "gpu2")}
     mlflow_dir = tmp_path / "mlflow"
     mlflow_dir.mkdir()

@@ -46,6 +46,19 @@ def _dvc_repo(path):
     return path
 
 
+def write_cycle_inputs(tmp_path, repo, fim_samples, typing_regions, n_samples: int = 16, **sections):
+    """(params, params file) of a cycle test, snapshots inside the DVC repo, with its held-out FIM samples and
+    typing regions written where the cycle reads them."""
+    sections = {**sections, "paths": {"data_dir": str(repo / "data"), **sections.get("paths", {})}}
+    params = tiny_params(tmp_path, **sections)
+    params_file = tmp_path / "params.yaml"
+    params_file.write_text(yaml.safe_dump(params.model_dump(mode="json")))
+    test = [dict(s, split="test") for s in fim_samples[:n_samples]]
+    write_samples(test, repo / params.paths.data_dir / "fim" / "test.parquet")
+    write_regions(typing_regions, regions_path(repo / params.paths.data_dir, "test"), params.traffic)
+    return params, params_file
+
+
 def test_cycle_registers_and_rolls_out_a_challenger(
     tmp_path, tiny_model_dir, fim_samples, typing_regions, mlflow_store, prefect_harness, monkeypatch
 ):
@@ -67,15 +80,8 @@ def test_cycle_registers_and_rolls_out_a_challenger(
         "reward": {"advantage": "raw"},  # every shown suggestion is accepted: raw rewards push away from abstaining
         "evaluate": {"n_samples": 16, "n_requests": 32, "max_new_tokens": 1, "gate_tolerance": 1.0},
         "deploy": {"challenger_share": 0.3},
-        "paths": {"data_dir": str(repo / "data")},
-    }  # snapshots inside the DVC repo
-    params = tiny_params(tmp_path, **sections)
-    params_file = tmp_path / "params.yaml"
-    params_file.write_text(yaml.safe_dump(params.model_dump(mode="json")))
-    write_samples(
-        [dict(s, split="test") for s in fim_samples[:16]], repo / params.paths.data_dir / "fim" / "test.parquet"
-    )
-    write_regions(typing_regions, regions_path(repo / params.paths.data_dir, "test"), params.traffic)
+    }
+    params, params_file = write_cycle_inputs(tmp_path, repo, fim_samples, typing_regions, **sections)
 
     champion = ensure_champion(tiny_model_dir, params)
     engine = make_engine(params.paths.database_url)

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 from sqlalchemy import select
 from transformers import AutoConfig, AutoTokenizer
@@ -25,15 +24,12 @@ from flows.cycle import online_rl_cycle
 from serving.gateway import create_app
 from serving.simulate import run_simulation
 from serving.store import CHALLENGER, CHAMPION, Arm, completions, init_schema, make_engine, replace_arms
-from tasks.corpus import write_samples
 from tasks.deploy.registry import ensure_champion, get_alias_version, register_candidate, resolve_model_dir
-from tasks.editor import regions_path, write_regions
 from tasks.fim import PREFIX_ONLY, parse_completion, read_template
 from tasks.simulated_users import make_users
 from tasks.train.import_model import ImportModelError, import_model
-from tests.conftest import tiny_params
 from tests.serving_util import serve_app
-from tests.test_flow_cycle import ACCEPT_ALL, _dvc_repo
+from tests.test_flow_cycle import ACCEPT_ALL, _dvc_repo, write_cycle_inputs
 
 pytestmark = pytest.mark.slow
 
@@ -65,15 +61,8 @@ def test_smollm2_is_served_logged_trained_evaluated_and_registered(
         "ingest": {"feedback_timeout_s": 0.5},
         "train": {"lr": 1e-5, "epochs": 1, "min_rows": 4, "micro_batch": 4, "grad_accum": 1},
         "evaluate": {"n_samples": 4, "n_requests": 8, "max_new_tokens": 4, "batch_size": 4, "gate_tolerance": 1.0},
-        "paths": {"data_dir": str(repo / "data")},
     }
-    params = tiny_params(tmp_path, **sections)
-    params_file = tmp_path / "params.yaml"
-    params_file.write_text(yaml.safe_dump(params.model_dump(mode="json")))
-    write_samples(
-        [dict(s, split="test") for s in fim_samples[:4]], repo / params.paths.data_dir / "fim" / "test.parquet"
-    )
-    write_regions(typing_regions, regions_path(repo / params.paths.data_dir, "test"), params.traffic)
+    params, params_file = write_cycle_inputs(tmp_path, repo, fim_samples, typing_regions, n_samples=4, **sections)
 
     champion = ensure_champion(smollm2_dir, params)
     engine = make_engine(params.paths.database_url)
