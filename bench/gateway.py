@@ -34,11 +34,11 @@ from fastapi import FastAPI, Request
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.harness import FastBackend as CannedBackend  # noqa: E402  (a real Backend answering at once)
+from bench.harness import bench_stores  # noqa: E402
 from serving.store import Arm  # noqa: E402
 from tasks.fim import build_prompt  # noqa: E402
 from tasks.procs import free_port  # noqa: E402
-from tests.harden_util import FastBackend as CannedBackend  # noqa: E402  (a real Backend answering at once)
-from tests.harden_util import bench_stores  # noqa: E402
 
 PROMPT = build_prompt("def add(a, b):\n    ", "\n\nprint(add(1, 2))\n")
 
@@ -66,7 +66,13 @@ def serve(kind: str, db_url: str, port: int) -> None:
         from tasks.config import load_params
 
         params = load_params(
-            None, [f"paths.database_url={db_url}", "serving.rate_limit_per_minute=1000000"], environ={}
+            None,
+            [
+                f"paths.database_url={db_url}",
+                "serving.rate_limit_per_minute=1000000",
+                "serving.rate_limit_per_key_per_minute=1000000",
+            ],
+            environ={},
         )
         engine = make_engine(db_url)
         init_schema(engine)

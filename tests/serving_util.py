@@ -10,8 +10,8 @@ from contextlib import contextmanager
 import pytest
 import uvicorn
 
+from bench.harness import throwaway_schema
 from tasks.procs import free_port
-from tests.conftest import throwaway_schema
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

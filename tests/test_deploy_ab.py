@@ -10,6 +10,7 @@ import yaml
 from scipy import stats as st
 from typer.testing import CliRunner
 
+from bench.harness import throwaway_schema
 from serving.store import (
     CHALLENGER,
     CHAMPION,
@@ -32,7 +33,7 @@ from tasks.deploy.registry import (
     start_cycle_run,
     tracking_client,
 )
-from tests.conftest import throwaway_schema, tiny_params
+from tests.conftest import tiny_params
 
 _ids = itertools.count()
 

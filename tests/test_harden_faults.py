@@ -20,6 +20,18 @@ import sqlalchemy as sa
 from prefect import flow
 
 import tasks.deploy.rollout as rollout_mod
+from bench.harness import (
+    ROOT,
+    drive_editors,
+    editor_prompt,
+    fast_backend_factory,
+    free_port,
+    make_keys,
+    seed_arms,
+    start_process,
+    stop_process,
+    store_problems,
+)
 from serving.auth import add_key
 from serving.gateway import create_app
 from serving.store import CHALLENGER, CHAMPION, Arm, completions, init_schema, make_engine, read_arms, replace_arms
@@ -34,18 +46,7 @@ from tasks.evaluate.evaluate import compare
 from tasks.evaluate.judge import JudgeUnavailable
 from tasks.train.ppo import RESULT_FILE
 from tests.conftest import tiny_params
-from tests.harden_util import (
-    ROOT,
-    drive_editors,
-    editor_prompt,
-    fast_backend_factory,
-    free_port,
-    make_keys,
-    seed_arms,
-    start_process,
-    stop_process,
-    store_problems,
-)
+from tests.harden_util import start_backend
 from tests.serving_util import serve_app
 from tests.test_train_job import snapshot  # noqa: F401  (fixture)
 
@@ -76,7 +77,7 @@ def _kill_after(n_answers: int, kill, arm: str | None = None):
 
 def test_backend_killed_mid_load_fails_over_to_the_champion_then_502(tmp_path, tiny_model_dir):
     port = free_port()
-    backend = start_process("backend", port, "--model", str(tiny_model_dir))
+    backend = start_backend(port, str(tiny_model_dir))
     try:
         url_b = f"http://127.0.0.1:{port}"
         assert (
