@@ -9,7 +9,7 @@ export DO_NOT_TRACK := 1
 # Prefect's ephemeral server may need more than its default 20 s to start on a busy 2-core machine.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 
-.PHONY: install test lint demo data base clean help
+.PHONY: install test lint demo data base clean help bench-tools
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -50,6 +50,10 @@ demo: base  ## data + base model, its held-out acceptance, then online RL cycles
 	$(BIN)/tabrl acceptance --set evaluate.n_requests=500 --json state/base_acceptance.json
 	@echo ">> online loop: gateway + simulated users over HTTP + RL cycles + A/B decisions (state/demo)"
 	$(BIN)/python -m flows.online_loop $(DEMO_ARGS)
+
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+bench-tools:  ## the HTTP load generators bench/gateway.py drives (hey, wrk: Debian packages)
+	@command -v hey >/dev/null && command -v wrk >/dev/null || $(SUDO) apt-get install -y hey wrk
 
 clean:  ## remove built data, candidate models and local state (not .venv, not the shipped base in models/tabrl-tiny)
 	rm -rf data/corpus data/fim models/tabrl-tiny.partial models/candidates state

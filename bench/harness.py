@@ -35,6 +35,7 @@ from pathlib import Path
 
 import httpx
 import sqlalchemy as sa
+from fastapi import FastAPI, Request
 
 from serving.store import Arm, completions, feedback
 from tasks.fim import build_prompt
@@ -84,7 +85,6 @@ def _serve_gateway(db_url: str, port: int, auth: bool, overrides: list[str]) -> 
 
 def _serve_bare(port: int) -> None:
     import uvicorn
-    from fastapi import FastAPI, Request
 
     app = FastAPI()
     backend = FastBackend(Arm("bare", "bare", "", "embedded", 1.0), 1.0)
@@ -392,8 +392,11 @@ def main() -> None:
     parser.add_argument("--db", default="")
     parser.add_argument("--no-auth", action="store_true")
     parser.add_argument("--set", action="append", default=[])
+    parser.add_argument("--workers", type=int, default=1)
     args = parser.parse_args()
     if args.kind == "gateway":
+        if args.workers != 1:
+            raise SystemExit("--workers: only 1 for now")
         _serve_gateway(args.db, args.port, not args.no_auth, args.set)
     else:
         _serve_bare(args.port)
