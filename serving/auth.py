@@ -12,8 +12,9 @@ import asyncio
 import hashlib
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -64,32 +65,46 @@ def _lookup_opted_out(engine: Engine, user_id: str) -> bool:
         return bool(conn.execute(sa.select(users.c.opted_out).where(users.c.user_id == user_id)).scalar())
 
 
+class TtlCache:
+    """Values read from the store, kept ttl_s seconds. Concurrent misses for one key share one read (at
+    every expiry a busy gateway would otherwise send one read per request in flight for that key).
+    `keep(value)` says whether a value is cached at all; a read that fails is not cached."""
+
+    def __init__(self, ttl_s: float, keep: Callable[[Any], bool] = lambda value: True):
+        self.ttl_s, self.keep = ttl_s, keep
+        self._hits: dict[str, tuple[Any, float]] = {}
+        self._reads: dict[str, asyncio.Future] = {}
+
+    async def get(self, key: str, read: Callable[[], Any]) -> Any:
+        hit = self._hits.get(key)
+        if hit is not None and time.monotonic() - hit[1] < self.ttl_s:
+            return hit[0]
+        pending = self._reads.get(key)
+        if pending is None:
+            pending = self._reads[key] = asyncio.ensure_future(asyncio.to_thread(read))
+            pending.add_done_callback(lambda done: self._store(key, done))
+        return await asyncio.shield(pending)
+
+    def _store(self, key: str, done: asyncio.Future) -> None:
+        del self._reads[key]
+        if not done.cancelled() and done.exception() is None and self.keep(done.result()):
+            self._hits[key] = (done.result(), time.monotonic())
+
+
 class Directory:
     """Key -> user and user -> opted-out, read from the store with a TTL cache."""
 
     def __init__(self, engine: Engine, ttl_s: float):
         self.engine = engine
-        self.ttl_s = ttl_s
-        self._users: dict[str, tuple[str, float]] = {}
-        self._opted_out: dict[str, tuple[bool, float]] = {}
+        self._users = TtlCache(ttl_s, keep=lambda user: user is not None)  # unknown keys are not cached
+        self._opted_out = TtlCache(ttl_s)
 
-    async def user_for_key(self, key: str) -> str | None:
-        digest = hash_key(key)
-        hit = self._users.get(digest)
-        if hit is None or time.monotonic() - hit[1] >= self.ttl_s:
-            user_id = await asyncio.to_thread(_lookup_key, self.engine, digest)
-            if user_id is None:
-                return None  # unknown keys are not cached: the cache holds only real keys
-            hit = (user_id, time.monotonic())
-            self._users[digest] = hit
-        return hit[0]
+    async def user_for_key(self, key_hash: str) -> str | None:
+        """The user of the key with this sha256 (hash_key), None when no such key is live."""
+        return await self._users.get(key_hash, lambda: _lookup_key(self.engine, key_hash))
 
     async def opted_out(self, user_id: str) -> bool:
-        hit = self._opted_out.get(user_id)
-        if hit is None or time.monotonic() - hit[1] >= self.ttl_s:
-            hit = (await asyncio.to_thread(_lookup_opted_out, self.engine, user_id), time.monotonic())
-            self._opted_out[user_id] = hit
-        return hit[0]
+        return await self._opted_out.get(user_id, lambda: _lookup_opted_out(self.engine, user_id))
 
 
 @dataclass(frozen=True)
@@ -112,10 +127,10 @@ async def resolve_caller(
             raise ApiError(
                 401, "missing API key: send `Authorization: Bearer KEY` (create one with `tabrl keys add USER`)"
             )
-        user_id = await directory.user_for_key(key.strip())
+        key_hash = hash_key(key.strip())
+        user_id = await directory.user_for_key(key_hash)
         if user_id is None:
             raise ApiError(401, "invalid or revoked API key")
-        key_hash = hash_key(key.strip())
     else:
         user_id = claimed_user or headers.get("x-tabrl-user") or "anonymous"
         key_hash = None

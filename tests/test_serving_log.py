@@ -1,5 +1,5 @@
 """The log writer's group commit on real stores: batched feedback answers exactly like one-by-one recording,
-and one bad row does not fail its neighbours."""
+one bad row does not fail its neighbours, and the auth cache reads once for concurrent misses."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 from bench.harness import throwaway_schema
+from serving.auth import TtlCache
 from serving.log import InsertRow, LogWriter, Outcome, RecordFeedback, insert_completion, prompt_hash, record_outcome
 from serving.store import completions, feedback, init_schema, make_engine
 
@@ -131,3 +132,33 @@ def test_one_bad_row_does_not_fail_its_neighbours(store_url):
     assert ids == {"taken", "ok0", "ok1", "ok2", "ok3"} and owner == "alice"
     assert isinstance(insert_completion(_row("x", "y")), InsertRow)
     engine.dispose()
+
+
+def test_concurrent_cache_misses_share_one_read_and_failures_are_not_kept():
+    reads: list[str] = []
+
+    def read(value):
+        def go():
+            reads.append(value)
+            time.sleep(0.05)
+            if value == "boom":
+                raise RuntimeError("store down")
+            return None if value == "none" else value
+
+        return go
+
+    async def main():
+        cache = TtlCache(60.0, keep=lambda v: v is not None)
+        same = await asyncio.gather(*[cache.get("k", read("v")) for _ in range(20)])
+        assert same == ["v"] * 20 and reads == ["v"]
+        assert await cache.get("k", read("v2")) == "v"  # within the TTL: no read
+        for _ in range(2):  # unknown (None) and failed reads are read again next time
+            assert await cache.get("n", read("none")) is None
+            with pytest.raises(RuntimeError):
+                await cache.get("b", read("boom"))
+        assert reads == ["v", "none", "boom", "none", "boom"]
+        expired = TtlCache(0.0)
+        await expired.get("k", read("a"))
+        assert await expired.get("k", read("b")) == "b"
+
+    asyncio.run(main())
