@@ -72,7 +72,7 @@ def fast_backend_factory(arm: Arm, timeout_s: float):
 def _serve_gateway(db_url: str, port: int, auth: bool, overrides: list[str]) -> None:
     import uvicorn
 
-    from serving.gateway import create_app
+    from serving.gateway import UVICORN_OPTIONS, create_app
     from serving.store import init_schema, make_engine
     from tasks.config import load_params
 
@@ -80,11 +80,13 @@ def _serve_gateway(db_url: str, port: int, auth: bool, overrides: list[str]) -> 
     engine = make_engine(db_url, timeout_s=params.serving.db_timeout_s)
     init_schema(engine)
     app = create_app(params, engine=engine, auth=auth, backend_factory=fast_backend_factory)
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    uvicorn.run(app, host="127.0.0.1", port=port, **UVICORN_OPTIONS)
 
 
 def _serve_bare(port: int) -> None:
     import uvicorn
+
+    from serving.gateway import UVICORN_OPTIONS
 
     app = FastAPI()
     backend = FastBackend(Arm("bare", "bare", "", "embedded", 1.0), 1.0)
@@ -108,7 +110,7 @@ def _serve_bare(port: int) -> None:
     async def models():
         return {"object": "list", "data": []}
 
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    uvicorn.run(app, host="127.0.0.1", port=port, **UVICORN_OPTIONS)
 
 
 @contextmanager

@@ -53,7 +53,7 @@ def serve_cmd(
     """Run the gateway (uvicorn): completions, feedback, A/B arms, a durable log."""
     import uvicorn
 
-    from serving.gateway import create_app
+    from serving.gateway import UVICORN_OPTIONS, create_app
     from serving.store import Arm, read_arms, replace_arms
 
     p = _params(params, set_)
@@ -75,7 +75,7 @@ def serve_cmd(
 
         console.print(f"Embedded arms sample with seed {torch.seed()} (set serving.seed to fix it)")
     app = create_app(p, engine=engine, auth=False if no_auth else None)
-    uvicorn.run(app, host=host or p.serving.host, port=port or p.serving.port, log_level="warning")
+    uvicorn.run(app, host=host or p.serving.host, port=port or p.serving.port, **UVICORN_OPTIONS)
 
 
 @keys_app.command("add")
