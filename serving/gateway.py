@@ -113,8 +113,8 @@ class BodyLimit:
 
     A declared Content-Length is checked up front; a chunked body is counted as it arrives."""
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, metrics: Metrics):
+        self.app, self.max_bytes, self.metrics = app, max_bytes, metrics
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -123,6 +123,7 @@ class BodyLimit:
         try:
             check_declared_size(declared.decode("latin-1") if declared is not None else None, self.max_bytes)
         except ApiError as err:
+            self.metrics.requests.labels(scope["path"], "413").inc()
             return await JSONResponse(error_body(413, err.message), status_code=413)(scope, receive, send)
         seen = 0
 
@@ -285,6 +286,10 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        return error(request, 422, validation_message(err.errors()))
+
+    @app.exception_handler(ValidationError)  # a hot route's body, validated by the handler itself
+    async def _invalid_body(request: Request, err: ValidationError) -> JSONResponse:
         return error(request, 422, validation_message(err.errors()))
 
 
@@ -658,7 +663,7 @@ def create_app(
             await router.aclose()
 
     app = FastAPI(title="tabrl gateway", lifespan=lifespan)
-    app.add_middleware(BodyLimit, max_bytes=s.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=s.max_body_bytes, metrics=metrics)
     app.state.engine, app.state.router, app.state.metrics = engine, router, metrics
 
     install_error_handlers(app, metrics)
