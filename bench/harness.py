@@ -1,7 +1,7 @@
 """What the benchmarks and the hardening tests share: a backend that answers at once, the gateway in its
 own process, throwaway stores, simulated editors under load and the store checks after them.
 
-    python -m bench.harness gateway --db URL --port P [--no-auth] [--set KEY=VALUE ...]
+    python -m bench.harness gateway --db URL --port P [--no-auth] [--workers N] [--set KEY=VALUE ...]
     python -m bench.harness bare --port P
 
 * ``gateway``: the real gateway app in its own process (so it can be SIGKILLed). Arms whose backend
@@ -69,18 +69,24 @@ def fast_backend_factory(arm: Arm, timeout_s: float):
     return make_backend(arm, timeout_s) if arm.backend == "vllm" else FastBackend(arm, timeout_s)
 
 
-def _serve_gateway(db_url: str, port: int, auth: bool, overrides: list[str]) -> None:
-    import uvicorn
-
-    from serving.gateway import UVICORN_OPTIONS, create_app
+def _serve_gateway(db_url: str, port: int, auth: bool, overrides: list[str], workers: int) -> None:
+    from serving.gateway import serve
     from serving.store import init_schema, make_engine
     from tasks.config import load_params
 
-    params = load_params(None, [f"paths.database_url={db_url}", *overrides], environ={})
+    auth_off = [] if auth else ["serving.auth=false"]
+    params = load_params(None, [f"paths.database_url={db_url}", *overrides, *auth_off], environ={})
     engine = make_engine(db_url, timeout_s=params.serving.db_timeout_s)
     init_schema(engine)
-    app = create_app(params, engine=engine, auth=auth, backend_factory=fast_backend_factory)
-    uvicorn.run(app, host="127.0.0.1", port=port, **UVICORN_OPTIONS)
+    engine.dispose()
+    serve(params, "127.0.0.1", port, workers, factory="bench.harness:gateway_from_env")
+
+
+def gateway_from_env():
+    """uvicorn's app factory in each gateway process: the real gateway, with FastBackend for embedded arms."""
+    from serving.gateway import create_app, params_from_env
+
+    return create_app(params_from_env(), backend_factory=fast_backend_factory)
 
 
 def _serve_bare(port: int) -> None:
@@ -397,9 +403,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1)
     args = parser.parse_args()
     if args.kind == "gateway":
-        if args.workers != 1:
-            raise SystemExit("--workers: only 1 for now")
-        _serve_gateway(args.db, args.port, not args.no_auth, args.set)
+        _serve_gateway(args.db, args.port, not args.no_auth, args.set, args.workers)
     else:
         _serve_bare(args.port)
 

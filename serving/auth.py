@@ -1,9 +1,13 @@
-"""API keys and the opt-in cohort.
+"""API keys, the opt-in cohort and the rate limits.
 
 A key is shown once, when `tabrl keys add USER` creates it; the store keeps only its sha256. The
 gateway maps ``Authorization: Bearer KEY`` to a user id and caches the answer (and the user's
 opt-out flag) for ``serving.config_ttl_s`` seconds, so revoking a key or opting a user out takes
-effect without a restart.
+effect without a restart, in every replica (they read the same store).
+
+Rate limits count requests per user and per key in one-minute windows: in the process
+(``RateLimiter``, one gateway) or in Redis (``RedisRateLimiter``, ``serving.redis_url``), where every
+replica counts in the same windows, so a limit holds in total however many replicas serve.
 """
 
 from __future__ import annotations
@@ -16,10 +20,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import redis.asyncio
+import redis.exceptions
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from serving.errors import ApiError
+from serving.errors import RETRY_AFTER_S, ApiError
 from serving.store import api_keys, users
 
 KEY_PREFIX = "tabrl-"
@@ -146,6 +152,12 @@ class RateLimiter:
         self.per_user, self.per_key, self.max_windows = per_user, per_key, max_windows
         self._windows: dict[str, tuple[float, int]] = {}  # "user:ID" / "key:HASH" -> (window start, requests)
 
+    async def acquire(self, caller: Caller) -> None:
+        self.check(caller)
+
+    async def aclose(self) -> None:
+        return None
+
     def check(self, caller: Caller, now: float | None = None) -> None:
         """Count one request of the caller, or raise ApiError(429) and count nothing."""
         now = time.monotonic() if now is None else now
@@ -169,3 +181,60 @@ class RateLimiter:
             counted.append((name, start, count + 1))
         for name, start, count in counted:
             self._windows[name] = (start, count)
+
+
+# Count one request in every window of KEYS, or in none: a full window answers {index of the full window
+# (1-based), its milliseconds left}; else {0, 0}. A window starts with its first request and lasts ARGV[last] ms,
+# as RateLimiter's do. Atomic: Redis runs a script alone.
+_ACQUIRE = """
+for i, key in ipairs(KEYS) do
+  local count = tonumber(redis.call('GET', key) or '0')
+  if count >= tonumber(ARGV[i]) then
+    return {i, redis.call('PTTL', key)}
+  end
+end
+for i, key in ipairs(KEYS) do
+  if redis.call('INCR', key) == 1 then
+    redis.call('PEXPIRE', key, ARGV[#ARGV])
+  end
+end
+return {0, 0}
+"""
+WINDOW_MS = 60_000
+KEY_PREFIX_REDIS = "tabrl:ratelimit:"
+
+
+class RedisRateLimiter:
+    """RateLimiter's windows, kept in Redis and shared by every gateway replica: 429 with Retry-After when the
+    user's or the key's window is full, counted in neither then. One round trip per request (a Lua script).
+    Redis unreachable: 503 with Retry-After (nothing is served unlimited)."""
+
+    def __init__(self, url: str, per_user: int, per_key: int, timeout_s: float):
+        self.url, self.per_user, self.per_key = url, per_user, per_key
+        self._redis = redis.asyncio.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._acquire = self._redis.register_script(_ACQUIRE)
+
+    async def acquire(self, caller: Caller) -> None:
+        keys, limits, names = [f"{KEY_PREFIX_REDIS}user:{caller.user_id}"], [self.per_user], ["user"]
+        if caller.key_hash is not None:
+            keys.append(f"{KEY_PREFIX_REDIS}key:{caller.key_hash}")
+            limits.append(self.per_key)
+            names.append("API key")
+        try:
+            full, left_ms = await self._acquire(keys=keys, args=[*limits, WINDOW_MS])
+        except redis.exceptions.RedisError as err:
+            raise ApiError(
+                503,
+                f"the rate-limit store (Redis, serving.redis_url) is unavailable: {type(err).__name__}: {err}; "
+                f"retry after {RETRY_AFTER_S} s",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None
+        if full:
+            raise ApiError(
+                429,
+                f"rate limit: at most {limits[full - 1]} requests per minute per {names[full - 1]}",
+                headers={"Retry-After": str(max(1, int(left_ms) // 1000 + 1))},
+            )
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -30,6 +31,7 @@ from typing import Any
 
 import sqlalchemy as sa
 import torch
+import uvicorn
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -37,7 +39,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 from sqlalchemy.engine import Engine
 
-from serving.auth import Caller, Directory, RateLimiter, resolve_caller
+from serving.auth import Caller, Directory, RateLimiter, RedisRateLimiter, resolve_caller
 from serving.backends import Backend, make_backend
 from serving.compat import (
     CONTINUE_SCHEMA,
@@ -48,7 +50,7 @@ from serving.compat import (
     outcome_from_rlinf,
     texts_of,
 )
-from serving.errors import ApiError, error_body
+from serving.errors import RETRY_AFTER_S, ApiError, error_body
 from serving.log import (
     STORE_UNAVAILABLE,
     LogWriter,
@@ -69,7 +71,6 @@ log = logging.getLogger("tabrl.gateway")
 
 MAX_STOP_STRINGS = 32
 MAX_RATE_WINDOWS = 100_000  # rate-limit windows kept before finished ones are dropped
-RETRY_AFTER_S = 2  # Retry-After of a 503 while the log store is unavailable
 # How uvicorn runs the gateway: the event loop and HTTP parser in C (uvloop, httptools). Python's own
 # (asyncio, h11) cost more CPU per request than the gateway's work (bench/RESULTS.md, "Gateway").
 UVICORN_OPTIONS: dict = {"loop": "uvloop", "http": "httptools", "log_level": "warning", "access_log": False}
@@ -433,7 +434,11 @@ class Gateway:
         self.router = Router(engine, s.experiment_salt, s.config_ttl_s, s.backend_timeout_s, backend_factory)
         self.directory = Directory(engine, s.config_ttl_s)
         self.metrics = Metrics()
-        self.limiter = RateLimiter(s.rate_limit_per_minute, s.rate_limit_per_key_per_minute, MAX_RATE_WINDOWS)
+        self.limiter = (
+            RedisRateLimiter(s.redis_url, s.rate_limit_per_minute, s.rate_limit_per_key_per_minute, s.db_timeout_s)
+            if s.redis_url
+            else RateLimiter(s.rate_limit_per_minute, s.rate_limit_per_key_per_minute, MAX_RATE_WINDOWS)
+        )
 
     def ok(self, request: Request, body: dict) -> JSONResponse:
         self.metrics.requests.labels(request.url.path, "200").inc()
@@ -453,7 +458,7 @@ class Gateway:
         inputs = normalise_request(req, self.s)
         prefix, suffix, prompt, stop = inputs.prefix, inputs.suffix, inputs.prompt, inputs.stop
         max_tokens, temperature, top_p = inputs.max_tokens, inputs.temperature, inputs.top_p
-        self.limiter.check(caller)
+        await self.limiter.acquire(caller)
         forced = headers.get("x-tabrl-arm")
         try:
             arm, champion = await self.router.route(caller.user_id, forced)
@@ -624,7 +629,10 @@ class Gateway:
                 conn.execute(sa.text("SELECT 1"))
 
         await asyncio.to_thread(ping)
-        return self.ok(request, {"status": "ok", "arms": [a.name for a in arms], "auth": self.require_auth})
+        # pid: which gateway process answered (replicas share a port: `tabrl serve --workers N`)
+        return self.ok(
+            request, {"status": "ok", "arms": [a.name for a in arms], "auth": self.require_auth, "pid": os.getpid()}
+        )
 
     async def metrics_(self, request: Request):
         self.metrics.requests.labels(request.url.path, "200").inc()
@@ -651,16 +659,22 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         init_schema(engine)
-        if s.seed is not None:  # (`tabrl serve` seeds from the OS when it is None)
+        if s.seed is not None:  # (`tabrl serve`'s processes seed from the OS when it is None)
             torch.manual_seed(s.seed)
             log.info("embedded arms sample with serving.seed=%d", s.seed)
         writer.start()
-        log.info("gateway up: auth=%s, store=%s", require_auth, engine.url.render_as_string(hide_password=True))
+        log.info(
+            "gateway up: auth=%s, store=%s, rate limits %s",
+            require_auth,
+            engine.url.render_as_string(hide_password=True),
+            "in Redis (shared by replicas)" if s.redis_url else "in this process",
+        )
         try:
             yield
         finally:
             writer.stop()
             await router.aclose()
+            await gw.limiter.aclose()
 
     app = FastAPI(title="tabrl gateway", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=s.max_body_bytes, metrics=metrics)
@@ -693,6 +707,38 @@ def create_app(
     app.get("/healthz")(gw.healthz)
     app.get("/metrics")(gw.metrics_)
     return HotRoutes(app, {"/v1/completions": gw.completions, "/v1/feedback": gw.feedback}, s.max_body_bytes, metrics)
+
+
+PARAMS_ENV = "TABRL_GATEWAY_PARAMS"  # the resolved params (JSON), from `tabrl serve` to its gateway processes
+
+
+def serve(params: Params, host: str, port: int, workers: int, factory: str = "serving.gateway:app_from_env") -> None:
+    """Run the gateway with uvicorn until stopped: `workers` processes on one port (uvicorn's supervisor
+    restarts one that dies), each building its app with `factory` (an import string) from the resolved params
+    handed over in the environment. Replicas share the log store and, with serving.redis_url, the rate limits."""
+    if workers > 1 and not params.serving.redis_url:
+        raise ValueError(
+            f"{workers} gateway processes would each count the rate limits on their own; "
+            "set serving.redis_url (e.g. --set serving.redis_url=redis://127.0.0.1:6379/0) or run one"
+        )
+    os.environ[PARAMS_ENV] = params.model_dump_json()
+    uvicorn.run(factory, factory=True, host=host, port=port, workers=workers, **UVICORN_OPTIONS)
+
+
+def params_from_env() -> Params:
+    raw = os.environ.get(PARAMS_ENV)
+    if raw is None:
+        raise RuntimeError(f"{PARAMS_ENV} is not set: start the gateway with `tabrl serve`")
+    return Params.model_validate_json(raw)
+
+
+def app_from_env() -> HotRoutes:
+    """uvicorn's app factory in each gateway process of `tabrl serve`."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    params = params_from_env()
+    if params.serving.seed is None:  # torch's default seed is the same in every fresh process: draw one
+        log.info("embedded arms sample with seed %d (set serving.seed to fix it)", torch.seed())
+    return create_app(params)
 
 
 def _fastapi_route(handler: Handler, metrics: Metrics) -> Callable[[Request], Awaitable[Response]]:
