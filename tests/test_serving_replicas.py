@@ -103,6 +103,12 @@ def test_redis_windows_count_both_limits_and_refuse_without_counting(redis_url):
             await limiter.acquire(Caller(user, True, False))  # the refused request counted nowhere: user 3 of 3
             with pytest.raises(ApiError, match="per user"):
                 await limiter.acquire(Caller(user, True, False))
+            # Concurrent requests go to Redis together; still exactly the limit passes.
+            many = RedisRateLimiter(redis_url, per_user=100, per_key=6, timeout_s=2)
+            other = Caller(f"u-{uuid.uuid4().hex}", True, True, key_hash=uuid.uuid4().hex)
+            results = await asyncio.gather(*[many.acquire(other) for _ in range(20)], return_exceptions=True)
+            await many.aclose()
+            assert results.count(None) == 6 and all(getattr(r, "status", 0) == 429 for r in results if r is not None)
         finally:
             await limiter.aclose()
         down = RedisRateLimiter("redis://127.0.0.1:1/0", per_user=3, per_key=2, timeout_s=1)
