@@ -34,6 +34,7 @@ from bench.harness import (
 )
 from serving.auth import add_key
 from serving.gateway import create_app
+from serving.router import assign
 from serving.store import CHALLENGER, CHAMPION, Arm, completions, init_schema, make_engine, read_arms, replace_arms
 from tasks.deploy.registry import (
     DeployError,
@@ -89,11 +90,13 @@ def test_backend_killed_mid_load_fails_over_to_the_champion_then_502(tmp_path, t
         params = tiny_params(tmp_path, serving={"config_ttl_s": 0, "backend_timeout_s": 10})
         engine = make_engine(params.paths.database_url)
         init_schema(engine)
-        replace_arms(
-            engine, [Arm(CHAMPION, "fast/1", "fast", "embedded", 0.5), Arm(CHALLENGER, "tiny/2", url_b, "vllm", 0.5)]
-        )
+        arms = [Arm(CHAMPION, "fast/1", "fast", "embedded", 0.5), Arm(CHALLENGER, "tiny/2", url_b, "vllm", 0.5)]
+        replace_arms(engine, arms)
         app = create_app(params, engine=engine, auth=False, backend_factory=fast_backend_factory)
-        editors = [(f"u{i}", None) for i in range(8)]
+        # Only users the challenger serves: champion users answered at once would use up the requests before
+        # the challenger's slow model had answered 4 of them (and the kill would come after the load).
+        salt = params.serving.experiment_salt
+        editors = [(u, None) for u in (f"u{i}" for i in range(40)) if assign(u, salt, arms).name == CHALLENGER][:6]
         with serve_app(app) as url:
             result = asyncio.run(drive_editors(url, editors, 80, on_progress=_kill_after(4, backend.kill, CHALLENGER)))
             assert backend.wait(5) == -signal.SIGKILL
