@@ -9,7 +9,7 @@ export DO_NOT_TRACK := 1
 # Prefect's ephemeral server may need more than its default 20 s to start on a busy 2-core machine.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 
-.PHONY: install test lint demo data base screenshot clean help
+.PHONY: install test lint demo data base screenshot clean help bench-tools
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -55,6 +55,10 @@ demo: base  ## data + base model, its held-out acceptance, then online RL cycles
 
 screenshot: install  ## PNG of the MLflow runs view of the demo's cycles (needs Debian's chromium): docs/mlflow-runs.png
 	$(BIN)/python bench/mlflow_screenshot.py --store sqlite:///state/demo/mlflow.db --out docs/mlflow-runs.png
+
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+bench-tools:  ## the HTTP load generators bench/gateway.py drives (hey, wrk: Debian packages)
+	@command -v hey >/dev/null && command -v wrk >/dev/null || $(SUDO) apt-get install -y hey wrk
 
 clean:  ## remove built data, candidate models and local state (not .venv, not the shipped base in models/tabrl-tiny)
 	rm -rf data/corpus data/fim models/tabrl-tiny.partial models/candidates state

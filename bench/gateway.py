@@ -1,271 +1,255 @@
-"""Gateway overhead: the gateway with a fast in-process backend vs the same backend served alone.
+"""Gateway overhead: the gateway vs a bare server answering from the same instant backend, in one run.
 
-    PYTHONPATH=. python bench/gateway.py [--requests 300] [--pairs 1000] [--concurrency 32]
+    make bench-tools     # hey + wrk (Debian packages); without them a Python client stands in, with a warning
+    PYTHONPATH=. python bench/gateway.py [--seconds 8] [--completions 20000] [--concurrency 32]
                                          [--postgres postgresql+psycopg://postgres@127.0.0.1:5432/test]
+                                         [--redis redis://127.0.0.1:6379/0] [--workers 1 2]
 
-Both servers are uvicorn subprocesses on loopback, answered by the same `CannedBackend` (a
-Backend that returns a fixed 8-token Generation at once), so the difference is what the gateway
-adds: auth, routing, parsing, metrics and the durable commit of the completion row.
+Every server is a uvicorn subprocess on loopback (`python -m bench.harness`) answered by the same
+`FastBackend` (a fixed 8-token Generation, at once), so the difference is what the gateway adds: auth,
+rate limits, parsing, routing, metrics and the durable commit of every row before its answer.
 
-* added latency: sequential requests, p50/p99 of gateway minus p50/p99 of the bare backend server;
-* logged events/s: `concurrency` editors each doing completion + feedback pairs (2 events per pair);
-* store events/s: the log writer alone (group commit), no HTTP.
+Per server, back to back:
 
-Prints a table and writes bench/out/gateway.json. Goals (issue 3): <= 1 ms p50 added, >= 2,000
-logged events/s on 2 cores.
+* sequential (wrk, 1 connection, `--seconds`): p50 / p99, and the gateway's added p50 over the bare one;
+* completions at concurrency C (hey, `--completions` requests): logged completions/s, p50, p99, and
+  gateway / bare as a ratio;
+* completion + feedback pairs at concurrency C (wrk, `--seconds`): logged events/s and the ratio.
+
+After each gateway the store is counted: it must hold exactly the completions and feedback that were
+answered 200 (the rate is of logged rows, not of answers). `--workers 1 2` adds replicas on the last
+store (PostgreSQL when given) with the rate limits in Redis: the same completions load against
+`N` worker processes behind one port. The load generator shares the machine's cores with the
+servers, as on a laptop: compare the ratios within one run. Prints a table and writes
+bench/out/gateway.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
-import uuid
+import warnings
 from pathlib import Path
 
-import httpx
-from fastapi import FastAPI, Request
+import sqlalchemy as sa
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from serving.store import Arm  # noqa: E402
+from bench import loadgen  # noqa: E402
+from bench.harness import bench_stores, make_keys, seed_arms, start_process, stop_process  # noqa: E402
+from serving.store import Arm, completions, feedback, make_engine  # noqa: E402
 from tasks.fim import QWEN  # noqa: E402
 from tasks.procs import free_port  # noqa: E402
-from tests.harden_util import FastBackend as CannedBackend  # noqa: E402  (a real Backend answering at once)
-from tests.harden_util import bench_stores  # noqa: E402
 
 PROMPT = QWEN.render("def add(a, b):\n    ", "\n\nprint(add(1, 2))\n")
+UNLIMITED = ["serving.rate_limit_per_minute=100000000", "serving.rate_limit_per_key_per_minute=100000000"]
 
 
-def serve(kind: str, db_url: str, port: int) -> None:
-    """Subprocess entry: the gateway (auth on) or the bare backend server."""
-    import uvicorn
+def body(prompt_chars: int) -> str:
+    prefix = "def add(a, b):\n    "
+    if prompt_chars > len(PROMPT):  # editor context before the cursor, as a real editor sends it
+        prefix = "# context line of the file being edited\n" * ((prompt_chars - len(PROMPT)) // 40 + 1) + prefix
+    return json.dumps({"prompt": QWEN.render(prefix, "\n\nprint(add(1, 2))\n"), "max_tokens": 8})
 
-    if kind == "bare":
-        app = FastAPI()
-        backend = CannedBackend(Arm("bare", "bare", "", "embedded", 1.0), 1.0)
 
-        @app.post("/v1/completions")
-        async def complete(request: Request):
-            body = await request.json()
-            gen = await backend.complete(body.get("prompt", ""), 8, 0.7, 1.0, [])
-            return {
-                "id": f"cmpl-{uuid.uuid4().hex}",
-                "object": "text_completion",
-                "choices": [{"text": gen.text, "index": 0, "finish_reason": "stop"}],
-            }
+def measure(url: str, payload: str, headers: dict[str, str], args) -> dict:
+    """Sequential latency, completions at concurrency, and completion+feedback pairs, against one server."""
+    completions_url = f"{url}/v1/completions"
+    if loadgen.have("wrk"):
+        seq = loadgen.wrk_post(completions_url, payload, headers, args.seconds, 1)
+    elif loadgen.have("hey"):
+        seq = loadgen.hey_post(completions_url, payload, headers, args.completions // 10, 1)
     else:
-        from serving.gateway import create_app
-        from serving.store import init_schema, make_engine, replace_arms
-        from tasks.config import load_params
+        seq = loadgen.python_post(completions_url, payload, headers, args.completions // 20, 1)
+    if loadgen.have("hey"):
+        conc = loadgen.hey_post(completions_url, payload, headers, args.completions, args.concurrency)
+    elif loadgen.have("wrk"):
+        conc = loadgen.wrk_post(completions_url, payload, headers, args.seconds, args.concurrency)
+    else:
+        conc = loadgen.python_post(completions_url, payload, headers, args.completions // 10, args.concurrency)
+    if loadgen.have("wrk"):
+        pairs = loadgen.wrk_pairs(completions_url, payload, headers, args.seconds, args.concurrency)
+    else:
+        pairs = loadgen.python_pairs(completions_url, payload, headers, args.completions // 20, args.concurrency)
+    return {"sequential": seq.as_dict(), "concurrent": conc.as_dict(), "pairs": pairs.as_dict()}
 
-        params = load_params(
-            None, [f"paths.database_url={db_url}", "serving.rate_limit_per_minute=1000000"], environ={}
-        )
-        engine = make_engine(db_url)
-        init_schema(engine)
-        replace_arms(engine, [Arm("champion", "canned/1", "canned", "embedded", 1.0)])
-        app = create_app(params, engine=engine, auth=True, backend_factory=CannedBackend)
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+def stored(db_url: str) -> tuple[int, int]:
+    engine = make_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            n_c = conn.execute(sa.select(sa.func.count()).select_from(completions)).scalar_one()
+            n_f = conn.execute(sa.select(sa.func.count()).select_from(feedback)).scalar_one()
+    finally:
+        engine.dispose()
+    return n_c, n_f
 
 
-def _start(kind: str, db_url: str, port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", kind, "--db", db_url, "--port", str(port)], cwd=ROOT)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+def clear(db_url: str) -> None:
+    engine = make_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(feedback.delete())
+            conn.execute(completions.delete())
+    finally:
+        engine.dispose()
+
+
+def gateway_run(db_url: str, key: str, payload: str, args, overrides: list[str], workers: int = 1) -> dict:
+    clear(db_url)
+    port = free_port()
+    extra = [a for o in [*UNLIMITED, *overrides] for a in ("--set", o)]
+    proc = start_process("gateway", port, "--db", db_url, "--workers", str(workers), *extra, timeout_s=120)
+    try:
+        result = measure(f"http://127.0.0.1:{port}", payload, {"Authorization": f"Bearer {key}"}, args)
+    finally:
+        stop_process(proc)
+    n_c, n_f = stored(db_url)
+    acked_c = sum(result[k]["ok_by_route"].get("completions", 0) for k in ("sequential", "concurrent", "pairs"))
+    acked_f = result["pairs"]["ok_by_route"].get("feedback", 0)
+    result["stored"] = {"completions": n_c, "feedback": n_f, "acked_completions": acked_c, "acked_feedback": acked_f}
+    # Every acknowledged row is stored; a wrk run ends with up to `concurrency` requests in flight, whose rows
+    # may be committed with the answer never read (1 for the sequential run).
+    in_flight = 1 + args.concurrency if loadgen.have("wrk") else 0
+    result["stored_matches"] = acked_c <= n_c <= acked_c + in_flight and acked_f <= n_f <= acked_f + args.concurrency
+    return result
+
+
+def replicas_run(db_url: str, key: str, payload: str, args) -> dict:
+    """The same completions load against 1..N worker processes behind one port (limits in Redis)."""
+    out = {}
+    for n in args.workers:
+        clear(db_url)
+        port = free_port()
+        extra = [a for o in [*UNLIMITED, f"serving.redis_url={args.redis}"] for a in ("--set", o)]
+        proc = start_process("gateway", port, "--db", db_url, "--workers", str(n), *extra, timeout_s=120)
         try:
-            httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={}, timeout=1)
-            return proc
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"{kind} server did not start")
-
-
-def _pct(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
-
-
-def latency(url: str, n: int, headers: dict) -> list[float]:
-    out = []
-    with httpx.Client(base_url=url, headers=headers, timeout=30) as client:
-        for i in range(n + 20):
-            t = time.perf_counter()
-            r = client.post("/v1/completions", json={"prompt": PROMPT, "user": "bench"})
-            elapsed = (time.perf_counter() - t) * 1000
-            assert r.status_code == 200, r.text
-            if i >= 20:  # warm-up
-                out.append(elapsed)
+            load = loadgen.hey_post(
+                f"http://127.0.0.1:{port}/v1/completions",
+                payload,
+                {"Authorization": f"Bearer {key}"},
+                args.completions,
+                args.concurrency,
+            )
+        finally:
+            stop_process(proc)
+        n_c, _ = stored(db_url)
+        out[str(n)] = {**load.as_dict(), "stored": n_c, "stored_matches": n_c == load.ok}
     return out
 
 
-async def _throughput(url: str, pairs: int, concurrency: int, headers: dict, bare: bool = False) -> float:
-    """Requests/s of completion+feedback pairs (bare: two completions, the HTTP stack's ceiling here)."""
-    counter = iter(range(pairs))
-
-    async def editor(client: httpx.AsyncClient) -> int:
-        events = 0
-        for _ in counter:
-            r = await client.post("/v1/completions", json={"prompt": PROMPT})
-            assert r.status_code == 200, r.text
-            if bare:
-                f = await client.post("/v1/completions", json={"prompt": PROMPT})
-            else:
-                f = await client.post("/v1/feedback", json={"completion_id": r.json()["id"], "accepted": True})
-            assert f.status_code == 200, f.text
-            events += 2
-        return events
-
-    limits = httpx.Limits(max_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60, limits=limits) as client:
-        start = time.perf_counter()
-        events = sum(await asyncio.gather(*[editor(client) for _ in range(concurrency)]))
-        return events / (time.perf_counter() - start)
-
-
-async def _store_only(db_url: str, n: int, concurrency: int) -> float:
-    from serving.log import LogWriter, insert_completion, prompt_hash
-    from serving.store import init_schema, make_engine
-
-    engine = make_engine(db_url)
-    init_schema(engine)
-    writer = LogWriter(engine, 256)
-    writer.start()
-    sem = asyncio.Semaphore(concurrency)
-
-    async def one(i: int) -> None:
-        async with sem:
-            await writer.submit(
-                insert_completion(
-                    {
-                        "id": f"store-{uuid.uuid4().hex}",
-                        "created_at": time.time(),
-                        "user_id": "bench",
-                        "arm": "champion",
-                        "model_version": "canned/1",
-                        "prompt": PROMPT,
-                        "prefix": "p",
-                        "suffix": "s",
-                        "completion": "return a + b",
-                        "token_ids": [1] * 8,
-                        "logprobs": [-0.1] * 8,
-                        "temperature": 0.7,
-                        "latency_ms": 1.0,
-                        "abstained": False,
-                        "prompt_hash": prompt_hash(PROMPT, "return a + b"),
-                    }
-                )
-            )
-
-    start = time.perf_counter()
-    await asyncio.gather(*[one(i) for i in range(n)])
-    rate = n / (time.perf_counter() - start)
-    writer.stop()
-    engine.dispose()
-    return rate
-
-
-def _key(db_url: str) -> str:
-    from serving.auth import add_key
-    from serving.store import init_schema, make_engine
-
-    engine = make_engine(db_url)
-    init_schema(engine)
-    key = add_key(engine, "bench")
-    engine.dispose()
-    return key
-
-
 def run(args) -> dict:
-    results = {}
+    payload = body(args.prompt_chars)
+    results: dict = {}
+    port = free_port()
+    bare = start_process("bare", port, timeout_s=120)
+    try:
+        results["bare"] = measure(f"http://127.0.0.1:{port}", payload, {}, args)
+    finally:
+        stop_process(bare)
     with bench_stores(args.postgres, "bench") as stores:
-        port = free_port()
-        bare = _start("bare", "", port)
-        try:
-            base = latency(f"http://127.0.0.1:{port}", args.requests, {})
-            base_rate = asyncio.run(
-                _throughput(f"http://127.0.0.1:{port}", args.pairs, args.concurrency, {}, bare=True)
-            )
-        finally:
-            bare.terminate()
-            bare.wait()
-        results["bare"] = {"p50_ms": _pct(base, 50), "p99_ms": _pct(base, 99), "requests_per_s": base_rate}
         for name, db_url in stores.items():
-            key = _key(db_url)
-            headers = {"Authorization": f"Bearer {key}"}
-            port = free_port()
-            proc = _start("gateway", db_url, port)
-            try:
-                lat = latency(f"http://127.0.0.1:{port}", args.requests, headers)
-                rate = asyncio.run(_throughput(f"http://127.0.0.1:{port}", args.pairs, args.concurrency, headers))
-            finally:
-                proc.terminate()
-                proc.wait()
-            store_rate = asyncio.run(_store_only(db_url, args.pairs * 2, args.concurrency * 2))
-            results[name] = {
-                "p50_ms": _pct(lat, 50),
-                "p99_ms": _pct(lat, 99),
-                "added_p50_ms": _pct(lat, 50) - results["bare"]["p50_ms"],
-                "added_p99_ms": _pct(lat, 99) - results["bare"]["p99_ms"],
-                "logged_events_per_s": rate,
-                "store_events_per_s": store_rate,
-            }
+            seed_arms(db_url, [Arm("champion", "fast/1", "fast", "embedded", 1.0)])
+            (_, key), *_ = make_keys(db_url, 1, prefix="bench")
+            results[name] = gateway_run(db_url, key, payload, args, [])
+        if args.workers:
+            name = "postgres" if "postgres" in stores else "sqlite"
+            (_, key), *_ = make_keys(stores[name], 1, prefix="bench-replicas")
+            results[f"replicas ({name}, redis limits)"] = replicas_run(stores[name], key, payload, args)
     return results
+
+
+def machine() -> dict:
+    load1, load5, _ = os.getloadavg()
+    cpu = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo"], capture_output=True, text=True).stdout
+    return {
+        "cores": os.cpu_count(),
+        "cpu": cpu.partition(":")[2].strip(),
+        "load_avg_1m_before": round(load1, 2),
+        "load_avg_5m_before": round(load5, 2),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+
+
+def print_table(results: dict, args) -> None:
+    bare = results["bare"]
+    print(
+        f"\nGateway vs bare server (loopback, {os.cpu_count()} cores shared with the load generator; "
+        f"sequential: {bare['sequential']['tool']} 1 connection; concurrent: {bare['concurrent']['tool']} "
+        f"c={args.concurrency}; pairs: {bare['pairs']['tool']} c={args.concurrency}; prompt {args.prompt_chars} chars)"
+    )
+    head = (
+        f"{'server':<9}{'c=1 p50':>8}{'p99':>7}{'added':>7}{'c=32/s':>8}{'p50':>7}{'p99':>7}{'ratio':>7}"
+        f"{'pairs ev/s':>11}{'ratio':>7}{'stored=acked':>13}"
+    )
+    print(head.replace("c=32", f"c={args.concurrency}"))
+    for name in [n for n in results if not n.startswith("replicas")]:
+        r = results[name]
+        seq, conc, pairs = r["sequential"], r["concurrent"], r["pairs"]
+        added = seq["p50_ms"] - bare["sequential"]["p50_ms"]
+        print(
+            f"{name:<9}{seq['p50_ms']:>8.2f}{seq['p99_ms']:>7.2f}{added if name != 'bare' else 0:>7.2f}"
+            f"{conc['per_s']:>8.0f}{conc['p50_ms']:>7.1f}{conc['p99_ms']:>7.1f}"
+            f"{conc['per_s'] / bare['concurrent']['per_s']:>7.2f}"
+            f"{pairs['per_s']:>11.0f}{pairs['per_s'] / bare['pairs']['per_s']:>7.2f}"
+            f"{str(r.get('stored_matches', '-')):>13}"
+        )
+    for name in [n for n in results if n.startswith("replicas")]:
+        r = results[name]
+        one = r[str(min(int(k) for k in r))]["per_s"]
+        print(f"\n{name}: hey c={args.concurrency}, {args.completions} completions")
+        print(f"{'workers':<9}{'compl/s':>8}{'p50':>7}{'p99':>7}{'vs 1':>7}{'errors':>8}{'stored=acked':>13}")
+        for n, w in r.items():
+            print(
+                f"{n:<9}{w['per_s']:>8.0f}{w['p50_ms']:>7.1f}{w['p99_ms']:>7.1f}{w['per_s'] / one:>7.2f}"
+                f"{w['errors']:>8}{str(w['stored_matches']):>13}"
+            )
+    print(
+        "c=1: ms per request, one connection; added: gateway p50 - bare p50. c=N/s: completions answered 200 per "
+        "second (every one logged); ratio: gateway / bare. pairs ev/s: completions + feedbacks per second."
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=300, help="sequential requests for the latency numbers")
-    parser.add_argument("--pairs", type=int, default=1000, help="completion+feedback pairs for the throughput numbers")
-    parser.add_argument("--concurrency", type=int, default=32, help="editors in flight at once")
+    parser.add_argument("--seconds", type=float, default=8.0, help="duration of each wrk run (sequential, pairs)")
+    parser.add_argument("--completions", type=int, default=20000, help="requests of each hey run at concurrency")
+    parser.add_argument("--concurrency", type=int, default=32, help="connections in flight at once")
+    parser.add_argument("--prompt-chars", type=int, default=len(PROMPT), help="size of the FIM prompt sent")
     parser.add_argument(
         "--postgres", default=os.environ.get("TABRL_TEST_POSTGRES_URL"), help="also bench this PostgreSQL"
     )
-    parser.add_argument("--serve", choices=["bare", "gateway"], help=argparse.SUPPRESS)
-    parser.add_argument("--db", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="rate limits of the replicas run")
+    parser.add_argument("--workers", type=int, nargs="*", default=[], help="replicas run: worker counts, e.g. 1 2")
     args = parser.parse_args()
-    if args.serve:
-        serve(args.serve, args.db, args.port)
-        return
-    results = run(args)
-    print(
-        f"\nGateway overhead ({args.requests} sequential requests; {args.pairs} completion+feedback pairs "
-        f"at concurrency {args.concurrency}; loopback, {os.cpu_count()} cores)"
-    )
-    print(
-        f"{'server':<10}{'p50 ms':>9}{'p99 ms':>9}{'added p50':>11}{'added p99':>11}{'HTTP req/s':>12}"
-        f"{'store ev/s':>12}"
-    )
-    for name, r in results.items():
-        rate = r.get("logged_events_per_s", r.get("requests_per_s", 0))
-        print(
-            f"{name:<10}{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}{r.get('added_p50_ms', 0):>11.2f}"
-            f"{r.get('added_p99_ms', 0):>11.2f}{rate:>12.0f}{r.get('store_events_per_s', 0):>12.0f}"
+    missing = [tool for tool in ("hey", "wrk") if not loadgen.have(tool)]
+    if missing:
+        warnings.warn(
+            f"{' and '.join(missing)} not installed (`make bench-tools`): a Python client stands in, and it "
+            "saturates near 230 requests/s on 2 cores, so the numbers it gives measure the client",
+            stacklevel=1,
         )
-    print(
-        "HTTP req/s: bare = completions/s of the bare server (the HTTP stack's ceiling on this machine); "
-        "sqlite/postgres = logged events/s (completion + feedback) through the gateway"
-    )
+    info = machine()
+    results = run(args)
+    print_table(results, args)
     out = ROOT / "bench" / "out" / "gateway.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         json.dumps(
-            {
-                "args": {k: v for k, v in vars(args).items() if k not in ("serve", "db", "port", "postgres")},
-                "results": results,
-            },
-            indent=2,
+            {"args": {k: v for k, v in vars(args).items() if k != "postgres"}, "machine": info, **results}, indent=2
         )
         + "\n"
     )
     print(f"wrote {out}")
+    checks = [r["stored_matches"] for name, r in results.items() if name not in ("bare",) and "stored_matches" in r]
+    checks += [w["stored_matches"] for name, r in results.items() if name.startswith("replicas") for w in r.values()]
+    if not all(checks):
+        sys.exit("the store does not hold exactly the acknowledged rows (see stored in the JSON)")
 
 
 if __name__ == "__main__":

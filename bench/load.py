@@ -4,7 +4,7 @@
                                       [--postgres postgresql+psycopg://postgres@127.0.0.1:5432/test]
 
 The gateway runs in its own uvicorn process on loopback with auth on (one API key per editor) and
-the fast in-process backend (``tests.harden_util.FastBackend``), so the numbers are the gateway's
+the fast in-process backend (``bench.harness.FastBackend``), so the numbers are the gateway's
 and the store's. Each editor requests a completion, then sends feedback with probability
 ``--feedback-rate`` (else stays silent). Afterwards every acknowledged completion and feedback must
 be in the store, with the acknowledged answer, and the counts must match exactly.
@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.harden_util import bench_stores, run_load  # noqa: E402
+from bench.harness import bench_stores, run_load  # noqa: E402
 
 
 def main() -> None:

@@ -1,9 +1,13 @@
-"""API keys and the opt-in cohort.
+"""API keys, the opt-in cohort and the rate limits.
 
 A key is shown once, when `tabrl keys add USER` creates it; the store keeps only its sha256. The
 gateway maps ``Authorization: Bearer KEY`` to a user id and caches the answer (and the user's
 opt-out flag) for ``serving.config_ttl_s`` seconds, so revoking a key or opting a user out takes
-effect without a restart.
+effect without a restart, in every replica (they read the same store).
+
+Rate limits count requests per user and per key in one-minute windows: in the process
+(``RateLimiter``, one gateway) or in Redis (``RedisRateLimiter``, ``serving.redis_url``), where every
+replica counts in the same windows, so a limit holds in total however many replicas serve.
 """
 
 from __future__ import annotations
@@ -12,13 +16,16 @@ import asyncio
 import hashlib
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
+import redis.asyncio
+import redis.exceptions
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from serving.errors import ApiError
+from serving.errors import RETRY_AFTER_S, ApiError
 from serving.store import api_keys, users
 
 KEY_PREFIX = "tabrl-"
@@ -64,32 +71,46 @@ def _lookup_opted_out(engine: Engine, user_id: str) -> bool:
         return bool(conn.execute(sa.select(users.c.opted_out).where(users.c.user_id == user_id)).scalar())
 
 
+class TtlCache:
+    """Values read from the store, kept ttl_s seconds. Concurrent misses for one key share one read (at
+    every expiry a busy gateway would otherwise send one read per request in flight for that key).
+    `keep(value)` says whether a value is cached at all; a read that fails is not cached."""
+
+    def __init__(self, ttl_s: float, keep: Callable[[Any], bool] = lambda value: True):
+        self.ttl_s, self.keep = ttl_s, keep
+        self._hits: dict[str, tuple[Any, float]] = {}
+        self._reads: dict[str, asyncio.Future] = {}
+
+    async def get(self, key: str, read: Callable[[], Any]) -> Any:
+        hit = self._hits.get(key)
+        if hit is not None and time.monotonic() - hit[1] < self.ttl_s:
+            return hit[0]
+        pending = self._reads.get(key)
+        if pending is None:
+            pending = self._reads[key] = asyncio.ensure_future(asyncio.to_thread(read))
+            pending.add_done_callback(lambda done: self._store(key, done))
+        return await asyncio.shield(pending)
+
+    def _store(self, key: str, done: asyncio.Future) -> None:
+        del self._reads[key]
+        if not done.cancelled() and done.exception() is None and self.keep(done.result()):
+            self._hits[key] = (done.result(), time.monotonic())
+
+
 class Directory:
     """Key -> user and user -> opted-out, read from the store with a TTL cache."""
 
     def __init__(self, engine: Engine, ttl_s: float):
         self.engine = engine
-        self.ttl_s = ttl_s
-        self._users: dict[str, tuple[str, float]] = {}
-        self._opted_out: dict[str, tuple[bool, float]] = {}
+        self._users = TtlCache(ttl_s, keep=lambda user: user is not None)  # unknown keys are not cached
+        self._opted_out = TtlCache(ttl_s)
 
-    async def user_for_key(self, key: str) -> str | None:
-        digest = hash_key(key)
-        hit = self._users.get(digest)
-        if hit is None or time.monotonic() - hit[1] >= self.ttl_s:
-            user_id = await asyncio.to_thread(_lookup_key, self.engine, digest)
-            if user_id is None:
-                return None  # unknown keys are not cached: the cache holds only real keys
-            hit = (user_id, time.monotonic())
-            self._users[digest] = hit
-        return hit[0]
+    async def user_for_key(self, key_hash: str) -> str | None:
+        """The user of the key with this sha256 (hash_key), None when no such key is live."""
+        return await self._users.get(key_hash, lambda: _lookup_key(self.engine, key_hash))
 
     async def opted_out(self, user_id: str) -> bool:
-        hit = self._opted_out.get(user_id)
-        if hit is None or time.monotonic() - hit[1] >= self.ttl_s:
-            hit = (await asyncio.to_thread(_lookup_opted_out, self.engine, user_id), time.monotonic())
-            self._opted_out[user_id] = hit
-        return hit[0]
+        return await self._opted_out.get(user_id, lambda: _lookup_opted_out(self.engine, user_id))
 
 
 @dataclass(frozen=True)
@@ -112,10 +133,10 @@ async def resolve_caller(
             raise ApiError(
                 401, "missing API key: send `Authorization: Bearer KEY` (create one with `tabrl keys add USER`)"
             )
-        user_id = await directory.user_for_key(key.strip())
+        key_hash = hash_key(key.strip())
+        user_id = await directory.user_for_key(key_hash)
         if user_id is None:
             raise ApiError(401, "invalid or revoked API key")
-        key_hash = hash_key(key.strip())
     else:
         user_id = claimed_user or headers.get("x-tabrl-user") or "anonymous"
         key_hash = None
@@ -130,6 +151,12 @@ class RateLimiter:
     def __init__(self, per_user: int, per_key: int, max_windows: int):
         self.per_user, self.per_key, self.max_windows = per_user, per_key, max_windows
         self._windows: dict[str, tuple[float, int]] = {}  # "user:ID" / "key:HASH" -> (window start, requests)
+
+    async def acquire(self, caller: Caller) -> None:
+        self.check(caller)
+
+    async def aclose(self) -> None:
+        return None
 
     def check(self, caller: Caller, now: float | None = None) -> None:
         """Count one request of the caller, or raise ApiError(429) and count nothing."""
@@ -154,3 +181,106 @@ class RateLimiter:
             counted.append((name, start, count + 1))
         for name, start, count in counted:
             self._windows[name] = (start, count)
+
+
+# For each request of a batch, in order: count it in every one of its windows, or in none when one is full.
+# ARGV[1]: window length (ms); then per request its number of windows n and their n limits; KEYS: the windows,
+# request after request. Answers two numbers per request: the full window (1-based; 0: counted) and its ms
+# left. A window starts with its first request, as RateLimiter's do. Atomic: Redis runs a script alone.
+_ACQUIRE = """
+local out, k, a = {}, 1, 2
+while a <= #ARGV do
+  local n, full, left = tonumber(ARGV[a]), 0, 0
+  for i = 0, n - 1 do
+    if tonumber(redis.call('GET', KEYS[k + i]) or '0') >= tonumber(ARGV[a + 1 + i]) then
+      full, left = i + 1, redis.call('PTTL', KEYS[k + i])
+      break
+    end
+  end
+  if full == 0 then
+    for i = 0, n - 1 do
+      if redis.call('INCR', KEYS[k + i]) == 1 then redis.call('PEXPIRE', KEYS[k + i], ARGV[1]) end
+    end
+  end
+  out[#out + 1], out[#out + 2] = full, left
+  k, a = k + n, a + 1 + n
+end
+return out
+"""
+WINDOW_MS = 60_000
+KEY_PREFIX_REDIS = "tabrl:ratelimit:"
+
+
+@dataclass
+class _Ask:
+    keys: list[str]
+    limits: list[int]
+    answer: asyncio.Future  # (full window index, ms left)
+
+
+class RedisRateLimiter:
+    """RateLimiter's windows, kept in Redis and shared by every gateway replica: 429 with Retry-After when the
+    user's or the key's window is full, counted in neither then. Redis unreachable: 503 with Retry-After
+    (nothing is served unlimited).
+
+    Requests that arrive while a round trip is in flight go together in the next one: one script call per
+    batch, as the log writer commits a group (a call per request cost as much CPU as the rest of a request)."""
+
+    def __init__(self, url: str, per_user: int, per_key: int, timeout_s: float):
+        self.url, self.per_user, self.per_key = url, per_user, per_key
+        self._redis = redis.asyncio.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._script = self._redis.register_script(_ACQUIRE)
+        self._waiting: list[_Ask] = []
+        self._sender: asyncio.Task | None = None
+
+    async def acquire(self, caller: Caller) -> None:
+        keys, limits, names = [f"{KEY_PREFIX_REDIS}user:{caller.user_id}"], [self.per_user], ["user"]
+        if caller.key_hash is not None:
+            keys.append(f"{KEY_PREFIX_REDIS}key:{caller.key_hash}")
+            limits.append(self.per_key)
+            names.append("API key")
+        ask = _Ask(keys, limits, asyncio.get_running_loop().create_future())
+        self._waiting.append(ask)
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.ensure_future(self._send())
+        full, left_ms = await ask.answer
+        if full:
+            raise ApiError(
+                429,
+                f"rate limit: at most {limits[full - 1]} requests per minute per {names[full - 1]}",
+                headers={"Retry-After": str(max(1, int(left_ms) // 1000 + 1))},
+            )
+
+    async def _send(self) -> None:
+        while self._waiting:
+            batch, self._waiting = self._waiting, []
+            try:
+                args: list[int] = [WINDOW_MS]
+                for ask in batch:
+                    args += [len(ask.keys), *ask.limits]
+                replies = await self._script(keys=[key for ask in batch for key in ask.keys], args=args)
+            except redis.exceptions.RedisError as err:
+                why = f"the rate-limit store (Redis, serving.redis_url) is unavailable: {type(err).__name__}: {err}"
+                for ask in batch:
+                    if not ask.answer.done():
+                        ask.answer.set_exception(
+                            ApiError(
+                                503,
+                                f"{why}; retry after {RETRY_AFTER_S} s",
+                                headers={"Retry-After": str(RETRY_AFTER_S)},
+                            )
+                        )
+                continue
+            except BaseException as err:  # a bug or a cancellation: the waiters get it instead of hanging
+                for ask in batch:
+                    if not ask.answer.done():
+                        ask.answer.set_exception(err)
+                raise
+            for i, ask in enumerate(batch):
+                if not ask.answer.done():  # (its request may have been cancelled meanwhile)
+                    ask.answer.set_result((int(replies[2 * i]), int(replies[2 * i + 1])))
+
+    async def aclose(self) -> None:
+        if self._sender is not None:
+            await self._sender
+        await self._redis.aclose()

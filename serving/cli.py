@@ -41,6 +41,14 @@ def serve_cmd(
     ] = None,
     host: Annotated[str | None, typer.Option(help="Bind address (default: serving.host).")] = None,
     port: Annotated[int | None, typer.Option(help="Port (default: serving.port).")] = None,
+    workers: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Gateway processes sharing the port (replicas). More than 1 needs serving.redis_url, where the "
+            "rate limits are counted in total; use a PostgreSQL log store for them.",
+        ),
+    ] = 1,
     no_auth: Annotated[
         bool,
         typer.Option(
@@ -51,12 +59,15 @@ def serve_cmd(
     set_: SetOpt = None,
 ) -> None:
     """Run the gateway (uvicorn): completions, feedback, A/B arms, a durable log."""
-    import uvicorn
-
-    from serving.gateway import create_app
+    from serving.gateway import serve
     from serving.store import Arm, read_arms, replace_arms
 
-    p = _params(params, set_)
+    p = _params(params, [*(set_ or []), *(["serving.auth=false"] if no_auth else [])])
+    if workers > 1 and not p.serving.redis_url:
+        _fail(
+            f"--workers {workers}: each process would count the rate limits on its own; set serving.redis_url "
+            "(e.g. --set serving.redis_url=redis://127.0.0.1:6379/0) so the replicas share them"
+        )
     engine = _engine(p)
     if not read_arms(engine):
         target = model or Path(p.model.base_dir)
@@ -69,13 +80,9 @@ def serve_cmd(
         console.print(f"Seeded arm 'champion' -> {target}")
     elif model is not None:
         console.print(f"The store already has arms; --model {model} ignored (change arms with `tabrl arms`).")
+    engine.dispose()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if p.serving.seed is None:  # torch's default seed is the same in every fresh process: draw one
-        import torch
-
-        console.print(f"Embedded arms sample with seed {torch.seed()} (set serving.seed to fix it)")
-    app = create_app(p, engine=engine, auth=False if no_auth else None)
-    uvicorn.run(app, host=host or p.serving.host, port=port or p.serving.port, log_level="warning")
+    serve(p, host or p.serving.host, port or p.serving.port, workers)
 
 
 @keys_app.command("add")

@@ -6,6 +6,8 @@ it into `error_body` JSON.
 
 from __future__ import annotations
 
+RETRY_AFTER_S = 2  # Retry-After of a 503 while a store (the log, Redis) is unavailable
+
 
 class ApiError(Exception):
     """An answer other than 200, with a message naming the problem (OpenAI error shape)."""

@@ -10,7 +10,10 @@
 Every served suggestion is committed to the log store (``serving.log.LogWriter``, group commit)
 before its response is sent. Users who opted out, and requests with ``X-Tabrl-Opt-Out: 1``, are
 served and not logged. ``X-Tabrl-Arm: NAME`` pins a request to one arm (debugging, evaluation).
-Run: ``tabrl serve`` (uvicorn).
+
+The two routes every suggestion takes, completions and feedback, are plain functions of (headers,
+body) that return an ``Answer``; ``HotRoutes`` serves them straight from ASGI, and the FastAPI app
+behind it serves everything else (and documents all routes). Run: ``tabrl serve`` (uvicorn).
 """
 
 from __future__ import annotations
@@ -18,22 +21,25 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import sqlalchemy as sa
 import torch
+import uvicorn
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 from sqlalchemy.engine import Engine
 
-from serving.auth import Caller, Directory, RateLimiter, resolve_caller
+from serving.auth import Caller, Directory, RateLimiter, RedisRateLimiter, resolve_caller
 from serving.backends import Backend, make_backend
 from serving.compat import (
     CONTINUE_SCHEMA,
@@ -44,12 +50,13 @@ from serving.compat import (
     outcome_from_rlinf,
     texts_of,
 )
-from serving.errors import ApiError, error_body
+from serving.errors import RETRY_AFTER_S, ApiError, error_body
 from serving.log import (
     STORE_UNAVAILABLE,
     LogWriter,
     Outcome,
     Recorded,
+    RecordFeedback,
     insert_completion,
     prompt_hash,
     record_outcome,
@@ -65,7 +72,9 @@ log = logging.getLogger("tabrl.gateway")
 
 MAX_STOP_STRINGS = 32
 MAX_RATE_WINDOWS = 100_000  # rate-limit windows kept before finished ones are dropped
-RETRY_AFTER_S = 2  # Retry-After of a 503 while the log store is unavailable
+# How uvicorn runs the gateway: the event loop and HTTP parser in C (uvloop, httptools). Python's own
+# (asyncio, h11) cost more CPU per request than the gateway's work (bench/RESULTS.md, "Gateway").
+UVICORN_OPTIONS: dict = {"loop": "uvloop", "http": "httptools", "log_level": "warning", "access_log": False}
 
 
 class CompletionRequest(BaseModel):
@@ -106,22 +115,18 @@ class BodyLimit:
 
     A declared Content-Length is checked up front; a chunked body is counted as it arrives."""
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, metrics: Metrics):
+        self.app, self.max_bytes, self.metrics = app, max_bytes, metrics
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            response = JSONResponse(
-                error_body(
-                    413,
-                    f"request body is {int(declared)} bytes; the limit is {self.max_bytes} (serving.max_body_bytes)",
-                ),
-                status_code=413,
-            )
-            return await response(scope, receive, send)
+        try:
+            check_declared_size(declared.decode("latin-1") if declared is not None else None, self.max_bytes)
+        except ApiError as err:
+            self.metrics.requests.labels(scope["path"], "413").inc()
+            return await JSONResponse(error_body(413, err.message), status_code=413)(scope, receive, send)
         seen = 0
 
         async def counted():
@@ -129,12 +134,21 @@ class BodyLimit:
             message = await receive()
             seen += len(message.get("body", b""))
             if seen > self.max_bytes:
-                raise HTTPException(
-                    413, f"request body exceeds the limit of {self.max_bytes} bytes (serving.max_body_bytes)"
-                )
+                raise HTTPException(413, body_too_large(self.max_bytes))
             return message
 
         return await self.app(scope, counted, send)
+
+
+def check_declared_size(content_length: str | None, max_bytes: int) -> None:
+    if content_length is not None and content_length.isdigit() and int(content_length) > max_bytes:
+        raise ApiError(
+            413, f"request body is {int(content_length)} bytes; the limit is {max_bytes} (serving.max_body_bytes)"
+        )
+
+
+def body_too_large(max_bytes: int) -> str:
+    return f"request body exceeds the limit of {max_bytes} bytes (serving.max_body_bytes)"
 
 
 class Metrics:
@@ -261,31 +275,142 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         return error(request, err.status_code, str(err.detail), headers=err.headers)
 
     async def _store_unavailable(request: Request, err: Exception) -> JSONResponse:
-        # Only the driver's own message: SQLAlchemy's str(err) carries the statement's parameters (prompts).
-        reason = (
-            f"{type(getattr(err, 'orig', None) or err).__name__}: {str(getattr(err, 'orig', None) or '').strip()[:200]}"
-        )
-        log.warning("log store unavailable (%s %s): %s", request.method, request.url.path, reason)
-        return error(
-            request,
-            503,
-            f"the log store is unavailable ({reason}); nothing was recorded, retry after {RETRY_AFTER_S} s",
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        )
+        answer = store_unavailable(err, f"{request.method} {request.url.path}")
+        return error(request, answer.status, answer.body["error"]["message"], headers=answer.headers)
 
     for kind in STORE_UNAVAILABLE:
         app.add_exception_handler(kind, _store_unavailable)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
-        problems = []
-        for e in err.errors():
-            if e["type"] == "json_invalid":
-                problems.append(f"malformed JSON body: {e.get('ctx', {}).get('error', e['msg'])}")
-            else:
-                loc = ".".join(str(p) for p in e["loc"] if p != "body") or "body"
-                problems.append(f"{loc}: {e['msg']}")
-        return error(request, 422, "; ".join(problems))
+        return error(request, 422, validation_message(err.errors()))
+
+    @app.exception_handler(ValidationError)  # a hot route's body, validated by the handler itself
+    async def _invalid_body(request: Request, err: ValidationError) -> JSONResponse:
+        return error(request, 422, validation_message(err.errors()))
+
+
+def validation_message(errors: Any) -> str:
+    """pydantic's errors as one line naming each field ("malformed JSON body: ..." when it is not JSON)."""
+    problems = []
+    for e in errors:
+        if e["type"] == "json_invalid":
+            problems.append(f"malformed JSON body: {e.get('ctx', {}).get('error', e['msg'])}")
+        else:
+            loc = ".".join(str(p) for p in e["loc"] if p != "body") or "body"
+            problems.append(f"{loc}: {e['msg']}")
+    return "; ".join(problems)
+
+
+def store_unavailable(err: Exception, what: str) -> Answer:
+    """503 + Retry-After: the log store could not take the write (locked, unreachable); nothing was recorded."""
+    # Only the driver's own message: SQLAlchemy's str(err) carries the statement's parameters (prompts).
+    driver = getattr(err, "orig", None)
+    reason = f"{type(driver or err).__name__}: {str(driver or '').strip()[:200]}"
+    log.warning("log store unavailable (%s): %s", what, reason)
+    message = f"the log store is unavailable ({reason}); nothing was recorded, retry after {RETRY_AFTER_S} s"
+    return Answer(503, error_body(503, message), {"Retry-After": str(RETRY_AFTER_S)})
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What a hot route answers, before any framework renders it: a JSON body, or server-sent events."""
+
+    status: int
+    body: dict
+    headers: dict[str, str] = field(default_factory=dict)
+    events: tuple[dict, ...] = ()  # when given: streamed as SSE `data:` lines, then `data: [DONE]`
+
+
+def encode_json(body: Any) -> bytes:
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def sse_chunks(events: tuple[dict, ...]) -> list[bytes]:
+    return [f"data: {json.dumps(event)}\n\n".encode() for event in events] + [b"data: [DONE]\n\n"]
+
+
+def error_answer(err: Exception, what: str) -> Answer:
+    """The OpenAI-shaped answer to an error a hot route expects (ANSWERED); what: "METHOD /path" for the log."""
+    if isinstance(err, ApiError):
+        return Answer(err.status, error_body(err.status, err.message, err.param), err.headers or {})
+    if isinstance(err, ValidationError):
+        return Answer(422, error_body(422, validation_message(err.errors())))
+    return store_unavailable(err, what)
+
+
+ANSWERED = (ApiError, ValidationError, *STORE_UNAVAILABLE)  # errors a hot route turns into a 4xx/5xx answer
+Handler = Callable[[Mapping[str, str], bytes], Awaitable[Answer]]
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body arrived: there is no one to answer."""
+
+
+class HotRoutes:
+    """ASGI in front of the FastAPI app: POST /v1/completions and /v1/feedback, the two routes every suggestion
+    takes, go straight to their handlers; everything else goes to FastAPI (which also documents these two).
+
+    FastAPI's middleware, routing, dependency solving and response classes cost more CPU per request than the
+    gateway's own work (bench/RESULTS.md, "Gateway"). Here a request costs its headers made a dict, its body
+    read against serving.max_body_bytes, one handler call and two sends; the answers, errors and metrics are
+    the same as FastAPI's."""
+
+    def __init__(self, app: Any, routes: dict[str, Handler], max_body_bytes: int, metrics: Metrics):
+        self.app, self.routes, self.max_body_bytes, self.metrics = app, routes, max_body_bytes, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        handler = self.routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if handler is None:
+            await self.app(scope, receive, send)
+            return
+        headers: dict[str, str] = {}
+        for name, value in scope["headers"]:
+            headers.setdefault(name.decode("latin-1"), value.decode("latin-1"))  # the first of repeated headers
+        try:
+            body = await self._body(receive, headers.get("content-length"))
+            answer = await handler(headers, body)
+        except ClientGone:
+            return
+        except ANSWERED as err:
+            answer = error_answer(err, f"POST {scope['path']}")
+        self.metrics.requests.labels(scope["path"], str(answer.status)).inc()
+        extra = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers.items()]
+        if answer.events:
+            start = [(b"content-type", b"text/event-stream; charset=utf-8"), *extra]
+            await send({"type": "http.response.start", "status": answer.status, "headers": start})
+            for chunk in sse_chunks(answer.events):
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        content = encode_json(answer.body)
+        start = [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode()), *extra]
+        await send({"type": "http.response.start", "status": answer.status, "headers": start})
+        await send({"type": "http.response.body", "body": content})
+
+    async def _body(self, receive, content_length: str | None) -> bytes:
+        check_declared_size(content_length, self.max_body_bytes)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise ApiError(413, body_too_large(self.max_body_bytes))
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+def as_response(answer: Answer) -> Response:
+    """An Answer as a Starlette response: the same hot routes when FastAPI serves them (without HotRoutes)."""
+    if answer.events:
+        return StreamingResponse(
+            iter(sse_chunks(answer.events)), answer.status, answer.headers, media_type="text/event-stream"
+        )
+    return Response(encode_json(answer.body), answer.status, answer.headers, media_type="application/json")
 
 
 class Gateway:
@@ -305,28 +430,34 @@ class Gateway:
         self.router = Router(engine, s.experiment_salt, s.config_ttl_s, s.backend_timeout_s, backend_factory)
         self.directory = Directory(engine, s.config_ttl_s)
         self.metrics = Metrics()
-        self.limiter = RateLimiter(s.rate_limit_per_minute, s.rate_limit_per_key_per_minute, MAX_RATE_WINDOWS)
+        self.limiter = (
+            RedisRateLimiter(s.redis_url, s.rate_limit_per_minute, s.rate_limit_per_key_per_minute, s.db_timeout_s)
+            if s.redis_url
+            else RateLimiter(s.rate_limit_per_minute, s.rate_limit_per_key_per_minute, MAX_RATE_WINDOWS)
+        )
 
     def ok(self, request: Request, body: dict) -> JSONResponse:
         self.metrics.requests.labels(request.url.path, "200").inc()
         return JSONResponse(body)
 
-    async def caller_of(self, request: Request, claimed_user: str | None) -> Caller:
-        return await resolve_caller(request.headers, claimed_user, self.directory, self.require_auth)
+    async def caller_of(self, headers: Mapping[str, str], claimed_user: str | None) -> Caller:
+        return await resolve_caller(headers, claimed_user, self.directory, self.require_auth)
 
     def fell_back(self, arm: Arm, err: Exception) -> None:
         log.warning("arm %r failed (%s); falling back to the champion", arm.name, err)
         self.metrics.fallbacks.labels(arm.name).inc()
 
-    async def completions(self, req: CompletionRequest, request: Request):
+    async def completions(self, headers: Mapping[str, str], body: bytes) -> Answer:
         started = time.perf_counter()
-        caller = await self.caller_of(request, req.user)
+        req = CompletionRequest.model_validate_json(body)
+        caller = await self.caller_of(headers, req.user)
         inputs = normalise_request(req, self.s)
-        self.limiter.check(caller)
+        await self.limiter.acquire(caller)
+        forced = headers.get("x-tabrl-arm")
         try:
-            arm, champion = await self.router.route(caller.user_id, request.headers.get("x-tabrl-arm"))
+            arm, champion = await self.router.route(caller.user_id, forced)
         except UnknownArmError as err:
-            raise ApiError(404 if request.headers.get("x-tabrl-arm") else 503, str(err), "X-Tabrl-Arm") from None
+            raise ApiError(404 if forced else 503, str(err), "X-Tabrl-Arm") from None
         arm, prompt, gen = await self.router.complete(arm, champion, inputs.request, self.fell_back)
         completion_id = f"cmpl-{uuid.uuid4().hex}"
         latency_ms = (time.perf_counter() - started) * 1000.0
@@ -357,14 +488,11 @@ class Gateway:
         self.metrics.served(arm.name, bool(gen.text), time.perf_counter() - started)
         created = int(time.time())
         tabrl = {"arm": arm.name, "model_version": arm.model_version, "logged": caller.logged}
-        headers = {"X-Tabrl-Arm": arm.name}
+        answer_headers = {"X-Tabrl-Arm": arm.name}
         if req.stream:
-            self.metrics.requests.labels(request.url.path, "200").inc()
-            return StreamingResponse(
-                _sse(completion_id, created, arm, gen, tabrl), media_type="text/event-stream", headers=headers
-            )
-        self.metrics.requests.labels(request.url.path, "200").inc()
-        return JSONResponse(
+            return Answer(200, {}, answer_headers, _sse_events(completion_id, created, arm, gen, tabrl))
+        return Answer(
+            200,
             {
                 "id": completion_id,
                 "object": "text_completion",
@@ -374,15 +502,17 @@ class Gateway:
                 "usage": {"completion_tokens": len(gen.token_ids)},
                 "tabrl": tabrl,
             },
-            headers=headers,
+            answer_headers,
         )
 
-    async def record(self, request: Request, caller: Caller, outcome: Outcome, require_ours: bool) -> JSONResponse:
+    async def record(self, caller: Caller, outcome: Outcome, require_ours: bool) -> dict:
+        """Store an outcome; the success body, or ApiError (404 unknown, 403 another user's, 409 a changed answer).
+        require_ours: by our completion id only (/v1/feedback), recorded with the group commit's others at once."""
         if not caller.logged:
-            return self.ok(request, {"logged": False})
-        rec = await self.writer.submit(
-            record_outcome(outcome, caller.user_id if caller.owner_checked else None, require_ours)
-        )
+            return {"logged": False}
+        owner = caller.user_id if caller.owner_checked else None
+        op = RecordFeedback(outcome, owner) if require_ours else record_outcome(outcome, owner, require_ours=False)
+        rec = await self.writer.submit(op)
         self.metrics.recorded(rec)
         if rec.status == "unknown":
             raise ApiError(
@@ -404,25 +534,19 @@ class Gateway:
                 "the first answer wins",
                 "accepted",
             )
-        return self.ok(
-            request,
-            {
-                "completion_id": rec.completion_id,
-                "matched": rec.matched,
-                "accepted": rec.accepted,
-                "duplicate": rec.status == "duplicate",
-                "logged": True,
-            },
-        )
+        return {
+            "completion_id": rec.completion_id,
+            "matched": rec.matched,
+            "accepted": rec.accepted,
+            "duplicate": rec.status == "duplicate",
+            "logged": True,
+        }
 
-    async def feedback_(self, req: FeedbackRequest, request: Request):
-        caller = await self.caller_of(request, None)
-        return await self.record(
-            request,
-            caller,
-            Outcome(req.accepted, "api", req.completion_id, accepted_chars=req.accepted_chars),
-            require_ours=True,
-        )
+    async def feedback(self, headers: Mapping[str, str], body: bytes) -> Answer:
+        req = FeedbackRequest.model_validate_json(body)
+        caller = await self.caller_of(headers, None)
+        outcome = Outcome(req.accepted, "api", req.completion_id, accepted_chars=req.accepted_chars)
+        return Answer(200, await self.record(caller, outcome, require_ours=True))
 
     async def json_object(self, request: Request) -> dict:
         try:
@@ -439,12 +563,12 @@ class Gateway:
         body = await self.json_object(request)
         for name, text in texts_of(body).items():
             check_size(name, text, self.s.max_text_chars if name != "prompt" else self.s.max_prompt_chars)
-        caller = await self.caller_of(request, None)
+        caller = await self.caller_of(request.headers, None)
         try:
             outcome = outcome_from_rlinf(body)
         except CompatError as err:
             raise ApiError(422, str(err)) from None
-        return await self.record(request, caller, outcome, require_ours=False)
+        return self.ok(request, await self.record(caller, outcome, require_ours=False))
 
     async def continue_events(self, request: Request):
         envelope = await self.json_object(request)
@@ -462,12 +586,12 @@ class Gateway:
             return self.ok(request, {"ignored": True, "reason": f"event {event.name!r} is not used by tabrl"})
         for name, text in texts_of(event.data).items():
             check_size(f"data.{name}", text, self.s.max_text_chars if name != "prompt" else self.s.max_prompt_chars)
-        caller = await self.caller_of(request, None)
+        caller = await self.caller_of(request.headers, None)
         try:
             outcome = outcome_from_continue(event.data, event.level, "continue")
         except CompatError as err:
             raise ApiError(422, str(err)) from None
-        return await self.record(request, caller, outcome, require_ours=False)
+        return self.ok(request, await self.record(caller, outcome, require_ours=False))
 
     async def models(self, request: Request):
         arms = await self.router.arms()
@@ -497,7 +621,10 @@ class Gateway:
                 conn.execute(sa.text("SELECT 1"))
 
         await asyncio.to_thread(ping)
-        return self.ok(request, {"status": "ok", "arms": [a.name for a in arms], "auth": self.require_auth})
+        # pid: which gateway process answered (replicas share a port: `tabrl serve --workers N`)
+        return self.ok(
+            request, {"status": "ok", "arms": [a.name for a in arms], "auth": self.require_auth, "pid": os.getpid()}
+        )
 
     async def metrics_(self, request: Request):
         self.metrics.requests.labels(request.url.path, "200").inc()
@@ -509,11 +636,11 @@ def create_app(
     engine: Engine | None = None,
     auth: bool | None = None,
     backend_factory: Callable[[Arm, float], Backend] = make_backend,
-) -> FastAPI:
-    """The gateway app; auth=None follows params.serving.auth (switch it off only for a local demo).
+) -> HotRoutes:
+    """The gateway app (ASGI); auth=None follows params.serving.auth (switch it off only for a local demo).
 
     backend_factory builds an arm's backend (default: embedded or vLLM by the arm's `backend`);
-    the benchmark passes its own to measure the gateway alone.
+    the benchmark passes its own to measure the gateway alone. The FastAPI app is its `.app`.
     """
     s = params.serving
     engine = engine if engine is not None else make_engine(params.paths.database_url, timeout_s=s.db_timeout_s)
@@ -524,25 +651,35 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         init_schema(engine)
-        if s.seed is not None:  # (`tabrl serve` seeds from the OS when it is None)
+        if s.seed is not None:  # (`tabrl serve`'s processes seed from the OS when it is None)
             torch.manual_seed(s.seed)
             log.info("embedded arms sample with serving.seed=%d", s.seed)
         writer.start()
-        log.info("gateway up: auth=%s, store=%s", require_auth, engine.url.render_as_string(hide_password=True))
+        log.info(
+            "gateway up: auth=%s, store=%s, rate limits %s",
+            require_auth,
+            engine.url.render_as_string(hide_password=True),
+            "in Redis (shared by replicas)" if s.redis_url else "in this process",
+        )
         try:
             yield
         finally:
             writer.stop()
             await router.aclose()
+            await gw.limiter.aclose()
 
     app = FastAPI(title="tabrl gateway", lifespan=lifespan)
-    app.add_middleware(BodyLimit, max_bytes=s.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=s.max_body_bytes, metrics=metrics)
     app.state.engine, app.state.router, app.state.metrics = engine, router, metrics
 
     install_error_handlers(app, metrics)
 
-    app.post("/v1/completions")(gw.completions)
-    app.post("/v1/feedback")(gw.feedback_)
+    # Served by HotRoutes; declared here too, so FastAPI documents them (and serves them when it runs alone).
+    for path, handler, model in (
+        ("/v1/completions", gw.completions, CompletionRequest),
+        ("/v1/feedback", gw.feedback, FeedbackRequest),
+    ):
+        app.post(path, openapi_extra=_json_body(model.model_json_schema()))(_fastapi_route(handler, metrics))
     # These two routes parse their bodies by hand (lenient, size-checked first); the schemas are for the docs
     # and the fuzzer.
     app.post("/api/training/submit", openapi_extra=_json_body(RlinfSubmit.model_json_schema()))(gw.rlinf_submit)
@@ -561,15 +698,56 @@ def create_app(
     app.get("/v1/models")(gw.models)
     app.get("/healthz")(gw.healthz)
     app.get("/metrics")(gw.metrics_)
-    return app
+    return HotRoutes(app, {"/v1/completions": gw.completions, "/v1/feedback": gw.feedback}, s.max_body_bytes, metrics)
+
+
+PARAMS_ENV = "TABRL_GATEWAY_PARAMS"  # the resolved params (JSON), from `tabrl serve` to its gateway processes
+
+
+def serve(params: Params, host: str, port: int, workers: int, factory: str = "serving.gateway:app_from_env") -> None:
+    """Run the gateway with uvicorn until stopped: `workers` processes on one port (uvicorn's supervisor
+    restarts one that dies), each building its app with `factory` (an import string) from the resolved params
+    handed over in the environment. Replicas share the log store and, with serving.redis_url, the rate limits."""
+    if workers > 1 and not params.serving.redis_url:
+        raise ValueError(
+            f"{workers} gateway processes would each count the rate limits on their own; "
+            "set serving.redis_url (e.g. --set serving.redis_url=redis://127.0.0.1:6379/0) or run one"
+        )
+    os.environ[PARAMS_ENV] = params.model_dump_json()
+    uvicorn.run(factory, factory=True, host=host, port=port, workers=workers, **UVICORN_OPTIONS)
+
+
+def params_from_env() -> Params:
+    raw = os.environ.get(PARAMS_ENV)
+    if raw is None:
+        raise RuntimeError(f"{PARAMS_ENV} is not set: start the gateway with `tabrl serve`")
+    return Params.model_validate_json(raw)
+
+
+def app_from_env() -> HotRoutes:
+    """uvicorn's app factory in each gateway process of `tabrl serve`."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    params = params_from_env()
+    if params.serving.seed is None:  # torch's default seed is the same in every fresh process: draw one
+        log.info("embedded arms sample with seed %d (set serving.seed to fix it)", torch.seed())
+    return create_app(params)
+
+
+def _fastapi_route(handler: Handler, metrics: Metrics) -> Callable[[Request], Awaitable[Response]]:
+    async def route(request: Request) -> Response:  # errors go to the app's handlers, which count them
+        answer = await handler(request.headers, await request.body())
+        metrics.requests.labels(request.url.path, str(answer.status)).inc()
+        return as_response(answer)
+
+    return route
 
 
 def _json_body(schema: dict) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
-async def _sse(completion_id: str, created: int, arm: Arm, gen: Generation, tabrl: dict):
-    """OpenAI-style SSE: the text, then the finish reason, then [DONE] (the row is already committed)."""
+def _sse_events(completion_id: str, created: int, arm: Arm, gen: Generation, tabrl: dict) -> tuple[dict, ...]:
+    """OpenAI-style SSE: the text, then the finish reason (then [DONE]); the row is already committed."""
     base = {"id": completion_id, "object": "text_completion", "created": created, "model": arm.model_version}
     first = {
         **base,
@@ -577,6 +755,4 @@ async def _sse(completion_id: str, created: int, arm: Arm, gen: Generation, tabr
         "tabrl": tabrl,
     }
     last = {**base, "choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": gen.finish_reason}]}
-    yield f"data: {json.dumps(first)}\n\n"
-    yield f"data: {json.dumps(last)}\n\n"
-    yield "data: [DONE]\n\n"
+    return (first, last)

@@ -395,8 +395,12 @@ class ServingParams(Section):
     max_body_bytes: int = Field(1_048_576, ge=1024)
     """Largest request body in bytes (413 beyond), checked before the body is parsed."""
     db_timeout_s: float = Field(5.0, gt=0)
-    """How long a request waits for a busy or unreachable log store (SQLite lock, PostgreSQL connection) before
-    the gateway answers 503 with Retry-After instead of hanging the editor."""
+    """How long a request waits for a busy or unreachable log store (SQLite lock, PostgreSQL connection) or
+    Redis before the gateway answers 503 with Retry-After instead of hanging the editor."""
+    redis_url: str | None = None
+    """Redis holding the rate-limit windows that gateway replicas share (e.g. `redis://127.0.0.1:6379/0`), so
+    the per-user and per-key limits hold in total across replicas; None keeps them in the process (one
+    gateway). `tabrl serve --workers N` with N > 1 needs it."""
 
 
 class IngestParams(Section):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -166,25 +165,6 @@ def mlflow_store(tmp_path, _mlflow_template, monkeypatch) -> str:
     mlflow.set_tracking_uri(uri)
     yield uri
     mlflow.set_tracking_uri(None)
-
-
-@contextmanager
-def throwaway_schema(base_url: str):
-    """URL of a fresh PostgreSQL schema in base_url's database (tests run side by side), dropped after."""
-    import uuid
-
-    import sqlalchemy as sa
-
-    schema = f"t_{uuid.uuid4().hex[:10]}"
-    admin = sa.create_engine(base_url)
-    with admin.begin() as conn:
-        conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
-    try:
-        yield f"{base_url}?options=-csearch_path%3D{schema}"
-    finally:
-        with admin.begin() as conn:
-            conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
-        admin.dispose()
 
 
 @pytest.fixture(scope="session")

@@ -1,87 +1,21 @@
-"""Helpers for the hardening tests and bench/load.py: processes to kill, simulated editors, store checks.
+"""The hardening tests' own child process: a real tiny model behind an OpenAI-compatible server.
 
-    python -m tests.harden_util gateway --db URL --port P [--no-auth] [--set KEY=VALUE ...]
     python -m tests.harden_util backend --model DIR --port P
 
-* ``gateway``: the real gateway app in its own process (so it can be SIGKILLed). Arms whose backend
-  is ``embedded`` answer with ``FastBackend`` (a fixed 8-token Generation, at once: load and fuzz
-  measure the gateway and the store, not model generation); ``vllm`` arms use the real
-  ``VLLMBackend`` over HTTP.
-* ``backend``: an OpenAI-compatible completions server in its own process (so it can be killed)
-  generating with the real tiny model (``tasks.generate``), answering with token ids and
-  log-probs the way vLLM does with ``return_token_ids`` and ``logprobs: 0``.
+``backend`` generates with the real tiny model (``tasks.generate``) in its own process (so it can be
+killed), answering with token ids and log-probs the way vLLM does with ``return_token_ids`` and
+``logprobs: 0``. Everything the benchmarks share with the tests is in ``bench/harness.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import hashlib
-import os
-import random
-import statistics
 import subprocess
-import sys
-import tempfile
-import time
 import uuid
-from collections import Counter
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
 
-import httpx
-import sqlalchemy as sa
 from fastapi import FastAPI, Request
 
-from serving.store import Arm, completions, feedback
-from tasks.fim import QWEN, FimTemplate
-from tasks.generate import Generation
-from tasks.procs import NotUp, free_port, wait_until_up
-from tests.conftest import throwaway_schema
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-class FastBackend:
-    """A real Backend that answers at once (the gateway's own cost is what is measured)."""
-
-    def __init__(self, arm: Arm, timeout_s: float):
-        self.arm = arm
-
-    async def template(self) -> FimTemplate:
-        return QWEN
-
-    async def complete(self, prompt, max_tokens, temperature, top_p, stop) -> Generation:
-        return Generation(
-            text="return a + b",
-            token_ids=[11, 12, 13, 14, 15, 16, 17, 0],
-            logprobs=[-0.1, -0.2, -0.05, -0.3, -0.1, -0.2, -0.1, -0.01],
-            raw_text="return a + b",
-        )
-
-    async def aclose(self) -> None:
-        return None
-
-
-def fast_backend_factory(arm: Arm, timeout_s: float):
-    from serving.backends import make_backend
-
-    return make_backend(arm, timeout_s) if arm.backend == "vllm" else FastBackend(arm, timeout_s)
-
-
-def _serve_gateway(db_url: str, port: int, auth: bool, overrides: list[str]) -> None:
-    import uvicorn
-
-    from serving.gateway import create_app
-    from serving.store import init_schema, make_engine
-    from tasks.config import load_params
-
-    params = load_params(None, [f"paths.database_url={db_url}", *overrides], environ={})
-    engine = make_engine(db_url, timeout_s=params.serving.db_timeout_s)
-    init_schema(engine)
-    app = create_app(params, engine=engine, auth=auth, backend_factory=fast_backend_factory)
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+from bench.harness import start_process
 
 
 def _serve_backend(model_dir: str, port: int) -> None:
@@ -94,7 +28,7 @@ def _serve_backend(model_dir: str, port: int) -> None:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": "tiny", "object": "model", "root": model_dir}]}  # as vLLM answers
+        return {"object": "list", "data": [{"id": "tiny", "object": "model"}]}
 
     @app.get("/health")
     async def health():
@@ -128,275 +62,18 @@ def _serve_backend(model_dir: str, port: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
-@contextmanager
-def bench_stores(postgres_url: str | None, prefix: str):
-    """{"sqlite": a fresh file} plus {"postgres": a throwaway schema} when postgres_url is given (dropped after)."""
-    stores = {"sqlite": f"sqlite:///{tempfile.mkdtemp(prefix=f'tabrl-{prefix}-')}/{prefix}.db"}
-    if not postgres_url:
-        yield stores
-        return
-    with throwaway_schema(postgres_url) as schema_url:
-        yield stores | {"postgres": schema_url}
-
-
-def start_process(
-    kind: str, port: int, *args: str, ready_path: str = "/v1/models", timeout_s: float = 60.0
-) -> subprocess.Popen:
-    """Start `python -m tests.harden_util KIND` on port and wait until ready_path answers (any status)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.harden_util", kind, "--port", str(port), *args], cwd=ROOT, env=env
-    )
-    try:
-        wait_until_up(f"http://127.0.0.1:{port}{ready_path}", proc, timeout_s, interval_s=0.2, any_status=True)
-    except NotUp as err:
-        proc.kill()
-        raise RuntimeError(f"{kind} process: {err}") from err
-    return proc
-
-
-def stop_process(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-# ---------------------------------------------------------------------------------------------- load
-
-
-def editor_prompt(i: int) -> str:
-    return QWEN.render(f"def f{i}(a, b):\n    ", f"\n\nprint(f{i}(1, 2))\n")
-
-
-@dataclass
-class LoadResult:
-    requests: int = 0  # completion requests sent
-    latencies_ms: list[float] = field(default_factory=list)  # of acknowledged (200) completions
-    statuses: Counter = field(default_factory=Counter)  # completion + feedback answers by status ("conn" = no answer)
-    acked: dict[str, str] = field(default_factory=dict)  # completion id -> user, for every 200 completion
-    acked_arms: Counter = field(default_factory=Counter)
-    acked_feedback: dict[str, bool] = field(default_factory=dict)  # completion id -> accepted, for every 200 feedback
-    elapsed_s: float = 0.0
-
-    @property
-    def errors(self) -> int:
-        return sum(n for status, n in self.statuses.items() if status != 200)
-
-    def summary(self) -> dict:
-        lat = sorted(self.latencies_ms)
-        return {
-            "requests": self.requests,
-            "acked_completions": len(self.acked),
-            "acked_feedback": len(self.acked_feedback),
-            "errors": self.errors,
-            "statuses": {str(k): v for k, v in sorted(self.statuses.items(), key=str)},
-            "elapsed_s": round(self.elapsed_s, 3),
-            "completions_per_s": len(self.acked) / self.elapsed_s if self.elapsed_s else 0.0,
-            "events_per_s": (len(self.acked) + len(self.acked_feedback)) / self.elapsed_s if self.elapsed_s else 0.0,
-            "p50_ms": percentile(lat, 50),
-            "p99_ms": percentile(lat, 99),
-        }
-
-
-def percentile(values: list[float], q: int) -> float:
-    if not values:
-        return float("nan")
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
-
-
-async def drive_editors(
-    url: str,
-    editors: list[tuple[str, str | None]],
-    total: int,
-    feedback_rate: float = 0.7,
-    seed: int = 0,
-    timeout_s: float = 10.0,
-    pause_on_error_s: float = 0.05,
-    on_progress=None,
-) -> LoadResult:
-    """`len(editors)` concurrent editors (user, API key or None) share `total` completion requests.
-
-    Each: request a completion; when it is acknowledged, send feedback (accepted at random) with
-    probability feedback_rate, else stay silent. Every acknowledged id and answer is recorded so the
-    store can be checked afterwards. on_progress(result) is called after each completion answer.
-    """
-    result = LoadResult()
-    counter = iter(range(total))
-    rng = random.Random(seed)
-
-    async def editor(client: httpx.AsyncClient, user: str, key: str | None) -> None:
-        headers = {"Authorization": f"Bearer {key}"} if key else {"X-Tabrl-User": user}
-        for i in counter:
-            result.requests += 1
-            started = time.perf_counter()
-            try:
-                r = await client.post(
-                    "/v1/completions", headers=headers, json={"prompt": editor_prompt(i), "max_tokens": 8, "user": user}
-                )
-            except httpx.HTTPError:
-                result.statuses["conn"] += 1
-                await asyncio.sleep(pause_on_error_s)
-                continue
-            result.statuses[r.status_code] += 1
-            if on_progress is not None:
-                on_progress(result)
-            if r.status_code != 200:
-                await asyncio.sleep(pause_on_error_s)
-                continue
-            result.latencies_ms.append((time.perf_counter() - started) * 1000.0)
-            body = r.json()
-            if body["tabrl"]["logged"]:
-                result.acked[body["id"]] = user
-                result.acked_arms[body["tabrl"]["arm"]] += 1
-            if rng.random() >= feedback_rate:
-                continue
-            accepted = rng.random() < 0.5
-            try:
-                f = await client.post(
-                    "/v1/feedback", headers=headers, json={"completion_id": body["id"], "accepted": accepted}
-                )
-            except httpx.HTTPError:
-                result.statuses["conn"] += 1
-                continue
-            result.statuses[f.status_code] += 1
-            if f.status_code == 200 and f.json().get("logged"):
-                result.acked_feedback[body["id"]] = accepted
-
-    limits = httpx.Limits(max_connections=len(editors), max_keepalive_connections=len(editors))
-    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
-        started = time.perf_counter()
-        await asyncio.gather(*[editor(client, user, key) for user, key in editors])
-        result.elapsed_s = time.perf_counter() - started
-    return result
-
-
-def store_problems(engine: sa.Engine, result: LoadResult, arms: set[str] | None = None) -> list[str]:
-    """Everything wrong with the store after a load: lost acknowledged rows, changed answers, invalid rows."""
-    problems: list[str] = []
-    with engine.connect() as conn:
-        rows = conn.execute(sa.select(completions)).mappings().all()
-        answers = dict(conn.execute(sa.select(feedback.c.completion_id, feedback.c.accepted)).all())
-    stored = {r["id"]: r for r in rows}
-    lost = [cid for cid in result.acked if cid not in stored]
-    if lost:
-        problems.append(f"{len(lost)} acknowledged completions missing from the store, e.g. {lost[:3]}")
-    wrong_user = [cid for cid, user in result.acked.items() if cid in stored and stored[cid]["user_id"] != user]
-    if wrong_user:
-        problems.append(f"{len(wrong_user)} completions stored under another user, e.g. {wrong_user[:3]}")
-    lost_fb = [cid for cid in result.acked_feedback if cid not in answers]
-    if lost_fb:
-        problems.append(f"{len(lost_fb)} acknowledged feedback rows missing, e.g. {lost_fb[:3]}")
-    changed = [cid for cid, acc in result.acked_feedback.items() if cid in answers and answers[cid] != acc]
-    if changed:
-        problems.append(f"{len(changed)} feedback answers differ from the acknowledged ones, e.g. {changed[:3]}")
-    problems += row_problems(rows, arms)
-    return problems
-
-
-def row_problems(rows, arms: set[str] | None = None) -> list[str]:
-    """Completion rows that are not well formed (the fuzz and load checks share this)."""
-    bad = []
-    for r in rows:
-        ids, lps = r["token_ids"], r["logprobs"]
-        why = None
-        if not str(r["id"]).startswith("cmpl-"):
-            why = "id"
-        elif not isinstance(ids, list) or not isinstance(lps, list) or len(ids) != len(lps):
-            why = "token ids / log-probs"
-        elif not all(isinstance(t, int) for t in ids) or not all(isinstance(x, float) and x <= 0 for x in lps):
-            why = "token id or log-prob values"
-        elif hashlib.sha256(f"{r['prompt']}\0{r['completion']}".encode()).hexdigest() != r["prompt_hash"]:
-            why = "prompt hash"
-        elif r["abstained"] != (not r["completion"]):
-            why = "abstained flag"
-        elif arms is not None and r["arm"] not in arms:
-            why = f"arm {r['arm']!r}"
-        if why:
-            bad.append(f"completion {r['id']}: bad {why}")
-    return bad[:10]
-
-
-def make_keys(db_url: str, users: int, prefix: str = "editor") -> list[tuple[str, str]]:
-    """(user, API key) for `users` editors, created in the store (schema first)."""
-    from serving.auth import add_key
-    from serving.store import init_schema, make_engine
-
-    engine = make_engine(db_url)
-    try:
-        init_schema(engine)
-        return [(f"{prefix}-{i}", add_key(engine, f"{prefix}-{i}")) for i in range(users)]
-    finally:
-        engine.dispose()
-
-
-def seed_arms(db_url: str, arms: list[Arm]) -> None:
-    from serving.store import init_schema, make_engine, replace_arms
-
-    engine = make_engine(db_url)
-    try:
-        init_schema(engine)
-        replace_arms(engine, arms)
-    finally:
-        engine.dispose()
-
-
-def run_load(db_url: str, users: int, total: int, feedback_rate: float = 0.7, seed: int = 0) -> tuple[dict, list[str]]:
-    """The gateway in its own process on db_url, `users` editors (auth on) sharing `total` requests;
-    returns (summary, store problems)."""
-    from serving.store import make_engine
-
-    seed_arms(db_url, [Arm("champion", "fast/1", "fast", "embedded", 1.0)])
-    editors = make_keys(db_url, users)
-    port = free_port()
-    proc = start_process(
-        "gateway",
-        port,
-        "--db",
-        db_url,
-        "--set",
-        "serving.rate_limit_per_minute=1000000",
-        "--set",
-        "serving.rate_limit_per_key_per_minute=1000000",
-    )
-    try:
-        result = asyncio.run(drive_editors(f"http://127.0.0.1:{port}", editors, total, feedback_rate, seed))
-    finally:
-        stop_process(proc)
-    engine = make_engine(db_url)
-    try:
-        problems = store_problems(engine, result, {"champion"})
-        with engine.connect() as conn:
-            stored = conn.execute(sa.select(sa.func.count()).select_from(completions)).scalar()
-            stored_fb = conn.execute(sa.select(sa.func.count()).select_from(feedback)).scalar()
-    finally:
-        engine.dispose()
-    if stored != len(result.acked) or stored_fb != len(result.acked_feedback):
-        problems.append(
-            f"store holds {stored} completions / {stored_fb} feedback; acknowledged "
-            f"{len(result.acked)} / {len(result.acked_feedback)}"
-        )
-    return {**result.summary(), "users": users, "stored_completions": stored, "stored_feedback": stored_fb}, problems
+def start_backend(port: int, model_dir: str) -> subprocess.Popen:
+    """The tiny-model backend in its own process on port, once it answers."""
+    return start_process("backend", port, "--model", model_dir, module="tests.harden_util")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("kind", choices=["gateway", "backend"])
+    parser.add_argument("kind", choices=["backend"])
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--db", default="")
-    parser.add_argument("--model", default="")
-    parser.add_argument("--no-auth", action="store_true")
-    parser.add_argument("--set", action="append", default=[])
+    parser.add_argument("--model", required=True)
     args = parser.parse_args()
-    if args.kind == "gateway":
-        _serve_gateway(args.db, args.port, not args.no_auth, args.set)
-    else:
-        _serve_backend(args.model, args.port)
+    _serve_backend(args.model, args.port)
 
 
 if __name__ == "__main__":

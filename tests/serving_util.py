@@ -10,8 +10,9 @@ from contextlib import contextmanager
 import pytest
 import uvicorn
 
+from bench.harness import throwaway_schema
+from serving.gateway import UVICORN_OPTIONS
 from tasks.procs import free_port
-from tests.conftest import throwaway_schema
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -31,7 +32,7 @@ def store_url(request, tmp_path):
 def serve_app(app, timeout_s: float = 20.0):
     """Run an ASGI app with uvicorn in a thread on a free loopback port; yields its base URL."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="on", **UVICORN_OPTIONS))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout_s

@@ -10,6 +10,7 @@ import yaml
 from scipy import stats as st
 from typer.testing import CliRunner
 
+from bench.harness import throwaway_schema
 from serving.store import (
     CHALLENGER,
     CHAMPION,
@@ -26,7 +27,7 @@ from tasks.deploy.ab import arm_stats, decide, live_since, stats_from_counts, tw
 from tasks.deploy.promote import NoChallengerError, promote, rollback
 from tasks.deploy.registry import ensure_champion, get_alias_version, register_candidate, set_alias
 from tasks.deploy.tracking import start_cycle_run, tracking_client
-from tests.conftest import throwaway_schema, tiny_params
+from tests.conftest import tiny_params
 
 _ids = itertools.count()
 
@@ -190,7 +191,7 @@ def test_accept_rate_route_needs_reward_not_lower():
 
 def _registry_with_challenger(params, model_dir):
     champion = ensure_champion(model_dir, params)
-    challenger = register_candidate(model_dir, params, start_cycle_run(params))
+    challenger = register_candidate(model_dir, params, start_cycle_run(params, run_name="cycle-1"))
     set_alias(params, CHALLENGER, challenger.version)
     return champion, challenger
 
@@ -332,16 +333,6 @@ def test_ab_decision_flow_continues_then_promotes(tmp_path, mlflow_store, tiny_m
     records = _decision_runs(params)
     assert records[0].data.tags["tabrl.action"] == "promote"
     assert records[0].data.metrics["ab/challenger_shown"] == 40
-    # The story where people read it: the version page has the decision and its p-values, the cycle run's
-    # name its outcome, and the decisions experiment opens on its runs in the MLflow UI.
-    client = tracking_client(params)
-    text = client.get_model_version(challenger.name, str(challenger.version)).description
-    assert f"A/B decision: **promoted**: {decision.reason}." in text and records[0].info.run_id in text
-    assert f"reward per request (Welch's t) {decision.numbers['reward_p']:.3g}" in text
-    assert f"accept rate (two-proportion z) {decision.numbers['accept_p']:.3g}, at alpha 0.05" in text
-    assert client.get_run(challenger.run_id).info.run_name == "cycle 1 → promoted"
-    kind = client.get_experiment_by_name(params.deploy.decisions_experiment).tags["mlflow.experimentKind"]
-    assert kind == "custom_model_development"
 
     decision = ab_decision(path)  # nothing under test any more
     assert decision.action == "continue" and "no A/B test" in decision.reason
@@ -352,7 +343,7 @@ def test_decision_flow_retries_store_hiccups_but_not_states_that_need_a_person()
     from prefect.states import Failed
 
     from flows.ab_decision import _transient
-    from tasks.deploy.errors import DeployError
+    from tasks.deploy.registry import DeployError
 
     assert _transient(None, None, Failed(data=sa.exc.OperationalError("SELECT 1", {}, Exception("locked"))))
     assert not _transient(None, None, Failed(data=NoChallengerError("nothing to promote")))

@@ -20,17 +20,7 @@ import sqlalchemy as sa
 from prefect import flow
 
 import tasks.deploy.rollout as rollout_mod
-from serving.auth import add_key
-from serving.gateway import create_app
-from serving.store import CHALLENGER, CHAMPION, Arm, completions, init_schema, make_engine, read_arms, replace_arms
-from tasks.deploy.errors import DeployError
-from tasks.deploy.registry import ensure_champion, get_alias_version, register_candidate
-from tasks.deploy.tracking import start_cycle_run
-from tasks.evaluate.evaluate import compare
-from tasks.evaluate.judge import JudgeUnavailable
-from tasks.train.ppo import RESULT_FILE
-from tests.conftest import tiny_params
-from tests.harden_util import (
+from bench.harness import (
     ROOT,
     drive_editors,
     editor_prompt,
@@ -42,6 +32,18 @@ from tests.harden_util import (
     stop_process,
     store_problems,
 )
+from serving.auth import add_key
+from serving.gateway import create_app
+from serving.router import assign
+from serving.store import CHALLENGER, CHAMPION, Arm, completions, init_schema, make_engine, read_arms, replace_arms
+from tasks.deploy.errors import DeployError
+from tasks.deploy.registry import ensure_champion, get_alias_version, register_candidate
+from tasks.deploy.tracking import start_cycle_run
+from tasks.evaluate.evaluate import compare
+from tasks.evaluate.judge import JudgeUnavailable
+from tasks.train.ppo import RESULT_FILE
+from tests.conftest import tiny_params
+from tests.harden_util import start_backend
 from tests.serving_util import serve_app
 from tests.test_train_job import snapshot  # noqa: F401  (fixture)
 
@@ -72,7 +74,7 @@ def _kill_after(n_answers: int, kill, arm: str | None = None):
 
 def test_backend_killed_mid_load_fails_over_to_the_champion_then_502(tmp_path, tiny_model_dir):
     port = free_port()
-    backend = start_process("backend", port, "--model", str(tiny_model_dir))
+    backend = start_backend(port, str(tiny_model_dir))
     try:
         url_b = f"http://127.0.0.1:{port}"
         assert (
@@ -84,11 +86,13 @@ def test_backend_killed_mid_load_fails_over_to_the_champion_then_502(tmp_path, t
         params = tiny_params(tmp_path, serving={"config_ttl_s": 0, "backend_timeout_s": 10})
         engine = make_engine(params.paths.database_url)
         init_schema(engine)
-        replace_arms(
-            engine, [Arm(CHAMPION, "fast/1", "fast", "embedded", 0.5), Arm(CHALLENGER, "tiny/2", url_b, "vllm", 0.5)]
-        )
+        arms = [Arm(CHAMPION, "fast/1", "fast", "embedded", 0.5), Arm(CHALLENGER, "tiny/2", url_b, "vllm", 0.5)]
+        replace_arms(engine, arms)
         app = create_app(params, engine=engine, auth=False, backend_factory=fast_backend_factory)
-        editors = [(f"u{i}", None) for i in range(8)]
+        # Only users the challenger serves: champion users answered at once would use up the requests before
+        # the challenger's slow model had answered 4 of them (and the kill would come after the load).
+        salt = params.serving.experiment_salt
+        editors = [(u, None) for u in (f"u{i}" for i in range(40)) if assign(u, salt, arms).name == CHALLENGER][:6]
         with serve_app(app) as url:
             result = asyncio.run(drive_editors(url, editors, 80, on_progress=_kill_after(4, backend.kill, CHALLENGER)))
             assert backend.wait(5) == -signal.SIGKILL

@@ -1,6 +1,6 @@
 """Load (bounded): concurrent editors against SQLite and PostgreSQL; nothing acknowledged is lost."""
 
-from tests.harden_util import run_load
+from bench.harness import run_load
 
 
 def test_concurrent_editors_lose_nothing(store_url):  # noqa: F811

@@ -11,6 +11,7 @@ import pytest
 import sqlalchemy as sa
 from typer.testing import CliRunner
 
+from bench.harness import editor_prompt, fast_backend_factory
 from serving.auth import add_key, set_opt_out
 from serving.gateway import create_app
 from serving.log import insert_completion, prompt_hash
@@ -18,7 +19,6 @@ from serving.retention import DurationError, parse_duration, purge
 from serving.store import Arm, completions, feedback, init_schema, make_engine, metadata, replace_arms
 from tasks.cli import app as cli
 from tests.conftest import tiny_params
-from tests.harden_util import editor_prompt, fast_backend_factory
 from tests.serving_util import serve_app
 
 SECRET = "AKIAZZZZSECRETPLANTED0000"  # planted in prompts: must never reach a log line

@@ -3,6 +3,7 @@ import os
 import pytest
 import sqlalchemy as sa
 
+from bench.harness import throwaway_schema
 from serving.store import (
     SCHEMA_VERSION,
     Arm,
@@ -14,7 +15,6 @@ from serving.store import (
     replace_arms,
     schema_version,
 )
-from tests.conftest import throwaway_schema
 
 
 def _engines(tmp_path):
