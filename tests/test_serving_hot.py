@@ -70,5 +70,5 @@ def test_hot_routes_answer_like_fastapi_alone(tmp_path):
             runs.append(_exchange(url, key))
         engine.dispose()
     hot, alone = runs
-    assert [a[0] for a in hot[:-1]] == [200, 200, 200, 200, 409, 404, 422, 422, 422, 413, 401, 404, 429]
+    assert [a[0] for a in hot[:-1]] == [200, 200, 200, 200, 409, 404, 422, 422, 400, 413, 401, 404, 429]
     assert hot == alone
