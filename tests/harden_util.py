@@ -28,7 +28,7 @@ def _serve_backend(model_dir: str, port: int) -> None:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": "tiny", "object": "model"}]}
+        return {"object": "list", "data": [{"id": "tiny", "object": "model", "root": model_dir}]}  # as vLLM answers
 
     @app.get("/health")
     async def health():
