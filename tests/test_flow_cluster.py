@@ -77,21 +77,32 @@ def _process_tree(root: int) -> list[int]:
     return tree
 
 
+def _api(method: str, url: str, **kw) -> httpx.Response:
+    """One Prefect API call. A busy server (its SQLite store locked under load) answers 503 Service Unavailable,
+    which Prefect's own client retries: so does this, a second apart, a few times."""
+    for _ in range(10):
+        answer = httpx.request(method, url, timeout=30, **kw)
+        if answer.status_code != 503:
+            break
+        time.sleep(1)
+    return answer
+
+
 def _start_cycle(api: str, force: bool = False, more: tuple[str, ...] = ()) -> str:
     """A run of the cycle deployment, as `prefect deployment run` makes one (the schedule's runs are the same);
     `more` overrides are added to the deployment's own."""
-    deployment = httpx.get(f"{api}/deployments/name/online-rl-cycle/online-rl-cycle").json()
+    deployment = _api("GET", f"{api}/deployments/name/online-rl-cycle/online-rl-cycle").json()
     overrides = [*deployment["parameters"]["overrides"], *more]
     assert "cluster.train_on=pool" in overrides, deployment["parameters"]
     parameters = {"force": force, "overrides": overrides}
-    made = httpx.post(f"{api}/deployments/{deployment['id']}/create_flow_run", json={"parameters": parameters})
+    made = _api("POST", f"{api}/deployments/{deployment['id']}/create_flow_run", json={"parameters": parameters})
     assert made.status_code == 201, made.text
     return made.json()["id"]
 
 
 def _flow_runs(api: str, flow_name: str) -> list[dict]:
     body = {"flows": {"name": {"any_": [flow_name]}}, "sort": "START_TIME_DESC"}
-    return httpx.post(f"{api}/flow_runs/filter", json=body).json()
+    return _api("POST", f"{api}/flow_runs/filter", json=body).json()
 
 
 def _wait_for(what: str, check, timeout_s: float, logs: list[Path]):
@@ -106,7 +117,7 @@ def _wait_for(what: str, check, timeout_s: float, logs: list[Path]):
 
 
 def _state(api: str, flow_run_id: str) -> str:
-    return httpx.get(f"{api}/flow_runs/{flow_run_id}").json()["state"]["type"]
+    return _api("GET", f"{api}/flow_runs/{flow_run_id}").json()["state"]["type"]
 
 
 def _last_cycle_run(client: MlflowClient, experiment: str):
@@ -251,7 +262,7 @@ def test_cycle_trains_on_the_gpu_worker_and_survives_losing_it(
         assert run1.data.tags["tabrl.cycle_status"] == "deployed", run1.data.tags.get("tabrl.cycle_reason")
         train_runs = _flow_runs(api, "train-candidate")
         assert [(r["work_pool_name"], r["state"]["type"]) for r in train_runs] == [("gpu", "COMPLETED")]
-        assert httpx.get(f"{api}/flow_runs/{first}").json()["work_pool_name"] == "cpu"
+        assert _api("GET", f"{api}/flow_runs/{first}").json()["work_pool_name"] == "cpu"
         assert "train/loss" in run1.data.metrics and run1.data.tags["tabrl.train_outcome"] == "trained"
         artifacts = {a.path for a in client.list_artifacts(run1.info.run_id)}
         assert {"snapshot", "model"} <= artifacts, artifacts

@@ -59,6 +59,21 @@ def write_cycle_inputs(tmp_path, repo, fim_samples, typing_regions, n_samples: i
     return params, params_file
 
 
+def champion_serving_traffic(base_dir, params, regions, n_users: int, n_requests: int):
+    """The base registered as champion and served alone, then n_requests of simulated typing through the gateway;
+    returns (champion version, log store engine)."""
+    champion = ensure_champion(base_dir, params)
+    engine = make_engine(params.paths.database_url)
+    init_schema(engine)
+    replace_arms(engine, [Arm(CHAMPION, champion.label, str(resolve_model_dir(champion.uri, params)), "embedded", 1.0)])
+    with serve_app(create_app(params, engine=engine, auth=False)) as url:
+        users = make_users(n_users, params.simulator)
+        run_simulation(
+            url, regions, users, n_requests, api_keys=None, concurrency=n_users, seed=0, traffic=params.traffic
+        )
+    return champion, engine
+
+
 def test_cycle_registers_and_rolls_out_a_challenger(
     tmp_path, tiny_model_dir, fim_samples, typing_regions, mlflow_store, prefect_harness, monkeypatch
 ):
@@ -83,21 +98,7 @@ def test_cycle_registers_and_rolls_out_a_challenger(
     }
     params, params_file = write_cycle_inputs(tmp_path, repo, fim_samples, typing_regions, **sections)
 
-    champion = ensure_champion(tiny_model_dir, params)
-    engine = make_engine(params.paths.database_url)
-    init_schema(engine)
-    replace_arms(engine, [Arm(CHAMPION, champion.label, str(resolve_model_dir(champion.uri, params)), "embedded", 1.0)])
-    with serve_app(create_app(params, engine=engine, auth=False)) as url:
-        run_simulation(
-            url,
-            typing_regions,
-            make_users(4, params.simulator),
-            48,
-            api_keys=None,
-            concurrency=4,
-            seed=0,
-            traffic=params.traffic,
-        )
+    champion, engine = champion_serving_traffic(tiny_model_dir, params, typing_regions, 4, 48)
     import time
 
     time.sleep(params.ingest.feedback_timeout_s + 0.2)

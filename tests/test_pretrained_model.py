@@ -21,15 +21,11 @@ from sqlalchemy import select
 from transformers import AutoConfig, AutoTokenizer
 
 from flows.cycle import online_rl_cycle
-from serving.gateway import create_app
-from serving.simulate import run_simulation
-from serving.store import CHALLENGER, CHAMPION, Arm, completions, init_schema, make_engine, replace_arms
-from tasks.deploy.registry import ensure_champion, get_alias_version, register_candidate, resolve_model_dir
+from serving.store import CHALLENGER, completions
+from tasks.deploy.registry import get_alias_version, register_candidate, resolve_model_dir
 from tasks.fim import PREFIX_ONLY, parse_completion, read_template
-from tasks.simulated_users import make_users
 from tasks.train.import_model import ImportModelError, import_model
-from tests.serving_util import serve_app
-from tests.test_flow_cycle import ACCEPT_ALL, _dvc_repo, write_cycle_inputs
+from tests.test_flow_cycle import ACCEPT_ALL, _dvc_repo, champion_serving_traffic, write_cycle_inputs
 
 pytestmark = pytest.mark.slow
 
@@ -64,21 +60,7 @@ def test_smollm2_is_served_logged_trained_evaluated_and_registered(
     }
     params, params_file = write_cycle_inputs(tmp_path, repo, fim_samples, typing_regions, n_samples=4, **sections)
 
-    champion = ensure_champion(smollm2_dir, params)
-    engine = make_engine(params.paths.database_url)
-    init_schema(engine)
-    replace_arms(engine, [Arm(CHAMPION, champion.label, str(resolve_model_dir(champion.uri, params)), "embedded", 1.0)])
-    with serve_app(create_app(params, engine=engine, auth=False)) as url:
-        run_simulation(
-            url,
-            typing_regions,
-            make_users(2, params.simulator),
-            12,
-            api_keys=None,
-            concurrency=2,
-            seed=0,
-            traffic=params.traffic,
-        )
+    _, engine = champion_serving_traffic(smollm2_dir, params, typing_regions, 2, 12)
     with engine.connect() as conn:
         logged = conn.execute(
             select(completions.c.prompt, completions.c.prefix, completions.c.token_ids, completions.c.completion)
