@@ -70,6 +70,8 @@ class EmbeddedBackend:
             return self._load().template
 
     async def template(self) -> FimTemplate:
+        if self._lm is not None:  # the hot path: no thread hop, no wait on a generation holding the lock
+            return self._lm.template
         return await asyncio.to_thread(self._template)
 
     def _complete(

@@ -76,13 +76,14 @@ def stops_of(template: FimTemplate, tokenizer: PreTrainedTokenizerBase) -> tuple
     return template.stops + ((eos,) if eos and eos not in template.stops else ())
 
 
-def stop_token_ids(tokenizer: PreTrainedTokenizerBase, stops: Sequence[str]) -> list[int]:
-    """Ids of the stop strings that are single special tokens in this vocabulary, EOS always among them."""
+def split_stops(tokenizer: PreTrainedTokenizerBase, stops: Sequence[str]) -> tuple[list[int], list[str]]:
+    """(ids of the stop strings that are single tokens of this vocabulary, EOS always among them; the other,
+    plain-text stop strings). One vocabulary read: a 49k vocabulary is a dict built per call."""
     vocab = tokenizer.get_vocab()
     ids = [vocab[s] for s in stops if s in vocab]
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
-    return ids
+    return ids, [s for s in stops if s and s not in vocab]
 
 
 def fit_prompt(ids: list[int], limit: int, keep_first: bool = True) -> list[int]:
@@ -141,9 +142,7 @@ def generate(
         return []
     started = time.perf_counter()
     stop = tuple(stop) if stop is not None else stops_of(template, tokenizer)
-    stops = stop_token_ids(tokenizer, stop)
-    vocab = tokenizer.get_vocab()
-    text_stops = [s for s in stop if s and s not in vocab]
+    stops, text_stops = split_stops(tokenizer, stop)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     limit = prompt_limit(model, max_new_tokens)
     encoded = [encode_prompt(tokenizer, p, limit, template) for p in prompts]

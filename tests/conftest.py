@@ -100,11 +100,11 @@ def babbler_dir(tiny_model_dir, tmp_path_factory):
     """The tiny model unable to stop or emit whitespace: it always shows a (wrong) suggestion."""
     import torch
 
-    from tasks.generate import load_model, stop_token_ids, stops_of
+    from tasks.generate import load_model, split_stops, stops_of
 
     model, tokenizer, template = load_model(tiny_model_dir)
     head = model.get_output_embeddings().weight  # tied to the input embeddings in tabrl-tiny
-    silent = set(stop_token_ids(tokenizer, stops_of(template, tokenizer))) | {
+    silent = set(split_stops(tokenizer, stops_of(template, tokenizer))[0]) | {
         i for i in range(head.shape[0]) if not tokenizer.decode([i]).strip()
     }
     with torch.no_grad():

@@ -33,7 +33,7 @@ from tasks.deploy.registry import ensure_champion, get_alias_version, resolve_mo
 from tasks.ingest.pull import read_watermark
 from tasks.procs import free_port, wait_until_up
 from tasks.simulated_users import make_users
-from tests.test_flow_cycle import ACCEPT_ALL, _dvc_repo, write_cycle_inputs
+from tests.test_flow_cycle import ACCEPT_ALL, FAST_TRAIN, _dvc_repo, write_cycle_inputs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
@@ -154,15 +154,7 @@ def test_cycle_trains_on_the_gpu_worker_and_survives_losing_it(
         "simulator": {"personas": ACCEPT_ALL},
         "serving": {"auth": False, "temperature": 1.0, "max_tokens": 1, "port": gateway_port, "config_ttl_s": 0.5},
         "ingest": {"feedback_timeout_s": 0.5},
-        "train": {
-            "lr": 1e-2,
-            "max_approx_kl": 20.0,
-            "target_kl": 20.0,
-            "epochs": 4,
-            "min_rows": 8,
-            "micro_batch": 8,
-            "grad_accum": 1,
-        },
+        "train": FAST_TRAIN,
         "reward": {"advantage": "raw"},
         "evaluate": {"n_samples": 16, "n_requests": 32, "max_new_tokens": 1, "gate_tolerance": 1.0},
         "deploy": {"challenger_share": 0.3, "cycle_every_minutes": 600},

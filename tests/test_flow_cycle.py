@@ -29,6 +29,16 @@ from tasks.simulated_users import make_users
 from tests.conftest import tiny_params
 from tests.serving_util import serve_app
 
+# A big, quick update the gate can see on a tiny model (shared by the cycle tests).
+FAST_TRAIN = {
+    "lr": 1e-2,
+    "max_approx_kl": 20.0,
+    "target_kl": 20.0,
+    "epochs": 4,
+    "min_rows": 8,
+    "micro_batch": 8,
+    "grad_accum": 1,
+}
 ACCEPT_ALL = [{"name": "easy", "weight": 1.0, "min_accept_chars": 1, "p_accept_wrong": 1.0, "p_ignore_right": 0.0}]
 
 
@@ -83,15 +93,7 @@ def test_cycle_registers_and_rolls_out_a_challenger(
         "simulator": {"personas": ACCEPT_ALL},
         "serving": {"auth": False, "temperature": 1.0, "max_tokens": 1},
         "ingest": {"feedback_timeout_s": 0.5},
-        "train": {
-            "lr": 1e-2,
-            "max_approx_kl": 20.0,
-            "target_kl": 20.0,
-            "epochs": 4,
-            "min_rows": 8,
-            "micro_batch": 8,
-            "grad_accum": 1,
-        },
+        "train": FAST_TRAIN,
         "reward": {"advantage": "raw"},  # every shown suggestion is accepted: raw rewards push away from abstaining
         "evaluate": {"n_samples": 16, "n_requests": 32, "max_new_tokens": 1, "gate_tolerance": 1.0},
         "deploy": {"challenger_share": 0.3},

@@ -56,8 +56,8 @@ def read_snapshot(path: str | Path) -> list[dict]:
 def sampled_by_another_model(row: dict, tokenizer) -> bool:
     """Rows an arm of another family served (two families A/B tested): ids outside this vocabulary, or ids
     that do not decode to the suggestion that was shown. Trained on, they would teach the wrong tokens."""
-    ids = row["token_ids"] or []
-    if any(not 0 <= t < len(tokenizer) for t in ids):
+    ids, size = row["token_ids"] or [], len(tokenizer)
+    if any(not 0 <= t < size for t in ids):
         return True
     shown = row.get("completion")
     # (leading blanks aside: a SentencePiece detokenizer may write the first one differently)

@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from tasks.fim import FimTemplate, infer_template, read_template, save_template
+from tasks.fim import FimTemplate, save_template
+from tasks.generate import model_template
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -106,8 +107,7 @@ def import_model(
         model.config.max_position_embeddings = max_position
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    chosen = template or (read_template(source) if source.is_dir() else None)
-    chosen = chosen or infer_template(set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab()))
+    chosen = template or model_template(source, tokenizer)  # a GGUF file has no recorded one: inferred
     tmp = out.with_name(out.name + ".importing")
     shutil.rmtree(tmp, ignore_errors=True)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
