@@ -219,6 +219,10 @@ class TrainParams(Section):
     """Optimiser steps of linear warm-up."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
+    train_embeddings: bool = True
+    """Update the token embeddings (and a head tied to them). Adam gives a row's tiny but steady gradient
+    a full lr-sized step, so rows of tokens sampled once and rejected drop by many nats in one
+    update: bench/kl_probe.py measures it (bench/RESULTS.md, "Why approx-KL jumped")."""
     epochs: int = Field(2, ge=1)
     """Passes over the snapshot."""
     micro_batch: int = Field(8, ge=1)

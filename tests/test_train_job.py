@@ -13,10 +13,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from tasks.config import TrainParams
 from tasks.fim import QWEN
 from tasks.generate import generate, load_model, prompt_limit
 from tasks.schema import REWARDED_SCHEMA
-from tasks.train.batching import build_examples, pack, read_snapshot
+from tasks.train.batching import Example, build_examples, pack, plan_epoch, read_snapshot
 from tasks.train.engines import CompletionPolicy, token_logp
 from tasks.train.launch import launch_train
 from tasks.train.loss import ppo_loss
@@ -138,6 +139,26 @@ def test_one_step_changes_params_and_lowers_the_loss_on_its_batch(tiny_model_dir
     assert not (tmp_path / ".out.tmp").exists()
 
 
+@pytest.mark.parametrize(("rows", "sizes"), [(17, [8, 9]), (20, [8, 8, 4]), (19, [8, 11]), (5, [5]), (16, [8, 8])])
+def test_a_short_tail_joins_the_step_before(rows, sizes):
+    examples = [Example([1, 2, 3], 2, 0.5, 1.0, None) for _ in range(rows)]
+    tp = TrainParams(micro_batch=4, grad_accum=2)
+    plans = plan_epoch(examples, tp, epoch=0, rank=0, world=1)
+    assert [sum(len(m) for m in p.micro) for p in plans] == sizes
+    assert sorted(i for p in plans for m in p.micro for i in m) == list(range(rows))  # every row once
+
+
+def test_frozen_embeddings_keep_the_tied_rows_and_train_the_rest(tiny_model_dir, snapshot, tmp_path):
+    params = _params(tmp_path, micro_batch=32, train_embeddings=False)
+    result = train(snapshot, tiny_model_dir, tmp_path / "out", params)
+    assert result.steps == 1
+    before, after = _weights(tiny_model_dir), _weights(tmp_path / "out")
+    frozen = [n for n in before if "embed_tokens" in n or n.startswith("lm_head")]
+    assert frozen and all(torch.equal(before[n], after[n]) for n in frozen)  # the head is tied to them
+    rest = [n for n in before if n not in frozen]
+    assert all(not torch.equal(before[n], after[n]) for n in rest)
+
+
 def _weights(d: Path) -> dict[str, torch.Tensor]:
     return load_file(d / "model.safetensors")
 
@@ -154,10 +175,11 @@ def _assert_same_update(a: Path, b: Path, start: Path, ra, rb):
 
 
 def test_grad_accumulation_1x8_equals_8x1(tiny_model_dir, snapshot, tmp_path):
-    # 17 rows, 8 per step: 3 steps (8, 8, 1) either way; Adam is scale-free, so grad norms are compared too
+    # 17 rows, 8 per step: 2 steps (8, 9: the one-row tail joins the step before) either way; Adam is
+    # scale-free, so grad norms are compared too
     ra = train(snapshot, tiny_model_dir, tmp_path / "a", _params(tmp_path, micro_batch=8, grad_accum=1))
     rb = train(snapshot, tiny_model_dir, tmp_path / "b", _params(tmp_path, micro_batch=1, grad_accum=8))
-    assert ra.steps == rb.steps == 3
+    assert ra.steps == rb.steps == 2
     _assert_same_update(tmp_path / "a", tmp_path / "b", tiny_model_dir, ra, rb)
 
 
@@ -166,7 +188,7 @@ def test_two_gloo_ranks_equal_one_process(tiny_model_dir, snapshot, tmp_path):
     r2 = launch_train(
         snapshot, tiny_model_dir, tmp_path / "two", _params(tmp_path, micro_batch=4, grad_accum=1, nproc=2)
     )
-    assert (r1.world_size, r2.world_size) == (1, 2) and r1.steps == r2.steps == 3
+    assert (r1.world_size, r2.world_size) == (1, 2) and r1.steps == r2.steps == 2
     _assert_same_update(tmp_path / "one", tmp_path / "two", tiny_model_dir, r1, r2)
     # same inputs again: the finished result is returned, nothing retrains
     mtime = (tmp_path / "two" / "model.safetensors").stat().st_mtime_ns

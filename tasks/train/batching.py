@@ -197,9 +197,13 @@ def plan_epoch(examples: Sequence[Example], tp: TrainParams, epoch: int, rank: i
     order = list(range(len(examples)))
     random.Random(f"{tp.seed}:{epoch}").shuffle(order)
     per_step = tp.micro_batch * tp.grad_accum * world
+    chunks = [order[start : start + per_step] for start in range(0, len(order), per_step)]
+    if len(chunks) > 1 and 2 * len(chunks[-1]) < per_step:
+        # A short tail joins the step before it: Adam's step has the same size whatever the batch, so a
+        # step of one or two rows would move the weights as far as a full one on a far noisier gradient.
+        chunks[-2:] = [chunks[-2] + chunks[-1]]
     plans = []
-    for start in range(0, len(order), per_step):
-        rows = order[start : start + per_step]
+    for rows in chunks:
         per_rank = [
             split_micro(r, examples, tp.micro_batch, tp.max_tokens_per_micro_batch)
             for r in shard(rows, examples, world)

@@ -41,6 +41,19 @@ def token_logp(
     return logp, entropy
 
 
+def trainable(policy: CompletionPolicy, tp: TrainParams) -> list[torch.nn.Parameter]:
+    """The parameters the optimiser updates: all, or all but the token embeddings (and a head tied to them)."""
+    if not tp.train_embeddings:
+        frozen = {id(policy.lm.get_input_embeddings().weight)}
+        head = policy.lm.get_output_embeddings()
+        if head is not None and id(head.weight) in frozen:  # tied: the head is the same rows
+            frozen.add(id(head.weight))
+        for p in policy.parameters():
+            if id(p) in frozen:
+                p.requires_grad_(False)
+    return [p for p in policy.parameters() if p.requires_grad]
+
+
 def lr_at(step: int, total: int, tp: TrainParams) -> float:
     if step < tp.warmup_steps:
         return tp.lr * (step + 1) / tp.warmup_steps
@@ -59,10 +72,9 @@ class TorchEngine:
 
     def __init__(self, policy: CompletionPolicy, tp: TrainParams, world: int, device: torch.device):
         self.policy = policy.to(device)
+        params = trainable(self.policy, tp)
         self.module = torch.nn.parallel.DistributedDataParallel(self.policy) if world > 1 else self.policy
-        self.opt = torch.optim.AdamW(
-            self.policy.parameters(), lr=tp.lr, betas=(0.9, 0.95), weight_decay=tp.weight_decay
-        )
+        self.opt = torch.optim.AdamW(params, lr=tp.lr, betas=(0.9, 0.95), weight_decay=tp.weight_decay)
         self.tp = tp
 
     def micro_step(self, boundary: bool):
@@ -77,7 +89,8 @@ class TorchEngine:
     def step(self, lr: float) -> float:
         for group in self.opt.param_groups:
             group["lr"] = lr
-        norm = float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.tp.grad_clip))
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        norm = float(torch.nn.utils.clip_grad_norm_(params, self.tp.grad_clip))
         if math.isfinite(norm):
             self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -97,7 +110,7 @@ class DeepSpeedEngine:
         import deepspeed
 
         self.policy = policy
-        opt = torch.optim.AdamW(policy.parameters(), lr=tp.lr, betas=(0.9, 0.95), weight_decay=tp.weight_decay)
+        opt = torch.optim.AdamW(trainable(policy, tp), lr=tp.lr, betas=(0.9, 0.95), weight_decay=tp.weight_decay)
         config = {
             "train_micro_batch_size_per_gpu": tp.micro_batch,
             # boundaries are set by hand: a step's micro-batch count varies with packing

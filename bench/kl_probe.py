@@ -1,0 +1,260 @@
+"""Why does one PPO step sometimes move approx-KL from ~0.3 to ~50?  Step-by-step approx-KL of the update.
+
+    python bench/kl_probe.py                                 # shipped base, 3 seeds, the variants below
+    python bench/kl_probe.py --model DIR --rows 240 --seeds 0 1 2 --variants defaults lr=1e-4,epochs=2
+
+One online-like rollout per seed: simulated users type train-split regions and the model's suggestions
+are sampled at the serving temperature, as the online loop serves them; the users' outcomes (persona
+noise included) are priced by params.reward. The same rewarded snapshot is then trained on with
+each variant (``defaults``: params.yaml's train section; else overrides of it), with the guards lifted
+(target_kl and max_approx_kl set very high) so every step runs and its approx-KL is recorded. For
+each run the bench also reports which parameters the update moved most (relative change of
+each weight tensor) and the tokens whose log-prob moved most, with how often each token occurs
+in the snapshot's completions: the evidence for (or against) rarely-seen rows.
+
+Prints a table, writes bench/out/kl_probe/results.json and curve.png (approx-KL per step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# The settings before (2 epochs, embeddings trained), each change alone, and both (today's params.yaml).
+DEFAULT_VARIANTS = [
+    "epochs=2,train_embeddings=true",
+    "epochs=2,train_embeddings=true,lr=1e-4",
+    "epochs=2,train_embeddings=true,warmup_steps=4",
+    "epochs=2,train_embeddings=false",
+    "epochs=1,train_embeddings=true",
+    "epochs=1,train_embeddings=false",
+]
+
+
+def rollout(model_dir: Path, params, rows: int, seed: int, out: Path) -> dict:
+    """A rewarded snapshot of `rows` online-like requests: sampled suggestions, simulated users' outcomes."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tasks.editor import read_regions, regions_path, run_sessions
+    from tasks.generate import generate, load_model
+    from tasks.outcomes import reward_of
+    from tasks.schema import REWARDED_SCHEMA
+    from tasks.simulated_users import make_users
+
+    lm = load_model(model_dir)
+    regions = read_regions(regions_path(params.paths.data_dir, "train"))
+    regions = random.Random(seed).sample(regions, len(regions))
+    users = make_users(24, params.simulator, prefix=f"probe{seed}")
+    sampled: dict[str, tuple[str, object]] = {}
+
+    def suggest(requests: list[dict]) -> list[str]:
+        prompts = [lm.template.render(r["prefix"], r["suffix"]) for r in requests]
+        gens = generate(
+            *lm,
+            prompts,
+            params.serving.max_tokens,
+            temperature=params.serving.temperature,
+            top_p=params.serving.top_p,
+            seed=seed * 1_000_003 + len(sampled),
+        )
+        for r, p, g in zip(requests, prompts, gens, strict=True):
+            sampled[r["sample_id"]] = (p, g)
+        return [g.text for g in gens]
+
+    turns, _ = run_sessions(regions, users, suggest, rows, params.evaluate.batch_size, seed, params.traffic)
+    table = []
+    for t in turns:
+        prompt, gen = sampled[t.request["sample_id"]]
+        reward = reward_of(t.outcome, params.reward)
+        table.append(
+            {
+                "completion_id": uuid.uuid4().hex,
+                "created_at": 0.0,
+                "user_id": t.user_id,
+                "arm": "probe",
+                "model_version": str(model_dir),
+                "prompt": prompt,
+                "completion": t.suggestion,
+                "token_ids": gen.token_ids,
+                "logprobs": gen.logprobs,
+                "temperature": params.serving.temperature,
+                "outcome": t.outcome,
+                "accepted_chars": None,
+                "reward": reward,
+                "advantage": reward,  # reward.advantage: raw (the default)
+            }
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(table, schema=REWARDED_SCHEMA), out)
+    counts = Counter(t.outcome for t in turns)
+    return {"rows": len(table), **counts}
+
+
+def moved_most(before: dict, after: dict, n: int = 5) -> list[tuple[str, float]]:
+    """The weight tensors with the largest relative change |after - before| / |before|."""
+    rel = {k: float((after[k] - before[k]).norm() / (before[k].norm() + 1e-12)) for k in before}
+    return sorted(rel.items(), key=lambda kv: -kv[1])[:n]
+
+
+def token_shifts(model_dir: Path, model_before, model_after, snapshot: Path, params, n: int = 8) -> dict:
+    """Per completion token of the snapshot: log-prob before vs after; the largest drops, with token counts."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from tasks.generate import model_template, prompt_limit
+    from tasks.train.batching import build_examples, read_snapshot
+
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    template = model_template(model_dir, tok)
+    examples = build_examples(
+        read_snapshot(snapshot),
+        tok,
+        template,
+        prompt_limit(model_before, params.serving.max_tokens),
+        model_before.config.max_position_embeddings,
+    )
+    freq: Counter = Counter()
+    for e in examples:
+        freq.update(e.input_ids[e.n_prompt :])
+    drops = []
+    with torch.no_grad():
+        for e in examples:
+            ids = torch.tensor([e.input_ids])
+            p = e.n_prompt
+            tgt = ids[0, p:]
+            lb = torch.log_softmax(model_before(ids).logits[0, p - 1 : -1], -1).gather(-1, tgt[:, None])[:, 0]
+            la = torch.log_softmax(model_after(ids).logits[0, p - 1 : -1], -1).gather(-1, tgt[:, None])[:, 0]
+            for t, b, a in zip(tgt.tolist(), lb.tolist(), la.tolist(), strict=True):
+                drops.append((a - b, t, b, a, e.advantage))
+    drops.sort()
+    worst = [
+        {
+            "token": tok.convert_ids_to_tokens(t),
+            "count_in_snapshot": freq[t],
+            "logp_before": round(b, 3),
+            "logp_after": round(a, 3),
+            "advantage": adv,
+        }
+        for _, t, b, a, adv in drops[:n]
+    ]
+    total = len(drops)
+    big = [d for d in drops if d[0] < -2.0]
+    rare = sum(freq[d[1]] <= 2 for d in big)
+    return {"tokens": total, "dropped_over_2_nats": len(big), "of_them_rare_tokens": rare, "worst": worst}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=None, help="checkpoint (default: params model.base_dir)")
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--set", action="append", default=[], help="override for every run: section.key=value")
+    parser.add_argument("--rows", type=int, default=240, help="requests per rollout (the bench's online cycle)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument(
+        "--variants", nargs="+", default=DEFAULT_VARIANTS, help="`defaults` or train.KEY=VALUE[,KEY=VALUE]"
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench/out/kl_probe"))
+    args = parser.parse_args(argv)
+
+    import shutil
+
+    import mlflow
+    import torch
+    from rich.table import Table
+    from transformers import AutoModelForCausalLM
+
+    from tasks.config import load_params
+    from tasks.console import console, print_table
+    from tasks.train import ppo
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    mlflow.set_tracking_uri(f"sqlite:///{args.out.resolve()}/mlflow.db")
+    mlflow.set_experiment("kl-probe")
+    base = load_params(args.params, args.set)
+    model = args.model or Path(base.model.base_dir)
+    results = []
+    for seed in args.seeds:
+        work = args.out / f"seed{seed}"
+        shutil.rmtree(work, ignore_errors=True)
+        snap = work / "snapshot.parquet"
+        started = time.time()
+        roll = rollout(model, base, args.rows, seed, snap)
+        console.print(f"seed {seed}: rollout {roll} in {time.time() - started:.0f} s")
+        before = AutoModelForCausalLM.from_pretrained(model, local_files_only=True, dtype=torch.float32).eval()
+        for variant in args.variants:
+            sets = [] if variant == "defaults" else [f"train.{kv}" for kv in variant.split(",")]
+            params = load_params(
+                args.params,
+                [*args.set, *sets, "train.target_kl=1e9", "train.max_approx_kl=1e9", f"train.seed={seed}"],
+            )
+            out = work / variant.replace("=", "_").replace(",", "+")
+            started = time.time()
+            with mlflow.start_run(run_name=f"seed{seed}-{variant}") as run:  # the job logs train/* per step
+                res = ppo.train(snap, model, out, params, mlflow_run_id=run.info.run_id)
+            history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "train/approx_kl")
+            kls = [m.value for m in sorted(history, key=lambda m: m.step)]
+            after = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, dtype=torch.float32).eval()
+            row = {
+                "seed": seed,
+                "variant": variant,
+                "steps": res.steps,
+                "approx_kl": kls,
+                "max_kl": max(kls) if kls else 0.0,
+                "final_kl": kls[-1] if kls else 0.0,
+                "moved_most": moved_most(before.state_dict(), after.state_dict()),
+                "token_shifts": token_shifts(model, before, after, snap, params),
+                "seconds": round(time.time() - started, 1),
+            }
+            results.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "token_shifts"}), flush=True)
+            shutil.rmtree(out, ignore_errors=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+
+    table = Table(title=f"approx-KL per PPO update ({args.rows} online-like rows per seed, guards lifted)")
+    for col in ("variant", "seed", "steps", "max approx-KL", "final approx-KL", "logp drops > 2 nats", "moved most"):
+        table.add_column(col)
+    for r in results:
+        ts = r["token_shifts"]
+        top = r["moved_most"][0]
+        table.add_row(
+            r["variant"],
+            str(r["seed"]),
+            str(r["steps"]),
+            f"{r['max_kl']:.3g}",
+            f"{r['final_kl']:.3g}",
+            f"{ts['dropped_over_2_nats']} of {ts['tokens']} ({ts['of_them_rare_tokens']} rare)",
+            f"{top[0]} ({top[1]:.3g})",
+        )
+    print_table(table)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in results:
+        ax.plot(range(len(r["approx_kl"])), r["approx_kl"], label=f"{r['variant']} (seed {r['seed']})")
+    ax.set_yscale("log")
+    ax.set_xlabel("PPO optimiser step")
+    ax.set_ylabel("approx-KL to the starting weights")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(args.out / "curve.png", dpi=120)
+    console.print(f"wrote {args.out / 'results.json'} and {args.out / 'curve.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
