@@ -24,6 +24,7 @@ import sys
 import time
 import uuid
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,51 +107,70 @@ def moved_most(before: dict, after: dict, n: int = 5) -> list[tuple[str, float]]
     return sorted(rel.items(), key=lambda kv: -kv[1])[:n]
 
 
-def token_shifts(model_dir: Path, model_before, model_after, snapshot: Path, params, n: int = 8) -> dict:
-    """Per completion token of the snapshot: log-prob before vs after; the largest drops, with token counts."""
+def completion_logps(model, examples) -> list[list[float]]:
+    """log pi(token) of every completion token of every example (a plain forward per example)."""
     import torch
-    from transformers import AutoTokenizer
 
-    from tasks.generate import model_template, prompt_limit
-    from tasks.train.batching import build_examples, read_snapshot
-
-    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    template = model_template(model_dir, tok)
-    examples = build_examples(
-        read_snapshot(snapshot),
-        tok,
-        template,
-        prompt_limit(model_before, params.serving.max_tokens),
-        model_before.config.max_position_embeddings,
-    )
-    freq: Counter = Counter()
-    for e in examples:
-        freq.update(e.input_ids[e.n_prompt :])
-    drops = []
+    out = []
     with torch.no_grad():
         for e in examples:
             ids = torch.tensor([e.input_ids])
-            p = e.n_prompt
-            tgt = ids[0, p:]
-            lb = torch.log_softmax(model_before(ids).logits[0, p - 1 : -1], -1).gather(-1, tgt[:, None])[:, 0]
-            la = torch.log_softmax(model_after(ids).logits[0, p - 1 : -1], -1).gather(-1, tgt[:, None])[:, 0]
-            for t, b, a in zip(tgt.tolist(), lb.tolist(), la.tolist(), strict=True):
-                drops.append((a - b, t, b, a, e.advantage))
-    drops.sort()
+            logits = model(ids).logits[0, e.n_prompt - 1 : -1]
+            out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, e.n_prompt :, None])[:, 0].tolist())
+    return out
+
+
+@dataclass
+class SnapshotTokens:
+    """A snapshot's completion tokens as the job reads them, their counts, and log-probs at the start."""
+
+    tokenizer: object
+    examples: list
+    counts: Counter
+    before: list[list[float]]
+
+    @classmethod
+    def read(cls, model_dir: Path, model, snapshot: Path, params) -> SnapshotTokens:
+        from transformers import AutoTokenizer
+
+        from tasks.generate import model_template, prompt_limit
+        from tasks.train.batching import build_examples, read_snapshot
+
+        tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        examples = build_examples(
+            read_snapshot(snapshot),
+            tok,
+            model_template(model_dir, tok),
+            prompt_limit(model, params.serving.max_tokens),
+            model.config.max_position_embeddings,
+        )
+        counts: Counter = Counter()
+        for e in examples:
+            counts.update(e.input_ids[e.n_prompt :])
+        return cls(tok, examples, counts, completion_logps(model, examples))
+
+
+def token_shifts(start: SnapshotTokens, model_after, n: int = 8) -> dict:
+    """Per completion token: log-prob before vs after the update; the largest drops, with token counts."""
+    after = completion_logps(model_after, start.examples)
+    drops = sorted(
+        (a - b, t, b, a, e.advantage)
+        for e, lbs, las in zip(start.examples, start.before, after, strict=True)
+        for t, b, a in zip(e.input_ids[e.n_prompt :], lbs, las, strict=True)
+    )
     worst = [
         {
-            "token": tok.convert_ids_to_tokens(t),
-            "count_in_snapshot": freq[t],
+            "token": start.tokenizer.convert_ids_to_tokens(t),
+            "count_in_snapshot": start.counts[t],
             "logp_before": round(b, 3),
             "logp_after": round(a, 3),
             "advantage": adv,
         }
         for _, t, b, a, adv in drops[:n]
     ]
-    total = len(drops)
     big = [d for d in drops if d[0] < -2.0]
-    rare = sum(freq[d[1]] <= 2 for d in big)
-    return {"tokens": total, "dropped_over_2_nats": len(big), "of_them_rare_tokens": rare, "worst": worst}
+    rare = sum(start.counts[d[1]] <= 2 for d in big)
+    return {"tokens": len(drops), "dropped_over_2_nats": len(big), "of_them_rare_tokens": rare, "worst": worst}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         roll = rollout(model, base, args.rows, seed, snap)
         console.print(f"seed {seed}: rollout {roll} in {time.time() - started:.0f} s")
         before = AutoModelForCausalLM.from_pretrained(model, local_files_only=True, dtype=torch.float32).eval()
+        start = SnapshotTokens.read(model, before, snap, base)  # once per seed: every variant starts there
         for variant in args.variants:
             sets = [] if variant == "defaults" else [f"train.{kv}" for kv in variant.split(",")]
             params = load_params(
@@ -212,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                 "max_kl": max(kls) if kls else 0.0,
                 "final_kl": kls[-1] if kls else 0.0,
                 "moved_most": moved_most(before.state_dict(), after.state_dict()),
-                "token_shifts": token_shifts(model, before, after, snap, params),
+                "token_shifts": token_shifts(start, after),
                 "seconds": round(time.time() - started, 1),
             }
             results.append(row)

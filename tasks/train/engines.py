@@ -42,15 +42,10 @@ def token_logp(
 
 
 def trainable(policy: CompletionPolicy, tp: TrainParams) -> list[torch.nn.Parameter]:
-    """The parameters the optimiser updates: all, or all but the token embeddings (and a head tied to them)."""
+    """The parameters the optimiser updates: all, or all but the token embeddings (a head tied to them is
+    the same parameter, so it stays too; an untied head trains)."""
     if not tp.train_embeddings:
-        frozen = {id(policy.lm.get_input_embeddings().weight)}
-        head = policy.lm.get_output_embeddings()
-        if head is not None and id(head.weight) in frozen:  # tied: the head is the same rows
-            frozen.add(id(head.weight))
-        for p in policy.parameters():
-            if id(p) in frozen:
-                p.requires_grad_(False)
+        policy.lm.get_input_embeddings().weight.requires_grad_(False)
     return [p for p in policy.parameters() if p.requires_grad]
 
 
@@ -72,9 +67,9 @@ class TorchEngine:
 
     def __init__(self, policy: CompletionPolicy, tp: TrainParams, world: int, device: torch.device):
         self.policy = policy.to(device)
-        params = trainable(self.policy, tp)
+        self.params = trainable(self.policy, tp)
         self.module = torch.nn.parallel.DistributedDataParallel(self.policy) if world > 1 else self.policy
-        self.opt = torch.optim.AdamW(params, lr=tp.lr, betas=(0.9, 0.95), weight_decay=tp.weight_decay)
+        self.opt = torch.optim.AdamW(self.params, lr=tp.lr, betas=(0.9, 0.95), weight_decay=tp.weight_decay)
         self.tp = tp
 
     def micro_step(self, boundary: bool):
@@ -89,8 +84,7 @@ class TorchEngine:
     def step(self, lr: float) -> float:
         for group in self.opt.param_groups:
             group["lr"] = lr
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        norm = float(torch.nn.utils.clip_grad_norm_(params, self.tp.grad_clip))
+        norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.tp.grad_clip))
         if math.isfinite(norm):
             self.opt.step()
         self.opt.zero_grad(set_to_none=True)
