@@ -281,7 +281,7 @@ def test_cycle_trains_on_the_gpu_worker_and_survives_losing_it(
         assert served > 0
 
         # 2. Kill the gpu worker mid-training: the run it held stays Running until the cycle gives up on it.
-        slow = ("train.epochs=400", "train.lr=1e-4", "cluster.train_timeout_s=90")  # long, and no guard trips
+        slow = ("train.epochs=4000", "train.lr=1e-4", "cluster.train_timeout_s=90")  # outlasts 90 s
         second = _start_cycle(api, force=True, more=slow)
         _wait_for(
             "training to start on the gpu worker",
