@@ -22,7 +22,6 @@ import json
 import random
 import sys
 import time
-import uuid
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,13 +42,10 @@ DEFAULT_VARIANTS = [
 
 def rollout(model_dir: Path, params, rows: int, seed: int, out: Path) -> dict:
     """A rewarded snapshot of `rows` online-like requests: sampled suggestions, simulated users' outcomes."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     from tasks.editor import read_regions, regions_path, run_sessions
     from tasks.generate import generate, load_model
     from tasks.outcomes import reward_of
-    from tasks.schema import REWARDED_SCHEMA
+    from tasks.schema import sampled_row, write_rewarded
     from tasks.simulated_users import make_users
 
     lm = load_model(model_dir)
@@ -78,25 +74,21 @@ def rollout(model_dir: Path, params, rows: int, seed: int, out: Path) -> dict:
         prompt, gen = sampled[t.request["sample_id"]]
         reward = reward_of(t.outcome, params.reward)
         table.append(
-            {
-                "completion_id": uuid.uuid4().hex,
-                "created_at": 0.0,
-                "user_id": t.user_id,
-                "arm": "probe",
-                "model_version": str(model_dir),
-                "prompt": prompt,
-                "completion": t.suggestion,
-                "token_ids": gen.token_ids,
-                "logprobs": gen.logprobs,
-                "temperature": params.serving.temperature,
-                "outcome": t.outcome,
-                "accepted_chars": None,
-                "reward": reward,
-                "advantage": reward,  # reward.advantage: raw (the default)
-            }
+            sampled_row(
+                user_id=t.user_id,
+                arm="probe",
+                model_version=str(model_dir),
+                prompt=prompt,
+                completion=t.suggestion,
+                token_ids=gen.token_ids,
+                logprobs=gen.logprobs,
+                temperature=params.serving.temperature,
+                outcome=t.outcome,
+                reward=reward,
+                advantage=reward,  # reward.advantage: raw (the default)
+            )
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(table, schema=REWARDED_SCHEMA), out)
+    write_rewarded(table, out)
     counts = Counter(t.outcome for t in turns)
     return {"rows": len(table), **counts}
 

@@ -37,7 +37,11 @@ rewritten); the reward stage writes a copy with ``reward`` and ``advantage`` add
 
 from __future__ import annotations
 
+import uuid
+from pathlib import Path
+
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 CORPUS_SCHEMA = pa.schema([("path", pa.string()), ("split", pa.string()), ("text", pa.string())])
 
@@ -73,3 +77,44 @@ INTERACTION_SCHEMA = pa.schema(
 REWARDED_SCHEMA = INTERACTION_SCHEMA.append(pa.field("reward", pa.float64())).append(
     pa.field("advantage", pa.float64())
 )
+
+
+def sampled_row(
+    *,
+    user_id: str,
+    arm: str,
+    model_version: str,
+    prompt: str,
+    completion: str,
+    token_ids: list[int] | None,
+    logprobs: list[float] | None,
+    temperature: float,
+    outcome: str,
+    reward: float,
+    advantage: float,
+) -> dict[str, object]:
+    """One REWARDED_SCHEMA row of a suggestion sampled off-line (GRPO groups, benches), not served."""
+    return {
+        "completion_id": uuid.uuid4().hex,
+        "created_at": 0.0,
+        "user_id": user_id,
+        "arm": arm,
+        "model_version": model_version,
+        "prompt": prompt,
+        "completion": completion,
+        "token_ids": token_ids,
+        "logprobs": logprobs,
+        "temperature": temperature,
+        "outcome": outcome,
+        "accepted_chars": None,
+        "reward": reward,
+        "advantage": advantage,
+    }
+
+
+def write_rewarded(rows: list[dict[str, object]], path: str | Path) -> Path:
+    """Rows as a rewarded snapshot (Parquet, REWARDED_SCHEMA), the folder made if needed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=REWARDED_SCHEMA), path)
+    return path

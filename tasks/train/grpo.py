@@ -10,18 +10,15 @@ group. Groups whose G rewards are all equal carry no signal and are dropped (DAP
 from __future__ import annotations
 
 import statistics
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from tasks.config import Params
 from tasks.generate import generate, load_model
 from tasks.outcomes import reward_of
-from tasks.schema import REWARDED_SCHEMA
+from tasks.schema import sampled_row, write_rewarded
 from tasks.simulated_users import is_right
 
 
@@ -63,26 +60,21 @@ def grpo_snapshot(from_dir: str | Path, samples: Sequence[dict], params: Params,
         kept_groups += 1
         for gen, (outcome, reward), adv in zip(gens, scored, group_advantages(rewards), strict=True):
             rows.append(
-                {
-                    "completion_id": uuid.uuid4().hex,
-                    "created_at": 0.0,
-                    "user_id": "grpo",
-                    "arm": "grpo",
-                    "model_version": str(from_dir),
-                    "prompt": prompt,
-                    "completion": gen.text,
-                    "token_ids": gen.token_ids,
-                    "logprobs": gen.logprobs,
-                    "temperature": params.serving.temperature,
-                    "outcome": outcome,
-                    "accepted_chars": None,
-                    "reward": reward,
-                    "advantage": adv,
-                }
+                sampled_row(
+                    user_id="grpo",
+                    arm="grpo",
+                    model_version=str(from_dir),
+                    prompt=prompt,
+                    completion=gen.text,
+                    token_ids=gen.token_ids,
+                    logprobs=gen.logprobs,
+                    temperature=params.serving.temperature,
+                    outcome=outcome,
+                    reward=reward,
+                    advantage=adv,
+                )
             )
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows, schema=REWARDED_SCHEMA), out_path)
+    write_rewarded(rows, out_path)
     return {
         "prompts": len(samples),
         "groups_kept": kept_groups,
