@@ -17,7 +17,6 @@ Prints a table, writes bench/out/base_size/results.json.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 import time
@@ -66,27 +65,6 @@ def seconds_per_step(model_params, vocab: int, steps: int = 4) -> float:
     return (time.perf_counter() - started) / steps
 
 
-def middle_loss(model_dir: Path, requests: list[dict], seq_len: int) -> float:
-    """Mean cross-entropy (nats) of the true continuation's tokens (and the end token) given prefix + suffix."""
-    import torch
-
-    from tasks.generate import load_model
-    from tasks.train.base import encode_fim
-
-    lm = load_model(model_dir)
-    middle_id = lm.tokenizer.convert_tokens_to_ids(lm.template.middle)
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for request in requests:
-            ids = encode_fim(lm.tokenizer, request, seq_len)
-            start = ids.index(middle_id) + 1
-            x = torch.tensor([ids])
-            logits = lm.model(input_ids=x).logits[0, start - 1 : -1]
-            total += float(torch.nn.functional.cross_entropy(logits, x[0, start:], reduction="sum"))
-            count += len(ids) - start
-    return total / count
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["128x4", "192x4", "256x4"], help="HIDDENxLAYERS")
@@ -105,13 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     from tasks.config import load_params
     from tasks.console import console, print_table
     from tasks.corpus import read_corpus
-    from tasks.editor import pause_requests, read_regions, regions_path
+    from tasks.editor import read_regions, regions_path
     from tasks.train.base import build_base
 
     params = load_params(args.params, args.set)
     train_files = read_corpus(args.corpus)["train"]
     regions = read_regions(regions_path(params.paths.data_dir, "test"))
-    held_out = list(itertools.islice((q for r in regions for q in pause_requests(r, params.traffic)), args.requests))
     results = []
     for spec in args.shapes:
         model_params = params.model.model_copy(update=shape(spec))
@@ -129,7 +106,6 @@ def main(argv: list[str] | None = None) -> int:
                 "steps": steps,
                 "tokens": round(stats["pretrain_tokens_per_step_mean"] * steps),
                 "build_seconds": stats["seconds_this_run"],
-                "held_out_middle_loss": middle_loss(out, held_out, model_params.pretrain_seq_len),
                 **h.as_dict(),
             }
         )
@@ -147,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             str(r["steps"]),
             f"{r['tokens'] / 1e6:.1f}M",
             f"{r['build_seconds']:.0f}",
-            f"{r['held_out_middle_loss']:.3f}",
+            f"{r['middle_loss']:.3f}",
             f"{r['greedy_right']:.3f}",
             f"{r['pass_at_k']:.3f}",
         )

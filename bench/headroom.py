@@ -5,7 +5,8 @@
     python bench/headroom.py --models A B --requests 500
 
 For each checkpoint: suggestion rate and right rate greedy (pass@1), right rate sampled at the
-serving temperature, pass@k, beside the noise floor (``tasks.acceptance.headroom``). All on the
+serving temperature, pass@k, beside the noise floor, and the loss of the true continuation (nats per
+token; smooth where a few hundred requests' right rates are not) (``tasks.acceptance.headroom``). All on the
 model-free request set: every pause of the first held-out regions (test files), no Tab taken.
 Prints a table, writes bench/out/headroom/results.json and curve.png.
 """
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         f"right/request T={params.serving.temperature}",
         f"pass@{args.k}",
         "noise floor",
+        "middle loss",
     ):
         table.add_column(col, justify="right")
     for r in results:
@@ -96,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['sampled_right']:.3f}",
             f"{r['pass_at_k']:.3f}",
             f"{r['noise_floor']:.4f}",
+            f"{r['middle_loss']:.3f}",
         )
     print_table(table)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -125,9 +128,17 @@ def _plot(results: list[dict], path: Path, k: int) -> None:
         ax.plot(steps, [r[key] for r in results], "o-", label=label)
     ax.axhline(results[0]["noise_floor"], color="gray", ls="--", label="noise floor (accept/shown)")
     ax.set_xlabel("pre-training steps")
+    ax.set_ylabel("rate")
     ax.set_title("tabrl-tiny headroom on held-out editor traffic")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    loss_ax = ax.twinx()
+    loss_ax.plot(
+        steps, [r["middle_loss"] for r in results], "k:", marker="s", label="middle loss (nats/token, right axis)"
+    )
+    loss_ax.set_ylabel("loss of the true continuation (nats/token)")
+    lines, labels = ax.get_legend_handles_labels()
+    more_lines, more_labels = loss_ax.get_legend_handles_labels()
+    ax.legend(lines + more_lines, labels + more_labels, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

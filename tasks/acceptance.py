@@ -8,8 +8,9 @@ Two kinds of held-out traffic, both from test files only:
 
 ``headroom`` asks what a checkpoint could earn at all, on the model-free request set (every pause
 of the held-out regions, no Tab taken): greedy right rate, right rate when sampled at the serving
-temperature, pass@k, and the noise floor (the accept/shown a never-right model gets from persona
-noise alone).
+temperature, pass@k, the noise floor (the accept/shown a never-right model gets from persona
+noise alone), and the loss of the true continuation (nats per token: the smooth measure that more
+pre-training lowers long before a right rate of a few hundred requests moves).
 """
 
 from __future__ import annotations
@@ -151,9 +152,29 @@ class Headroom:
     temperature: float
     noise_floor: float
     min_accept_chars: int
+    middle_loss: float  # nats per token of the true continuation and the end token, given the prompt
 
     def as_dict(self) -> dict:
         return dict(vars(self))
+
+
+def middle_loss(lm: LoadedModel, requests: Sequence[dict]) -> float:
+    """Mean cross-entropy (nats per token) of each request's true continuation, then the end token,
+    after its FIM prompt: the tokens as generation would have to produce them (prompt and continuation
+    tokenised apart), in the model's own template, so any checkpoint can be scored."""
+    import torch
+
+    end = lm.tokenizer.convert_tokens_to_ids(lm.template.end) if lm.template.end else lm.tokenizer.eos_token_id
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for request in requests:
+            prompt = lm.tokenizer(lm.template.render(request["prefix"], request["suffix"]), add_special_tokens=False)
+            middle = lm.tokenizer(request["middle"], add_special_tokens=False)["input_ids"] + [end]
+            ids = torch.tensor([prompt["input_ids"] + middle])
+            logits = lm.model(input_ids=ids).logits[0, -len(middle) - 1 : -1]
+            total += float(torch.nn.functional.cross_entropy(logits, ids[0, -len(middle) :], reduction="sum"))
+            count += len(middle)
+    return total / count
 
 
 def headroom(
@@ -200,4 +221,5 @@ def headroom(
         temperature=params.serving.temperature,
         noise_floor=noise_floor(params.simulator),
         min_accept_chars=min_accept_chars,
+        middle_loss=middle_loss(lm, requests),
     )

@@ -81,6 +81,7 @@ def test_pipeline_commands_end_to_end(tmp_path):
     assert r.exit_code == 0, r.output
     room = json.loads(out.read_text())
     assert room["requests"] == 6 and room["k"] == 2 and 0 <= room["greedy_right"] <= room["greedy_shown"] <= 1
+    assert 0 < room["middle_loss"] < 20 and "loss of the true continuation" in r.output
 
 
 def test_bad_params_exit_2_with_the_key(tmp_path):

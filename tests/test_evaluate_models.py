@@ -145,3 +145,27 @@ def test_cli_prints_side_by_side_table_and_gate(babbler_dir, tiny_model_dir, fim
 
     missing = CliRunner().invoke(app, ["evaluate", "--model", str(tmp_path / "nope"), "--test", str(test)])
     assert missing.exit_code == 2 and "not a model directory" in missing.output
+
+
+def test_middle_loss_scores_each_continuation_token_after_what_came_before(tiny_model_dir, fim_samples):
+    """middle_loss (one forward pass per request) equals the mean -log p of each true continuation token
+    and the end token, each read from a forward pass over the prompt and the tokens before it only."""
+    import math
+
+    import torch
+
+    from tasks.acceptance import middle_loss
+    from tasks.generate import load_model
+
+    lm = load_model(tiny_model_dir)
+    requests = [dict(s) for s in fim_samples[:3]]
+    end = lm.tokenizer.convert_tokens_to_ids(lm.template.end)
+    nats = []
+    with torch.no_grad():
+        for q in requests:
+            ids = lm.tokenizer(lm.template.render(q["prefix"], q["suffix"]), add_special_tokens=False)["input_ids"]
+            for token in lm.tokenizer(q["middle"], add_special_tokens=False)["input_ids"] + [end]:
+                logits = lm.model(input_ids=torch.tensor([ids])).logits[0, -1]
+                nats.append(-float(torch.log_softmax(logits, -1)[token]))
+                ids = ids + [token]
+    assert math.isclose(middle_loss(lm, requests), sum(nats) / len(nats), rel_tol=1e-4)

@@ -154,7 +154,8 @@ def headroom_cmd(
     params: ParamsOpt = DEFAULT_PARAMS_FILE,
     set_: SetOpt = None,
 ) -> None:
-    """What a checkpoint could earn: right rate greedy and at the serving temperature, pass@k, noise floor."""
+    """What a checkpoint could earn: right rate greedy and at the serving temperature, pass@k, noise floor, and the
+    loss of the true continuation."""
     from tasks.acceptance import headroom
     from tasks.editor import read_regions
     from tasks.generate import ModelLoadError, check_model_dir
@@ -185,6 +186,7 @@ def headroom_cmd(
         (f"right per request, sampled at T={h.temperature}", h.sampled_right),
         (f"right in at least one of {h.k} samples (pass@{h.k})", h.pass_at_k),
         ("noise floor (accept/shown of a never-right model)", h.noise_floor),
+        ("loss of the true continuation (nats per token)", h.middle_loss),
     ):
         table.add_row(label, f"{value:.4f}")
     print_table(table)
