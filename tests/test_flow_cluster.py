@@ -306,19 +306,27 @@ def test_cycle_trains_on_the_gpu_worker_and_survives_losing_it(
         # 2. Kill the gpu worker mid-training: the run it held stays Running until the cycle gives up on it.
         slow = ("train.epochs=4000", "train.lr=1e-4", "cluster.train_timeout_s=90")  # outlasts 90 s
         second = _start_cycle(api, force=True, more=slow)
+
+        def training_processes() -> list[int]:
+            """The processes of the train-candidate flow run now Running (none while it is not)."""
+            running = [r for r in _flow_runs(api, "train-candidate") if r["state"]["type"] == "RUNNING"]
+            return _flow_run_processes(running[0]["id"]) if running else []
+
         _wait_for(
             "training to start on the gpu worker",
             lambda: (
                 _state(api, second) not in FINAL
                 and "train/loss" in _last_cycle_run(client, params.deploy.experiment).data.metrics
                 and _last_cycle_run(client, params.deploy.experiment).info.run_id != run1.info.run_id
+                and bool(training_processes())
             ),
             240,
             everything,
         )
         # The GPU host is lost: the worker and the flow run it started die at once, so nobody reports the run
         # (a worker killed alone lets its flow run mark itself Crashed; this is the case only a timeout ends).
-        training = _flow_run_processes(_flow_runs(api, "train-candidate")[0]["id"])
+        # The flow run's process is found by its PREFECT__FLOW_RUN_ID, not as a child of the worker.
+        training = training_processes()
         assert training, "the training flow run's process is found"
         doomed = set(_process_tree(gpu.pid)) | set(training)
         for pid in doomed:
