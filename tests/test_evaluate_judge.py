@@ -305,3 +305,30 @@ def test_prompt_carries_prefix_suffix_completion_and_levels():
     assert "<suffix>\n\n\nprint(f(1))\n</suffix>" in prompt
     assert "<completion>\nreturn x\n</completion>" in prompt
     assert "<evaluation>" in prompt and "one of 0, 3, 6, 8, 10" in prompt
+
+
+def test_endpoint_down_leaves_no_unread_task_exception(tmp_path, monkeypatch, caplog):
+    """Every request failing at once: each failed task's exception is read, so none is logged later (at
+    garbage collection, possibly inside another parse: a SystemError on Python 3.11 in CI)."""
+    import gc
+    import logging
+
+    monkeypatch.setenv(KEY_ENV, "sk-test")
+    fake = FakeJudge()
+    fake.server.server_close()
+    params = JudgeParams(
+        kind="llm",
+        base_url=fake.url,
+        model="m",
+        api_key_env=KEY_ENV,
+        concurrency=8,
+        max_retries=0,
+        timeout_s=2.0,
+        cache_path=str(tmp_path / "c.sqlite"),
+    )
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        for _ in range(5):
+            with pytest.raises(JudgeUnavailable):
+                llm_judge([(sample(i), f"x = {i}") for i in range(8)], params)
+        gc.collect()
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]

@@ -215,9 +215,13 @@ async def _ask_all(prompts: Sequence[str], params: JudgeParams, cache: JudgeCach
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)  # let the cancellations finish
     bar.close()
-    for task in done:
-        if task.exception() is not None:
-            raise task.exception()
+    # Read every finished task's exception, not only the first: one left unread is logged with its
+    # traceback when the task is garbage-collected, at any later moment, and on Python 3.11 that
+    # formatting can run ast.parse inside another ast.parse (SystemError: AST constructor recursion
+    # depth mismatch, seen in an unrelated test).
+    failures = [err for err in (task.exception() for task in done) if err is not None]
+    if failures:
+        raise failures[0]
     return answers
 
 
