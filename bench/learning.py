@@ -3,6 +3,7 @@
     python bench/learning.py --quick          # defaults vs control, 1 seed, 3 cycles
     python bench/learning.py                  # defaults, rlinf, grpo, control; 3 seeds x 5 cycles
     python bench/learning.py --corpus DIR     # held-out regions and samples from another code directory
+    python bench/learning.py --settings defaults control --variant t0.3:serving.temperature=0.3,train.lr=1e-4
 
 Traffic and evaluation are editor-like (tasks/editor.py): simulated users type regions of files and
 the model is asked at every pause. Online traffic types train files; every evaluation types
@@ -17,6 +18,7 @@ Settings, all from the same base model, greedy decoding, simulated users, refere
   grpo      offline GRPO (lr 1e-4, see GRPO): G = train.group_size samples per FIM train prompt,
             scored by the simulated user's rule, normalised within the group, same loss; no traffic
   control   no training: the base model (the same at every cycle)
+  NAME      an online setting of your own: --variant NAME:section.key=value,section.key=value
 Online settings run the real gateway, log store and flows (flows/online_loop.py); each gated
 candidate is promoted at once, so the next cycle's traffic comes from the newest model. Writes
 bench/out/learning/results.json, results.md and curves.png (mean per cycle, band = spread over
@@ -156,6 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--set", action="append", default=[], help="override for every setting: section.key=value")
     parser.add_argument("--settings", nargs="+", default=["defaults", "rlinf", "grpo", "control"])
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE,...",
+        help="an extra online setting, run after --settings: the defaults with these overrides "
+        "(e.g. t0.3:serving.temperature=0.3,train.lr=1e-4)",
+    )
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--cycles", type=int, default=5)
     parser.add_argument("--requests", type=int, default=240, help="simulated requests per online cycle")
@@ -179,6 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.settings, args.seeds, args.cycles, args.requests = ["defaults", "control"], 1, 3, 240
+    for variant in args.variant:
+        name, _, overrides = variant.partition(":")
+        if not name or not overrides or name in (*ONLINE, "grpo", "control"):
+            parser.error(f"--variant {variant!r}: expected NEW_NAME:section.key=value[,section.key=value...]")
+        ONLINE[name] = overrides.split(",")
+        args.settings = [*args.settings, name]
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.chdir(ROOT)
 
@@ -209,9 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     curves: dict[str, list[list[dict]]] = {}
     finals: dict[str, list[list]] = {}  # setting -> per seed: the final model's typing sessions
     for setting in args.settings:
+        setting_key = ",".join([key, *ONLINE.get(setting, [])])  # a variant renamed or changed is rerun
         for seed in range(args.seeds):
             stored = args.out / "runs" / f"{setting}-seed{seed}.json"
-            if stored.is_file() and not args.fresh and json.loads(stored.read_text())["key"] == key:
+            if stored.is_file() and not args.fresh and json.loads(stored.read_text())["key"] == setting_key:
                 saved = json.loads(stored.read_text())  # resumed: finished by an earlier invocation
                 curve, sessions = saved["curve"], saved["sessions"]
                 print(f"{setting} seed {seed}: stored result reused ({stored})", flush=True)
@@ -227,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
                     curve, sessions = run_online(setting, seed, args, base_at(seed)[0])
                 stored.parent.mkdir(parents=True, exist_ok=True)
                 stored.write_text(
-                    json.dumps({"setting": setting, "seed": seed, "key": key, "curve": curve, "sessions": sessions})
+                    json.dumps(
+                        {"setting": setting, "seed": seed, "key": setting_key, "curve": curve, "sessions": sessions}
+                    )
                 )
             curves.setdefault(setting, []).append(curve)
             finals.setdefault(setting, []).append(sessions)
