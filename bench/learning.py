@@ -197,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
         args.settings = [*args.settings, name]
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.chdir(ROOT)
+    from tasks.procs import exit_on_sigterm
+
+    exit_on_sigterm()  # a `kill` stops the gateway and Prefect server a run started; finished pairs are kept
 
     from tasks.config import load_params
     from tasks.corpus import read_samples

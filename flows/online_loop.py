@@ -33,7 +33,7 @@ from tasks.deploy.registry import ensure_champion, resolve_model_dir
 from tasks.deploy.tracking import runs_view_url
 from tasks.editor import merge_typing, read_regions, regions_path
 from tasks.outcomes import reward_per_request
-from tasks.procs import NotUp, free_port, wait_until_up
+from tasks.procs import NotUp, exit_on_sigterm, free_port, wait_until_up
 from tasks.simulated_users import make_users
 
 DEMO_OVERRIDES = [
@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--users", type=int, default=24, help="simulated users")
     parser.add_argument("--state", type=Path, default=Path("state/demo"), help="state dir (wiped at start)")
     args = parser.parse_args(argv)
+    exit_on_sigterm()  # a `kill` stops the gateway this loop started, too
     # Prefect's ephemeral server gets 20 s to start by default; a busy 2-core laptop can need more.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     rows, params = run_online_loop(args.params, args.set, args.cycles, args.requests, args.users, args.state)

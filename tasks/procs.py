@@ -6,8 +6,10 @@ benchmarks and the tests: one way to say "started" for all of them.
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
+import sys
 import time
 
 import httpx
@@ -41,3 +43,11 @@ def wait_until_up(
             pass  # not listening yet
         time.sleep(interval_s)
     raise NotUp(f"{url} did not answer within {timeout_s:.0f} s")
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM (`kill`, a scheduler's stop) exit through the `finally` blocks, like Ctrl-C does.
+
+    Python's default SIGTERM ends the process at once, leaving the servers it started (the gateway of
+    the online loop, Prefect's temporary server) running as orphans. Call once, from a CLI's main."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

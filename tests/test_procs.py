@@ -1,7 +1,10 @@
 """tasks.procs: waiting for a started server says what went wrong when it never comes up."""
 
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -49,3 +52,28 @@ def test_any_status_accepts_a_404():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_sigterm_runs_the_finally_blocks_that_stop_child_servers():
+    """A CLI that called exit_on_sigterm stops the server it started when it is killed with SIGTERM."""
+    script = (
+        "import subprocess, sys, time\n"
+        "from tasks.procs import exit_on_sigterm\n"
+        "exit_on_sigterm()\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+        "print(child.pid, flush=True)\n"
+        "try:\n"
+        "    time.sleep(300)\n"
+        "finally:\n"
+        "    child.terminate()\n"
+        "    child.wait()\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=root)
+    child_pid = int(parent.stdout.readline())
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(30) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{child_pid}"):
+        time.sleep(0.1)  # terminated and reaped by the parent before it exited
+    assert not os.path.exists(f"/proc/{child_pid}"), "the child server outlived its parent"
