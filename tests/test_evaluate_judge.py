@@ -208,19 +208,17 @@ def test_timeout_past_retries_fails_loudly_or_falls_back_to_reference(fake_judge
     assert run.verdicts[1].score == 10
 
 
-def test_endpoint_down_fails_loudly(tmp_path, monkeypatch):
+def dead_judge_params(tmp_path, monkeypatch, **kw) -> JudgeParams:
+    """Params of a judge endpoint that refuses connections (bound, never served, then closed)."""
     monkeypatch.setenv(KEY_ENV, "sk-test")
-    fake = FakeJudge()  # bound but never served, then closed: connection refused
+    fake = FakeJudge()
     fake.server.server_close()
-    params = JudgeParams(
-        kind="llm",
-        base_url=fake.url,
-        model="m",
-        api_key_env=KEY_ENV,
-        max_retries=0,
-        timeout_s=2.0,
-        cache_path=str(tmp_path / "c.sqlite"),
-    )
+    values = dict(kind="llm", base_url=fake.url, model="m", api_key_env=KEY_ENV, max_retries=0, timeout_s=2.0)
+    return JudgeParams(**values, cache_path=str(tmp_path / "c.sqlite"), **kw)
+
+
+def test_endpoint_down_fails_loudly(tmp_path, monkeypatch):
+    params = dead_judge_params(tmp_path, monkeypatch)
     with pytest.raises(JudgeUnavailable, match="APIConnectionError"):
         judge([(sample(0), "x = 1")], params)
 
@@ -313,19 +311,7 @@ def test_endpoint_down_leaves_no_unread_task_exception(tmp_path, monkeypatch, ca
     import gc
     import logging
 
-    monkeypatch.setenv(KEY_ENV, "sk-test")
-    fake = FakeJudge()
-    fake.server.server_close()
-    params = JudgeParams(
-        kind="llm",
-        base_url=fake.url,
-        model="m",
-        api_key_env=KEY_ENV,
-        concurrency=8,
-        max_retries=0,
-        timeout_s=2.0,
-        cache_path=str(tmp_path / "c.sqlite"),
-    )
+    params = dead_judge_params(tmp_path, monkeypatch, concurrency=8)
     with caplog.at_level(logging.ERROR, logger="asyncio"):
         for _ in range(5):
             with pytest.raises(JudgeUnavailable):
