@@ -15,6 +15,7 @@ the MLflow and Prefect UIs on the results. State lives under --state (fresh each
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -67,11 +68,13 @@ def start_gateway(params_file: str, overrides: list[str], port: int, log_path: P
     cmd = [sys.executable, "-m", "tasks", "serve", "--no-auth", "--port", str(port), "--params", params_file, *sets]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_until_up(f"http://127.0.0.1:{port}/healthz", proc, 180)
-    except NotUp as err:
-        proc.terminate()
-        raise RuntimeError(f"gateway: {err}; see {log_path}") from err
+    with contextlib.ExitStack() as stopped_unless_up:  # a failure or a SIGTERM while waiting stops it too
+        stopped_unless_up.callback(proc.terminate)
+        try:
+            wait_until_up(f"http://127.0.0.1:{port}/healthz", proc, 180)
+        except NotUp as err:
+            raise RuntimeError(f"gateway: {err}; see {log_path}") from err
+        stopped_unless_up.pop_all()
     return proc
 
 
