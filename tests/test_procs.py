@@ -61,8 +61,8 @@ def test_sigterm_runs_the_finally_blocks_that_stop_child_servers():
         "from tasks.procs import exit_on_sigterm\n"
         "exit_on_sigterm()\n"
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
-        "print(child.pid, flush=True)\n"
         "try:\n"
+        "    print(child.pid, flush=True)\n"  # inside the try: the signal comes after this line is read
         "    time.sleep(300)\n"
         "finally:\n"
         "    child.terminate()\n"
