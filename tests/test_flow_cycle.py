@@ -29,10 +29,12 @@ from tasks.simulated_users import make_users
 from tests.conftest import tiny_params
 from tests.serving_util import serve_app
 
-# A big, quick update the gate can see on a tiny model (shared by the cycle tests).
+# A big, quick update the gate can see on a tiny model (shared by the cycle tests). At lr 1e-2 a step's approx-KL
+# sometimes passes 20 (21.95 at step 16 in one CI run): such a step ends the update early (target_kl, checkpoint kept)
+# instead of failing the cycle as diverged; the guard that stops a job has its own tests (test_train_job.py).
 FAST_TRAIN = {
     "lr": 1e-2,
-    "max_approx_kl": 20.0,
+    "max_approx_kl": 1e3,
     "target_kl": 20.0,
     "epochs": 4,
     "min_rows": 8,
