@@ -72,12 +72,12 @@ def final_set(args) -> list[str]:
     return [f"evaluate.n_requests={args.final_requests}"] if args.final_requests else []
 
 
-def run_online(setting, seed, args, base: dict) -> tuple[list[dict], list]:
+def run_online(setting, overrides: list[str], seed, args, base: dict) -> tuple[list[dict], list]:
     from flows.online_loop import champion_dir, run_online_loop
 
     rows, params = run_online_loop(
         args.params,
-        [*ONLINE[setting], *args.set],
+        [*overrides, *args.set],
         args.cycles,
         args.requests,
         args.users,
@@ -189,11 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.settings, args.seeds, args.cycles, args.requests = ["defaults", "control"], 1, 3, 240
+    online = dict(ONLINE)  # the online settings' overrides, the variants added
     for variant in args.variant:
         name, _, overrides = variant.partition(":")
-        if not name or not overrides or name in (*ONLINE, "grpo", "control"):
+        if not name or not overrides or name in (*online, "grpo", "control"):
             parser.error(f"--variant {variant!r}: expected NEW_NAME:section.key=value[,section.key=value...]")
-        ONLINE[name] = overrides.split(",")
+        online[name] = overrides.split(",")
         args.settings = [*args.settings, name]
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.chdir(ROOT)
@@ -228,11 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     curves: dict[str, list[list[dict]]] = {}
     finals: dict[str, list[list]] = {}  # setting -> per seed: the final model's typing sessions
     for setting in args.settings:
-        setting_key = ",".join([key, *ONLINE.get(setting, [])])  # a variant renamed or changed is rerun
+        setting_key = ",".join([key, *online.get(setting, [])])  # a variant renamed or changed is rerun
         for seed in range(args.seeds):
             stored = args.out / "runs" / f"{setting}-seed{seed}.json"
-            if stored.is_file() and not args.fresh and json.loads(stored.read_text())["key"] == setting_key:
-                saved = json.loads(stored.read_text())  # resumed: finished by an earlier invocation
+            saved = json.loads(stored.read_text()) if stored.is_file() and not args.fresh else None
+            if saved is not None and saved["key"] == setting_key:  # resumed: finished by an earlier invocation
                 curve, sessions = saved["curve"], saved["sessions"]
                 print(f"{setting} seed {seed}: stored result reused ({stored})", flush=True)
             elif args.report_only:
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                 elif setting == "grpo":
                     curve, sessions = run_grpo(seed, args, params.model.base_dir, test, base_at(seed)[0])
                 else:
-                    curve, sessions = run_online(setting, seed, args, base_at(seed)[0])
+                    curve, sessions = run_online(setting, online[setting], seed, args, base_at(seed)[0])
                 stored.parent.mkdir(parents=True, exist_ok=True)
                 stored.write_text(
                     json.dumps(

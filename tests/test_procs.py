@@ -5,10 +5,13 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from tasks.procs import NotUp, free_port, wait_until_up
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_up_when_the_server_answers_200():
@@ -68,8 +71,7 @@ def test_sigterm_runs_the_finally_blocks_that_stop_child_servers():
         "    child.terminate()\n"
         "    child.wait()\n"
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=root)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     child_pid = int(parent.stdout.readline())
     parent.send_signal(signal.SIGTERM)
     assert parent.wait(30) == 128 + signal.SIGTERM
