@@ -10,7 +10,9 @@ the model is asked at every pause. Online traffic types train files; every evalu
 held-out test files (evaluate.n_requests requests, greedy). After the last cycle the model each
 (setting, seed) ends with is typed through the held-out regions once more and its typing sessions
 are kept: every final metric gets a 95 % interval (bootstrap over seeds, then sessions,
-tasks/intervals.py) and each setting's difference from the control says whether it excludes 0.
+tasks/intervals.py) and each setting's difference from the control says whether it excludes 0. The
+differences are paired: seed k of every setting types the same regions with the same users and noise
+draws, so seeds and sessions are resampled together and what the arms share cancels.
 
 Settings, all from the same base model, greedy decoding, simulated users, reference judge:
   defaults  params.yaml (Cursor's rewards +0.75 / -0.25 / 0)
@@ -296,7 +298,7 @@ def _mean_spread(values: list[float]) -> str:
 
 def final_table(finals: dict[str, list[list]], reward) -> tuple[list[str], dict]:
     """Markdown rows: each setting's final metrics with 95 % intervals, and its difference from the control."""
-    from tasks.intervals import difference, interval, metric_fns
+    from tasks.intervals import difference, interval, metric_fns, pair_sessions
 
     fns = metric_fns(reward)
     lines = [
@@ -318,9 +320,13 @@ def final_table(finals: dict[str, list[list]], reward) -> tuple[list[str], dict]
             "| setting vs control | " + " | ".join(TYPING) + " | accept/shown, relative |",
             "| --- |" + " ---: |" * (len(TYPING) + 1),
         ]
+        unpaired: list[str] = []
         for setting in (s for s in finals if s != "control"):
-            diffs = {k: difference(finals[setting], finals["control"], fns[k]) for k in TYPING}
-            rel = difference(finals[setting], finals["control"], fns["accept_rate"], relative=True)
+            # paired: seed k of every setting types the same held-out regions with the same users and noise draws
+            a, b = finals[setting], finals["control"]
+            diffs = {k: difference(a, b, fns[k], paired=True) for k in TYPING}
+            rel = difference(a, b, fns["accept_rate"], relative=True, paired=True)
+            unpaired.append(f"{setting} {pair_sessions(a, b)[2]}")
             numbers[f"{setting} - control"] = {k: [d.value, d.low, d.high, d.excludes_zero] for k, d in diffs.items()}
             numbers[f"{setting} / control - 1, accept_rate"] = [rel.value, rel.low, rel.high, rel.excludes_zero]
             cell = lambda d: f"{d.value:+.4f} [{d.low:+.4f}, {d.high:+.4f}]{' *' if d.excludes_zero else ''}"  # noqa: E731
@@ -329,7 +335,11 @@ def final_table(finals: dict[str, list[list]], reward) -> tuple[list[str], dict]
                 + " | ".join(cell(d) for d in diffs.values())
                 + f" | {rel.value:+.1%} [{rel.low:+.1%}, {rel.high:+.1%}]{' *' if rel.excludes_zero else ''} |"
             )
-        lines.append("\n`*`: the 95 % interval excludes 0.")
+        lines.append(
+            "\n`*`: the 95 % interval excludes 0. Differences are paired (seed k of each setting typed the same "
+            "held-out regions with the same users and noise draws; seeds and sessions resampled together); "
+            f"tail sessions the request cap gave one side only, paired with an empty one: {', '.join(unpaired)}."
+        )
     return lines, numbers
 
 

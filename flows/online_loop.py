@@ -289,14 +289,14 @@ def print_story(base_dir: Path, final_dir: Path, state: Path, params: Params) ->
     fns = metric_fns(params.reward)
     table = Table(
         title=f"Held-out editor traffic, base vs final champion ({params.evaluate.n_requests} requests each, "
-        "95 % bootstrap intervals over typing sessions)"
+        "95 % bootstrap intervals over typing sessions; the change paired: the same regions, users and noise draws)"
     )
     for col in ("metric", "base", "final champion", "change", "change excludes 0"):
         table.add_column(col, justify="right")
     story = {}
     for name in ("suggest_rate", "accept_rate", "right_rate", "chars_saved", "reward_per_request"):
         a, b = interval([runs["base"].sessions], fns[name]), interval([runs["final"].sessions], fns[name])
-        d = difference([runs["final"].sessions], [runs["base"].sessions], fns[name])
+        d = difference([runs["final"].sessions], [runs["base"].sessions], fns[name], paired=True)
         story[name] = {
             "base": [a.value, a.low, a.high],
             "final": [b.value, b.low, b.high],

@@ -72,6 +72,25 @@ def test_an_oracle_saves_almost_everything_and_a_silent_model_nothing():
     assert s.accept_rate == 1.0 and s.right_rate == 0.0 and s.chars_saved == 0.0  # noise is never saved work
 
 
+def test_two_models_type_the_same_regions_in_the_same_order(typing_regions):
+    """What a paired comparison relies on (tasks/intervals.py): under the same request cap, the sessions two
+    models type are the same regions in the same order, one list a prefix of the other."""
+    from tasks.acceptance import session_stats
+
+    users = [SimUser("u", STRICT), SimUser("n", Persona(name="noisy", p_accept_wrong=0.5))]
+    oracle = lambda qs: [q["middle"][:12] for q in qs]  # noqa: E731 - right, and the cursor jumps
+    silent = lambda qs: [""] * len(qs)  # noqa: E731
+    orders = []
+    for suggest in (oracle, silent):
+        turns, typed = run_sessions(typing_regions, users, suggest, 150, 4, 0, TRAFFIC)
+        regions = [t.request["sample_id"].split("@")[0] for t in turns]
+        orders.append(list(dict.fromkeys(regions)))
+        assert len(session_stats(turns, typed)) == len(orders[-1])
+    longer, shorter = sorted(orders, key=len, reverse=True)
+    assert len(shorter) < len(longer) and longer[: len(shorter)] == shorter
+    assert longer == [r.region_id for r in typing_regions if r.region_id in longer]
+
+
 def test_stops_and_training_samples():
     assert stop_of("os.path.join(path)\n    x", "token", 4) == len("os.path")
     assert stop_of("value = 1\nnext", "line", 4) == len("value = 1")

@@ -169,3 +169,26 @@ def test_middle_loss_scores_each_continuation_token_after_what_came_before(tiny_
                 nats.append(-float(torch.log_softmax(logits, -1)[token]))
                 ids = ids + [token]
     assert math.isclose(middle_loss(lm, requests), sum(nats) / len(nats), rel_tol=1e-4)
+
+
+def test_the_demo_story_pairs_base_and_final_on_the_same_held_out_typing(
+    tiny_model_dir, babbler_dir, typing_regions, tmp_path
+):
+    """`make demo` ends with base vs final champion (flows/online_loop.print_story); the change is paired."""
+    from flows.online_loop import print_story
+    from tasks.acceptance import typing_acceptance
+    from tasks.editor import read_regions, regions_path
+
+    params = tiny_params(tmp_path, evaluate={"n_requests": 120, "max_new_tokens": 4})
+    regions = write_regions(typing_regions, regions_path(params.paths.data_dir, "test"), params.traffic)
+    story = print_story(tiny_model_dir, babbler_dir, tmp_path, params)
+    assert json.loads((tmp_path / "story.json").read_text()) == story
+    base = typing_acceptance(tiny_model_dir, read_regions(regions), params).summary
+    assert story["suggest_rate"]["base"][0] == pytest.approx(base.suggest_rate)
+    assert story["suggest_rate"]["final"][0] == 1.0  # the babbler always shows something
+    for name, numbers in story.items():
+        change, (low, high) = numbers["change"][0], numbers["change"][1:]
+        assert change == pytest.approx(numbers["final"][0] - numbers["base"][0]) and low <= change <= high, name
+    # the test-size base never shows a suggestion: a model that always does is a change beyond doubt
+    assert base.suggest_rate == 0.0 and story["suggest_rate"]["change"][1] > 0
+    assert story["reward_per_request"]["change"][2] < 0  # wrong suggestions shown cost reward

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from tasks.config import RewardParams
-from tasks.intervals import difference, interval, metric_fns
+from tasks.intervals import difference, interval, metric_fns, pair_sessions
 
 FNS = metric_fns(RewardParams())
 
@@ -43,3 +43,49 @@ def test_reward_per_request_uses_the_reward_params():
     assert value == pytest.approx((0.75 - 0.25 + 0) / 4)
     with pytest.raises(ValueError, match="at least one typing session"):
         interval([[]], FNS["accept_rate"])
+
+
+def shared_regions(n: int, lift: float, seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(a, b): the same n regions typed by two models. How easy a region is (its accept chance, 0-60 %) and the
+    users' noise draws are shared; a also takes `lift` more of the suggestions b's users turn down."""
+    rng = np.random.default_rng(seed)
+    a, b = [], []
+    for p in rng.uniform(0.0, 0.6, size=n):
+        draws = rng.random(10)
+        acc_b = int((draws < p).sum())
+        acc_a = int((draws < p + lift).sum())
+        b.append([10, 10, acc_b, acc_b, 5 * acc_b, 100])
+        a.append([10, 10, acc_a, acc_a, 5 * acc_a, 100])
+    return a, b
+
+
+def test_a_paired_difference_sees_a_small_lift_an_unpaired_one_misses():
+    pairs = [shared_regions(150, 0.03, seed) for seed in (10, 11, 12)]
+    a, b = [x for x, _ in pairs], [y for _, y in pairs]
+    unpaired = difference(a, b, FNS["accept_rate"], n_boot=500)
+    paired = difference(a, b, FNS["accept_rate"], n_boot=500, paired=True)
+    assert paired.value == pytest.approx(unpaired.value) and paired.value == pytest.approx(0.03, abs=0.01)
+    assert paired.excludes_zero and paired.low > 0 and not unpaired.excludes_zero
+    assert paired.high - paired.low < (unpaired.high - unpaired.low) / 3
+    rel = difference(a, b, FNS["accept_rate"], n_boot=500, relative=True, paired=True)
+    assert rel.low > 0
+    # no lift: pairing does not invent one
+    same = [shared_regions(150, 0.0, seed) for seed in (13, 14, 15)]
+    none = difference([x for x, _ in same], [y for _, y in same], FNS["accept_rate"], n_boot=500, paired=True)
+    assert none.value == 0.0 and not none.excludes_zero
+    # independent noise draws on both sides: paired or not, a no-lift comparison stays within noise
+    indep = difference([sessions(300, 0.3, 16)], [sessions(300, 0.3, 17)], FNS["accept_rate"], n_boot=500, paired=True)
+    assert not indep.excludes_zero
+
+
+def test_pairing_lines_up_each_seeds_sessions_and_keeps_every_count():
+    a = [[[1, 1, 0, 0, 0, 9]] * 4, [[1, 1, 1, 1, 2, 9]] * 2]
+    b = [[[1, 1, 1, 1, 2, 9]] * 3, [[1, 1, 0, 0, 0, 9]] * 2]
+    lined_a, lined_b, added = pair_sessions(a, b)
+    assert [len(s) for s in lined_a] == [len(s) for s in lined_b] == [4, 2] and added == 1
+    assert lined_b[0][3] == [0] * 6  # b's cap stopped a region earlier: an empty partner
+    for metric in FNS.values():  # the paired point value is the difference on all the data
+        paired = difference(a, b, metric, n_boot=50, paired=True)
+        assert paired.value == pytest.approx(difference(a, b, metric, n_boot=50).value)
+    with pytest.raises(ValueError, match="same seeds on both sides: 2 vs 1"):
+        difference(a, b[:1], FNS["accept_rate"], paired=True)
