@@ -2,6 +2,8 @@
 
     python bench/kl_probe.py                                 # shipped base, 3 seeds, the variants below
     python bench/kl_probe.py --model DIR --rows 240 --seeds 0 1 2 --variants defaults lr=1e-4,epochs=2
+    python bench/kl_probe.py --snapshot S.rewarded.parquet --model DIR --seeds 0 --variants defaults
+                                                             # a logged cycle's update, from its champion
 
 One online-like rollout per seed: simulated users type train-split regions and the model's suggestions
 are sampled at the serving temperature, as the online loop serves them; the users' outcomes (persona
@@ -10,7 +12,11 @@ each variant (``defaults``: params.yaml's train section; else overrides of it), 
 (target_kl and max_approx_kl set very high) so every step runs and its approx-KL is recorded. For
 each run the bench also reports which parameters the update moved most (relative change of
 each weight tensor) and the tokens whose log-prob moved most, with how often each token occurs
-in the snapshot's completions: the evidence for (or against) rarely-seen rows.
+in the snapshot's completions: the evidence for (or against) rarely-seen rows; and the tokens whose
+probability rose most, with what each adds to approx-KL's sum ((r - 1) - log r grows like the ratio
+r, so one rarely-sampled token that became likely can carry a step's approx-KL on its own).
+With --snapshot a logged, rewarded snapshot (a cycle's DVC snapshot) replaces the rollout: --model is
+then the checkpoint that cycle started from, and the seeds only seed the update.
 
 Prints a table, writes bench/out/kl_probe/results.json and curve.png (approx-KL per step).
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 import time
@@ -100,14 +107,15 @@ def moved_most(before: dict, after: dict, n: int = 5) -> list[tuple[str, float]]
 
 
 def completion_logps(model, examples) -> list[list[float]]:
-    """log pi(token) of every completion token of every example (a plain forward per example)."""
+    """log pi(token) of every completion token of every example (a plain forward per example), at the
+    temperature the row was sampled at: the distribution the update's ratios and approx-KL are taken on."""
     import torch
 
     out = []
     with torch.no_grad():
         for e in examples:
             ids = torch.tensor([e.input_ids])
-            logits = model(ids).logits[0, e.n_prompt - 1 : -1]
+            logits = model(ids).logits[0, e.n_prompt - 1 : -1] / e.temperature
             out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, e.n_prompt :, None])[:, 0].tolist())
     return out
 
@@ -160,9 +168,25 @@ def token_shifts(start: SnapshotTokens, model_after, n: int = 8) -> dict:
         }
         for _, t, b, a, adv in drops[:n]
     ]
+    rises = [
+        {
+            "token": start.tokenizer.convert_ids_to_tokens(t),
+            "p_before": round(math.exp(b), 4),
+            "p_after": round(math.exp(a), 4),
+            "approx_kl_term": round(math.exp(a - b) - 1 - (a - b), 2),  # (r - 1) - log r of this token
+            "advantage": adv,
+        }
+        for _, t, b, a, adv in drops[::-1][:n]
+    ]
     big = [d for d in drops if d[0] < -2.0]
     rare = sum(start.counts[d[1]] <= 2 for d in big)
-    return {"tokens": len(drops), "dropped_over_2_nats": len(big), "of_them_rare_tokens": rare, "worst": worst}
+    return {
+        "tokens": len(drops),
+        "dropped_over_2_nats": len(big),
+        "of_them_rare_tokens": rare,
+        "worst": worst,
+        "rose_most": rises,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,12 +195,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--set", action="append", default=[], help="override for every run: section.key=value")
     parser.add_argument("--rows", type=int, default=240, help="requests per rollout (the bench's online cycle)")
+    parser.add_argument(
+        "--snapshot", type=Path, default=None, help="a rewarded snapshot to train on instead of a rollout"
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument(
         "--variants", nargs="+", default=DEFAULT_VARIANTS, help="`defaults` or train.KEY=VALUE[,KEY=VALUE]"
     )
     parser.add_argument("--out", type=Path, default=Path("bench/out/kl_probe"))
     args = parser.parse_args(argv)
+    if args.snapshot and not args.snapshot.is_file():
+        parser.error(f"--snapshot {args.snapshot}: no such file")
 
     import shutil
 
@@ -200,8 +229,12 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
         snap = work / "snapshot.parquet"
         started = time.time()
-        roll = rollout(model, base, args.rows, seed, snap)
-        console.print(f"seed {seed}: rollout {roll} in {time.time() - started:.0f} s")
+        if args.snapshot:
+            work.mkdir(parents=True)
+            shutil.copy(args.snapshot, snap)
+        else:
+            roll = rollout(model, base, args.rows, seed, snap)
+            console.print(f"seed {seed}: rollout {roll} in {time.time() - started:.0f} s")
         before = AutoModelForCausalLM.from_pretrained(model, local_files_only=True, dtype=torch.float32).eval()
         start = SnapshotTokens.read(model, before, snap, base)  # once per seed: every variant starts there
         for variant in args.variants:
@@ -214,8 +247,16 @@ def main(argv: list[str] | None = None) -> int:
             started = time.time()
             with mlflow.start_run(run_name=f"seed{seed}-{variant}") as run:  # the job logs train/* per step
                 res = ppo.train(snap, model, out, params, mlflow_run_id=run.info.run_id)
-            history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "train/approx_kl")
-            kls = [m.value for m in sorted(history, key=lambda m: m.step)]
+            client = mlflow.MlflowClient()
+            per_step = {
+                key: [m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
+                for key in ("train/approx_kl", "train/ratio_max", "train/tokens")
+            }
+            kls = per_step["train/approx_kl"]
+            top = max(range(len(kls)), key=kls.__getitem__) if kls else 0
+            r_max = per_step["train/ratio_max"][top] if kls else 1.0
+            # the step's largest ratio, alone: its term (r - 1) - log r over the step's tokens
+            alone = (r_max - 1 - math.log(r_max)) / per_step["train/tokens"][top] if kls else 0.0
             after = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, dtype=torch.float32).eval()
             row = {
                 "seed": seed,
@@ -223,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
                 "steps": res.steps,
                 "approx_kl": kls,
                 "max_kl": max(kls) if kls else 0.0,
+                "max_kl_step": top,
+                "max_kl_step_ratio_max": r_max,
+                "max_kl_step_from_that_token": alone,
                 "final_kl": kls[-1] if kls else 0.0,
                 "moved_most": moved_most(before.state_dict(), after.state_dict()),
                 "token_shifts": token_shifts(start, after),
@@ -234,8 +278,18 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
 
-    table = Table(title=f"approx-KL per PPO update ({args.rows} online-like rows per seed, guards lifted)")
-    for col in ("variant", "seed", "steps", "max approx-KL", "final approx-KL", "logp drops > 2 nats", "moved most"):
+    source = f"snapshot {args.snapshot.name}" if args.snapshot else f"{args.rows} online-like rows per seed"
+    table = Table(title=f"approx-KL per PPO update ({source}, guards lifted)")
+    for col in (
+        "variant",
+        "seed",
+        "steps",
+        "max approx-KL (step): its largest ratio r, that token's share",
+        "final approx-KL",
+        "logp drops > 2 nats",
+        "moved most",
+        "rose most: p before -> after (its KL term)",
+    ):
         table.add_column(col)
     for r in results:
         ts = r["token_shifts"]
@@ -244,10 +298,15 @@ def main(argv: list[str] | None = None) -> int:
             r["variant"],
             str(r["seed"]),
             str(r["steps"]),
-            f"{r['max_kl']:.3g}",
+            f"{r['max_kl']:.3g} ({r['max_kl_step']}): r = {r['max_kl_step_ratio_max']:.3g}, "
+            f"{r['max_kl_step_from_that_token']:.3g}",
             f"{r['final_kl']:.3g}",
             f"{ts['dropped_over_2_nats']} of {ts['tokens']} ({ts['of_them_rare_tokens']} rare)",
             f"{top[0]} ({top[1]:.3g})",
+            ", ".join(
+                f"{r['token']!r} {r['p_before']:.3g} -> {r['p_after']:.3g} ({r['approx_kl_term']:.3g})"
+                for r in ts["rose_most"][:2]
+            ),
         )
     print_table(table)
 
