@@ -150,6 +150,11 @@ class SnapshotTokens:
         return cls(tok, examples, counts, completion_logps(model, examples))
 
 
+def kl_term(log_r: float) -> float:
+    """A token's term in approx-KL's sum, (r - 1) - log r (tasks/train/loss.py), from its log ratio."""
+    return math.exp(log_r) - 1 - log_r
+
+
 def token_shifts(start: SnapshotTokens, model_after, n: int = 8) -> dict:
     """Per completion token: log-prob before vs after the update; the largest drops, with token counts."""
     after = completion_logps(model_after, start.examples)
@@ -173,7 +178,7 @@ def token_shifts(start: SnapshotTokens, model_after, n: int = 8) -> dict:
             "token": start.tokenizer.convert_ids_to_tokens(t),
             "p_before": round(math.exp(b), 4),
             "p_after": round(math.exp(a), 4),
-            "approx_kl_term": round(math.exp(a - b) - 1 - (a - b), 2),  # (r - 1) - log r of this token
+            "approx_kl_term": round(kl_term(a - b), 2),
             "advantage": adv,
         }
         for _, t, b, a, adv in drops[::-1][:n]
@@ -253,10 +258,10 @@ def main(argv: list[str] | None = None) -> int:
                 for key in ("train/approx_kl", "train/ratio_max", "train/tokens")
             }
             kls = per_step["train/approx_kl"]
-            top = max(range(len(kls)), key=kls.__getitem__) if kls else 0
+            top = max(range(len(kls)), key=kls.__getitem__, default=0)
             r_max = per_step["train/ratio_max"][top] if kls else 1.0
-            # the step's largest ratio, alone: its term (r - 1) - log r over the step's tokens
-            alone = (r_max - 1 - math.log(r_max)) / per_step["train/tokens"][top] if kls else 0.0
+            # the step's largest ratio, alone: its term over the step's tokens
+            alone = kl_term(math.log(r_max)) / per_step["train/tokens"][top] if kls else 0.0
             after = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, dtype=torch.float32).eval()
             row = {
                 "seed": seed,
@@ -304,8 +309,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{ts['dropped_over_2_nats']} of {ts['tokens']} ({ts['of_them_rare_tokens']} rare)",
             f"{top[0]} ({top[1]:.3g})",
             ", ".join(
-                f"{r['token']!r} {r['p_before']:.3g} -> {r['p_after']:.3g} ({r['approx_kl_term']:.3g})"
-                for r in ts["rose_most"][:2]
+                f"{t['token']!r} {t['p_before']:.3g} -> {t['p_after']:.3g} ({t['approx_kl_term']:.3g})"
+                for t in ts["rose_most"][:2]
             ),
         )
     print_table(table)
