@@ -243,6 +243,12 @@ class TrainParams(Section):
     """C of the truncated importance weight min(pi_recomputed / pi_behaviour, C)."""
     max_approx_kl: float = Field(1.0, gt=0)
     """Divergence guard: the job fails (no checkpoint) when approx-KL of a step exceeds this."""
+    abstain_weight: float = Field(0.0, ge=0)
+    """Weight of the known-reward abstain term: showing nothing earns reward.abstained whatever the user
+    would have done, so every logged row also says whether abstaining there would have been better
+    (advantage reward.abstained - the row's reward) without the empty suggestion having been sampled. The
+    term is -weight x that advantage x log pi(stop as the first token), one per row, counted like a
+    completion token in the token mean (tasks/train/loss.py, abstain_loss). 0 disables it."""
     target_kl: float = Field(0.5, gt=0)
     """PPO's early stop: when approx-KL of a step (to the starting weights) exceeds this, the update ends
     before that step and the checkpoint so far is kept. Set it above max_approx_kl to turn it off."""

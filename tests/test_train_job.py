@@ -15,10 +15,10 @@ from transformers import AutoModelForCausalLM
 
 from tasks.config import TrainParams
 from tasks.fim import QWEN
-from tasks.generate import generate, load_model, prompt_limit
+from tasks.generate import generate, load_model, prompt_limit, split_stops, stops_of
 from tasks.schema import REWARDED_SCHEMA
-from tasks.train.batching import Example, build_examples, pack, plan_epoch, read_snapshot
-from tasks.train.engines import CompletionPolicy, token_logp
+from tasks.train.batching import Example, SnapshotError, build_examples, pack, plan_epoch, read_snapshot
+from tasks.train.engines import CompletionPolicy, first_token_logp, token_logp
 from tasks.train.launch import launch_train
 from tasks.train.loss import ppo_loss
 from tasks.train.ppo import RESULT_FILE, TrainingDiverged, train
@@ -176,9 +176,13 @@ def _assert_same_update(a: Path, b: Path, start: Path, ra, rb):
 
 def test_grad_accumulation_1x8_equals_8x1(tiny_model_dir, snapshot, tmp_path):
     # 17 rows, 8 per step: 2 steps (8, 9: the one-row tail joins the step before) either way; Adam is
-    # scale-free, so grad norms are compared too
-    ra = train(snapshot, tiny_model_dir, tmp_path / "a", _params(tmp_path, micro_batch=8, grad_accum=1))
-    rb = train(snapshot, tiny_model_dir, tmp_path / "b", _params(tmp_path, micro_batch=1, grad_accum=8))
+    # scale-free, so grad norms are compared too. The abstain term is on: its rows count like tokens.
+    ra = train(
+        snapshot, tiny_model_dir, tmp_path / "a", _params(tmp_path, micro_batch=8, grad_accum=1, abstain_weight=0.5)
+    )
+    rb = train(
+        snapshot, tiny_model_dir, tmp_path / "b", _params(tmp_path, micro_batch=1, grad_accum=8, abstain_weight=0.5)
+    )
     assert ra.steps == rb.steps == 2
     _assert_same_update(tmp_path / "a", tmp_path / "b", tiny_model_dir, ra, rb)
 
@@ -196,6 +200,52 @@ def test_two_gloo_ranks_equal_one_process(tiny_model_dir, snapshot, tmp_path):
         snapshot, tiny_model_dir, tmp_path / "two", _params(tmp_path, micro_batch=4, grad_accum=1, nproc=2)
     )
     assert again == r2 and (tmp_path / "two" / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def _rewarded_copy(snapshot: Path, out: Path, reward: float | None) -> Path:
+    """The snapshot with every row's reward set and advantage 0: only the abstain term carries a gradient."""
+    rows = pq.read_table(snapshot).to_pylist()
+    for row in rows:
+        row["reward"], row["advantage"] = reward, 0.0
+    pq.write_table(pa.Table.from_pylist(rows, schema=REWARDED_SCHEMA), out)
+    return out
+
+
+def _p_abstain(model_dir: Path, examples) -> torch.Tensor:
+    """pi(a stop token first) per example at its temperature: the probability the model shows nothing."""
+    model, tok, template = load_model(model_dir)
+    packed = pack(examples, range(len(examples)))
+    stops = torch.tensor(split_stops(tok, stops_of(template, tok))[0])
+    with torch.no_grad():
+        logits = CompletionPolicy(model)(packed.input_ids, packed.position_ids, packed.gather_idx)
+        p = first_token_logp(logits, packed.first_idx, packed.inv_temp, stops).exp()
+    return p[torch.tensor([packed.example_idx.index(i) for i in range(len(examples))])]
+
+
+@pytest.mark.parametrize(("reward", "direction"), [(-0.25, 1.0), (0.75, -1.0)])
+def test_the_abstain_term_moves_pi_stop_by_the_known_reward(tiny_model_dir, snapshot, tmp_path, reward, direction):
+    """Showing nothing earns reward.abstained (0): after rejects the update makes an empty suggestion likelier,
+    after accepts less likely; with the term off and zero advantages nothing moves."""
+    snap = _rewarded_copy(snapshot, tmp_path / "snap.parquet", reward)
+    params = _params(tmp_path, micro_batch=32, abstain_weight=1.0)
+    assert params.reward.abstained == 0.0
+    result = train(snap, tiny_model_dir, tmp_path / "on", params)
+    _, examples = _examples(tiny_model_dir, snap, params)
+    before, after = _p_abstain(tiny_model_dir, examples), _p_abstain(tmp_path / "on", examples)
+    moved = direction * (after - before)
+    assert (moved > 0).float().mean() >= 0.9 and moved.mean() > 0  # nearly every prompt, and on average
+    assert result.final["train/abstain_p"] == pytest.approx(float(before.mean()), rel=1e-3)  # logged before the step
+    train(snap, tiny_model_dir, tmp_path / "off", _params(tmp_path, micro_batch=32))
+    start, off = _weights(tiny_model_dir), _weights(tmp_path / "off")
+    assert start.keys() == off.keys() and all(torch.equal(start[n], off[n]) for n in start)
+
+
+def test_the_abstain_term_needs_every_rows_reward(tiny_model_dir, snapshot, tmp_path):
+    snap = _rewarded_copy(snapshot, tmp_path / "snap.parquet", None)
+    with pytest.raises(SnapshotError, match="row 0: reward is None; the abstain term needs every row's reward"):
+        train(snap, tiny_model_dir, tmp_path / "out", _params(tmp_path, abstain_weight=1.0))
+    train(snap, tiny_model_dir, tmp_path / "off", _params(tmp_path))  # without the term the reward is not read
+    assert not (tmp_path / "out").exists()
 
 
 def test_non_finite_loss_stops_without_checkpoint(tiny_model_dir, snapshot, tmp_path):

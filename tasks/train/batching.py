@@ -34,6 +34,7 @@ class Example:
     advantage: float
     temperature: float  # the scale of the sampling distribution (1.0 for greedy)
     behaviour_logp: list[float] | None  # logged at serving, one per completion token
+    abstain_advantage: float = 0.0  # reward of showing nothing minus the row's reward (0: no abstain term)
 
     @property
     def n_completion(self) -> int:
@@ -49,7 +50,7 @@ def read_snapshot(path: str | Path) -> list[dict]:
     missing = [c for c in SNAPSHOT_COLUMNS if c not in table.column_names]
     if missing:
         raise SnapshotError(f"snapshot {path} lacks column(s) {missing}; run the reward stage first")
-    optional = [c for c in ("completion",) if c in table.column_names]
+    optional = [c for c in ("completion", "reward") if c in table.column_names]
     return table.select([*SNAPSHOT_COLUMNS, *optional]).to_pylist()
 
 
@@ -64,9 +65,17 @@ def sampled_by_another_model(row: dict, tokenizer) -> bool:
     return bool(shown) and not tokenizer.decode(ids, skip_special_tokens=False).lstrip().startswith(shown.lstrip())
 
 
-def build_examples(rows: Sequence[dict], tokenizer, template: FimTemplate, limit: int, max_len: int) -> list[Example]:
+def build_examples(
+    rows: Sequence[dict],
+    tokenizer,
+    template: FimTemplate,
+    limit: int,
+    max_len: int,
+    abstain_reward: float | None = None,
+) -> list[Example]:
     """Training sequences from snapshot rows; rows with no completion tokens carry no gradient and are left out,
-    and so are rows another model's tokenizer sampled."""
+    and so are rows another model's tokenizer sampled. With abstain_reward, each example also carries
+    abstain_reward - its row's reward (the known-reward abstain term's advantage; rows need `reward`)."""
     examples = []
     for i, row in enumerate(rows):
         completion = row["token_ids"] or []
@@ -82,6 +91,13 @@ def build_examples(rows: Sequence[dict], tokenizer, template: FimTemplate, limit
         if len(ids) > max_len:
             raise SnapshotError(f"row {i}: {len(ids)} tokens exceed the model's {max_len} positions")
         temperature = row["temperature"] if row["temperature"] and row["temperature"] > 0 else 1.0
+        abstain_advantage = 0.0
+        if abstain_reward is not None:
+            if row.get("reward") is None or not math.isfinite(row["reward"]):
+                raise SnapshotError(
+                    f"row {i}: reward is {row.get('reward')!r}; the abstain term needs every row's reward"
+                )
+            abstain_advantage = abstain_reward - float(row["reward"])
         examples.append(
             Example(
                 ids,
@@ -89,6 +105,7 @@ def build_examples(rows: Sequence[dict], tokenizer, template: FimTemplate, limit
                 float(row["advantage"]),
                 float(temperature),
                 None if behaviour is None else [float(x) for x in behaviour],
+                abstain_advantage,
             )
         )
     return examples
@@ -109,10 +126,11 @@ class Packed:
     targets: torch.Tensor  # (N,) the completion tokens
     inv_temp: torch.Tensor  # (N,) 1 / temperature of each token's row
     example_idx: list[int]  # in the order their tokens appear in targets
+    first_idx: torch.Tensor  # (E,) index in targets of each example's first completion token, example_idx order
     n_tokens: int  # real tokens, padding excluded
 
     def to(self, device) -> Packed:
-        for name in ("input_ids", "position_ids", "gather_idx", "targets", "inv_temp"):
+        for name in ("input_ids", "position_ids", "gather_idx", "targets", "inv_temp", "first_idx"):
             setattr(self, name, getattr(self, name).to(device))
         return self
 
@@ -132,7 +150,7 @@ def pack(examples: Sequence[Example], idx: Sequence[int], one_row: bool = False,
         room[k] -= lengths[i]
     ids = torch.full((len(bins), width), pad_id, dtype=torch.long)
     pos = torch.zeros((len(bins), width), dtype=torch.long)
-    gather, targets, inv_temp, order = [], [], [], []
+    gather, targets, inv_temp, order, first = [], [], [], [], []
     for r, members in enumerate(bins):
         col = 0
         for i in members:
@@ -142,6 +160,7 @@ def pack(examples: Sequence[Example], idx: Sequence[int], one_row: bool = False,
             pos[r, col : col + n] = torch.arange(n)
             # the hidden state at position t predicts token t + 1
             gather.extend(range(r * width + col + ex.n_prompt - 1, r * width + col + n - 1))
+            first.append(len(targets))
             targets.extend(ex.input_ids[ex.n_prompt :])
             inv_temp.extend([1.0 / ex.temperature] * ex.n_completion)
             order.append(i)
@@ -154,6 +173,7 @@ def pack(examples: Sequence[Example], idx: Sequence[int], one_row: bool = False,
         targets=torch.tensor(targets, dtype=torch.long),
         inv_temp=torch.tensor(inv_temp, dtype=torch.float32),
         example_idx=order,
+        first_idx=torch.tensor(first, dtype=torch.long),
         n_tokens=sum(lengths.values()),
     )
 
@@ -218,5 +238,12 @@ def dummy_batch(examples: Sequence[Example]) -> Packed:
     """Two tokens, one gathered position: a forward/backward with zero loss for a rank with no rows left."""
     ids = examples[0].input_ids[:2]
     return Packed(
-        torch.tensor([ids]), torch.tensor([[0, 1]]), torch.tensor([0]), torch.tensor([ids[1]]), torch.ones(1), [], 0
+        torch.tensor([ids]),
+        torch.tensor([[0, 1]]),
+        torch.tensor([0]),
+        torch.tensor([ids[1]]),
+        torch.ones(1),
+        [],
+        torch.zeros(0, dtype=torch.long),
+        0,
     )

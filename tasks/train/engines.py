@@ -41,6 +41,15 @@ def token_logp(
     return logp, entropy
 
 
+def first_token_logp(
+    logits: torch.Tensor, first_idx: torch.Tensor, inv_temp: torch.Tensor, token_ids: torch.Tensor
+) -> torch.Tensor:
+    """(E,) log pi(any of token_ids) at each row's first completion position (first_idx into logits' rows),
+    at the row's temperature, in fp32: with the stop tokens, the probability of showing nothing."""
+    logz = F.log_softmax(logits[first_idx].float() * inv_temp[first_idx, None], dim=-1)  # (E, V)
+    return torch.logsumexp(logz[:, token_ids], dim=-1)
+
+
 def trainable(policy: CompletionPolicy, tp: TrainParams) -> list[torch.nn.Parameter]:
     """The parameters the optimiser updates: all, or all but the token embeddings (a head tied to them is
     the same parameter, so it stays too; an untied head trains)."""

@@ -20,6 +20,15 @@ How it departs from textbook PPO (Schulman et al. 2017), and why:
   ``ratio = pi_theta / pi_prox`` (clipped), where pi_prox is the starting weights recomputed
   by the trainer (decoupled PPO, Hilton et al. 2022). The trust region is centred on weights the
   trainer can evaluate exactly, and serving/training numeric mismatch cannot blow up a step.
+* **A known-reward abstain term (optional, ``abstain_loss``).** Showing nothing earns a fixed reward
+  whatever the user would have done, so for every logged row the abstain action's advantage over what
+  was shown is known without sampling it: reward.abstained - the row's reward (+0.25 after a reject,
+  -0.75 after an accept). The policy abstains by emitting a stop token first, so the term is a policy
+  gradient on log pi(stop | prompt) at the completion's first position, which the trainer computes
+  anyway. A sampled-only estimator reaches that action at the rate the policy already abstains (about 1 %
+  of requests at T = 0.3), and the ratio clip would let it grow by at most 1 + clip_high per update; this
+  term is not clipped, so the approx-KL early stop (which sees the shown first tokens lose the mass) is
+  its trust region.
 * **No KL penalty by default.** The clip is the trust region, and each cycle starts from the
   last checkpoint; the optional k3 KL to a reference (`kl_beta` > 0) is there for long runs.
 
@@ -107,3 +116,24 @@ def ppo_loss(
 def truncated_is_weight(prox_logp: torch.Tensor, behaviour_logp: torch.Tensor, cap: float) -> torch.Tensor:
     """min(pi_prox / pi_behaviour, cap) per token (TIS): corrects serving/training mismatch, never by more than cap."""
     return torch.clamp(torch.exp(prox_logp - behaviour_logp), max=cap)
+
+
+def abstain_loss(
+    abstain_logp: torch.Tensor,
+    abstain_advantage: torch.Tensor,
+    *,
+    weight: float,
+    num_tokens: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """-weight * sum(A_abstain * log pi(abstain)) / num_tokens over one step's rows (see the module doc).
+
+    abstain_logp: (E,) log pi_theta of a stop token as the first completion token of each row (at the row's
+    temperature, requires grad); abstain_advantage: (E,) reward.abstained - the row's reward; num_tokens: the
+    step's token-mean denominator, so each row counts like one completion token of `ppo_loss`.
+    Returns (scalar loss, {"abstain_p": sum of pi(abstain) over the rows, "abstain_rows": E}).
+    """
+    adv = abstain_advantage.detach()
+    loss = -weight * (adv * abstain_logp).sum() / num_tokens
+    with torch.no_grad():
+        stats = {"abstain_p": float(abstain_logp.exp().sum()), "abstain_rows": float(abstain_logp.numel())}
+    return loss, stats

@@ -19,7 +19,8 @@
    over ranks by tokens; each rank packs its rows into micro-batches (one row per micro-batch,
    sequences concatenated, position ids restarting per sequence: no padding); the LM head runs
    only on completion positions; the loss is a token mean over the whole step, so accumulation
-   and ranks give the update of one big batch.
+   and ranks give the update of one big batch. With train.abstain_weight > 0 each row adds the
+   known-reward abstain term at its first completion position (`tasks/train/loss.py`).
 4. guards (all ranks agree): a non-finite loss or grad norm, or approx-KL above
    train.max_approx_kl, stops the job with `TrainingDiverged` and no checkpoint; approx-KL above
    the smaller train.target_kl ends the update early (PPO's early stop) and keeps the checkpoint.
@@ -46,7 +47,7 @@ from tqdm import tqdm
 
 from tasks.config import Params, TrainParams, load_params
 from tasks.fim import FimTemplate, save_template
-from tasks.generate import model_template, prompt_limit
+from tasks.generate import model_template, prompt_limit, split_stops, stops_of
 from tasks.train.batching import (
     Example,
     Packed,
@@ -63,11 +64,12 @@ from tasks.train.engines import (
     all_gather_lists,
     all_reduce,
     choose_engine,
+    first_token_logp,
     has_flash_attn,
     lr_at,
     token_logp,
 )
-from tasks.train.loss import ppo_loss, truncated_is_weight
+from tasks.train.loss import abstain_loss, ppo_loss, truncated_is_weight
 
 METRICS = (
     "train/loss",
@@ -119,6 +121,8 @@ class StepSums:
     is_weight: float = 0.0  # truncated IS weight x tokens
     tokens: float = 0.0  # completion tokens
     non_finite: float = 0.0  # micro-batches whose loss was not finite
+    abstain_p: float = 0.0  # pi(abstain) summed over rows (train.abstain_weight > 0)
+    abstain_rows: float = 0.0
 
     def add(self, loss: float, stats: dict[str, float], world: int) -> None:
         self.loss += loss / world
@@ -130,6 +134,8 @@ class StepSums:
             self.entropy += stats["entropy"] * n
             self.is_weight += stats["is_weight_mean"] * n
             self.tokens += n
+        self.abstain_p += stats.get("abstain_p", 0.0)
+        self.abstain_rows += stats.get("abstain_rows", 0.0)
 
     def reduced(self, device: torch.device, world: int) -> StepSums:
         """The sums over all ranks."""
@@ -211,9 +217,16 @@ def train(
         from_dir, local_files_only=True, dtype=torch.float32, attn_implementation=attn
     )
     rows = read_snapshot(snapshot)
+    abstaining = tp.abstain_weight > 0
     examples = build_examples(
-        rows, tokenizer, template, prompt_limit(lm, params.serving.max_tokens), lm.config.max_position_embeddings
+        rows,
+        tokenizer,
+        template,
+        prompt_limit(lm, params.serving.max_tokens),
+        lm.config.max_position_embeddings,
+        abstain_reward=params.reward.abstained if abstaining else None,
     )
+    stop_ids = torch.tensor(split_stops(tokenizer, stops_of(template, tokenizer))[0], device=device)
     if not examples:
         raise SnapshotError(f"snapshot {snapshot}: none of its {len(rows)} rows has completion tokens to train on")
     engine = engine_cls(CompletionPolicy(lm), tp, world, device)
@@ -262,6 +275,15 @@ def train(
                             kl_beta=tp.kl_beta,  # reference = the starting weights
                             num_tokens=plan.step_tokens / world,
                         )
+                        if abstaining:
+                            a_logp = first_token_logp(logits, batch.first_idx, batch.inv_temp, stop_ids)  # (E,)
+                            a_adv = torch.tensor(
+                                [examples[i].abstain_advantage for i in batch.example_idx], device=device
+                            )
+                            a_loss, a_stats = abstain_loss(
+                                a_logp, a_adv, weight=tp.abstain_weight, num_tokens=plan.step_tokens / world
+                            )
+                            loss, stats = loss + a_loss, {**stats, **a_stats}
                     else:
                         loss, stats = logp.sum() * 0.0, {"tokens": 0.0}
                     engine.backward(loss)
@@ -299,6 +321,8 @@ def train(
                 "train/ratio_max": ratio_max,
                 "train/tokens": g.tokens,
             }
+            if abstaining:  # how often the policy would show nothing on these rows, before this step
+                final["train/abstain_p"] = g.abstain_p / max(g.abstain_rows, 1.0)
             if client is not None:
                 client(final, step)
             bar.update(1)
