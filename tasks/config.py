@@ -241,6 +241,12 @@ class TrainParams(Section):
     """Weight of the k3 KL to the starting model; 0 disables it (and the reference forward)."""
     is_cap: float = Field(2.0, ge=1)
     """C of the truncated importance weight min(pi_recomputed / pi_behaviour, C)."""
+    kl_top_k: int = Field(64, ge=0)
+    """What approx-KL (the guards' statistic) is: with k > 0, KL(pi_prox || pi_theta) over the starting
+    weights' k most likely tokens at each completion position, the rest lumped into one (a lower bound of the
+    exact KL, exact when the k hold all the mass; pi_prox's top k are kept per token, k x 12 bytes); 0: the
+    sampled k3 estimate (r - 1) - log r, which one rarely sampled token that became likely can send past
+    the guards while the distribution moved little (bench/RESULTS.md, "Is the gate what stops learning?")."""
     max_approx_kl: float = Field(1.0, gt=0)
     """Divergence guard: the job fails (no checkpoint) when approx-KL of a step exceeds this."""
     abstain_weight: float = Field(0.0, ge=0)

@@ -134,6 +134,8 @@ def test_one_step_changes_params_and_lowers_the_loss_on_its_batch(tiny_model_dir
     loss_after, _ = ppo_loss(_logps(after, examples), old, adv, ones, clip_low=0.2, clip_high=0.28)
     assert loss_after.item() < loss_before.item() - 1e-3
     assert result.final["train/loss"] == pytest.approx(loss_before.item(), abs=0.05)  # IS weights ~ 1 here
+    # the one step ran on the starting weights: its top-k KL compares every position with its own kept top k
+    assert result.final["train/approx_kl"] == pytest.approx(0.0, abs=1e-5) and "train/kl_k3" in result.final
     # the checkpoint is a complete HF directory, written atomically
     assert (out / "tokenizer.json").is_file() and json.loads((out / "train_result.json").read_text())["steps"] == 1
     assert not (tmp_path / ".out.tmp").exists()
@@ -259,9 +261,17 @@ def test_non_finite_loss_stops_without_checkpoint(tiny_model_dir, snapshot, tmp_
     assert not (tmp_path / "out").exists()
 
 
-def test_approx_kl_guard(tiny_model_dir, snapshot, tmp_path):
-    with pytest.raises(TrainingDiverged, match="approx-KL .* exceeds train.max_approx_kl"):
-        train(snapshot, tiny_model_dir, tmp_path / "out", _params(tmp_path, micro_batch=4, lr=5e-2, max_approx_kl=1e-6))
+@pytest.mark.parametrize(
+    ("top_k", "name"), [(64, r"approx-KL \(top-64 KL to the starting weights\)"), (0, r"approx-KL \(k3\)")]
+)
+def test_approx_kl_guard(tiny_model_dir, snapshot, tmp_path, top_k, name):
+    with pytest.raises(TrainingDiverged, match=f"{name} .* exceeds train.max_approx_kl"):
+        train(
+            snapshot,
+            tiny_model_dir,
+            tmp_path / "out",
+            _params(tmp_path, micro_batch=4, lr=5e-2, max_approx_kl=1e-6, kl_top_k=top_k),
+        )
     assert not (tmp_path / "out").exists()
 
 

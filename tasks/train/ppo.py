@@ -21,7 +21,8 @@
    only on completion positions; the loss is a token mean over the whole step, so accumulation
    and ranks give the update of one big batch. With train.abstain_weight > 0 each row adds the
    known-reward abstain term at its first completion position (`tasks/train/loss.py`).
-4. guards (all ranks agree): a non-finite loss or grad norm, or approx-KL above
+4. guards (all ranks agree; approx-KL is the KL to the starting weights over their top train.kl_top_k
+   tokens per position, kept from step 2): a non-finite loss or grad norm, or approx-KL above
    train.max_approx_kl, stops the job with `TrainingDiverged` and no checkpoint; approx-KL above
    the smaller train.target_kl ends the update early (PPO's early stop) and keeps the checkpoint.
 5. rank 0 writes the fp32 weights + tokenizer + train_result.json to a temp dir, then renames it.
@@ -68,6 +69,8 @@ from tasks.train.engines import (
     has_flash_attn,
     lr_at,
     token_logp,
+    top_k_kl,
+    top_logp,
 )
 from tasks.train.loss import abstain_loss, ppo_loss, truncated_is_weight
 
@@ -75,6 +78,7 @@ METRICS = (
     "train/loss",
     "train/clipfrac",
     "train/approx_kl",
+    "train/kl_k3",
     "train/entropy",
     "train/grad_norm",
     "train/lr",
@@ -115,7 +119,8 @@ class StepSums:
     then over ranks (``reduced``)."""
 
     loss: float = 0.0  # the step's loss (each micro-batch's share, divided by the world size)
-    approx_kl: float = 0.0  # approx-KL x tokens
+    approx_kl: float = 0.0  # sampled k3 approx-KL x tokens
+    kl_top_k: float = 0.0  # top-k KL to the starting weights x tokens (train.kl_top_k > 0)
     clipfrac: float = 0.0  # clip fraction x tokens
     entropy: float = 0.0  # entropy x tokens
     is_weight: float = 0.0  # truncated IS weight x tokens
@@ -130,6 +135,7 @@ class StepSums:
         n = stats["tokens"]
         if n:
             self.approx_kl += stats["approx_kl"] * n
+            self.kl_top_k += stats.get("kl_top_k", 0.0) * n
             self.clipfrac += stats["clipfrac"] * n
             self.entropy += stats["entropy"] * n
             self.is_weight += stats["is_weight_mean"] * n
@@ -149,26 +155,35 @@ class StepSums:
 # ---------------------------------------------------------------- the job
 
 
+ProxTop = dict[int, tuple[torch.Tensor, torch.Tensor]]
+"""Per example: (n, k) pi_prox's top-k log-probs at each completion position and (n, k) their token ids."""
+
+
 @torch.no_grad()
 def prox_logps(
     engine, examples: Sequence[Example], make_batch, tp: TrainParams, rank: int, world: int, device
-) -> dict[int, list[float]]:
-    """log pi_prox of every completion token with the starting weights, through the training engine."""
+) -> tuple[dict[int, list[float]], ProxTop]:
+    """log pi_prox of every completion token with the starting weights, through the training engine, and
+    (train.kl_top_k > 0) the top-k log-probs of each position, which the KL guards compare against."""
     engine.module.eval()
     plan = plan_epoch(examples, tp.model_copy(update={"grad_accum": 1 << 20}), epoch=-1, rank=rank, world=world)
     local: dict[int, list[float]] = {}
+    tops: ProxTop = {}
     for step in plan:
         for idx in step.micro:
             batch = make_batch(idx).to(device)
             logits = engine.module(batch.input_ids, batch.position_ids, batch.gather_idx)
             logp, _ = token_logp(logits, batch.targets, batch.inv_temp)
+            top, ids = top_logp(logits, batch.inv_temp, tp.kl_top_k) if tp.kl_top_k else (logp, logp)
             cursor = 0
             for i in batch.example_idx:
                 n = examples[i].n_completion
                 local[i] = logp[cursor : cursor + n].tolist()
+                if tp.kl_top_k:
+                    tops[i] = (top[cursor : cursor + n].cpu(), ids[cursor : cursor + n].to(torch.int32).cpu())
                 cursor += n
     engine.module.train()
-    return all_gather_lists(local, world)
+    return all_gather_lists(local, world), all_gather_lists(tops, world)
 
 
 def inputs_digest(snapshot: Path, from_dir: Path, params: Params) -> str:
@@ -235,7 +250,7 @@ def train(
     def make_batch(idx: list[int]) -> Packed:
         return pack(examples, idx, one_row=attn == "flash_attention_2", pad_id=pad_id) if idx else dummy_batch(examples)
 
-    prox = prox_logps(engine, examples, make_batch, tp, rank, world, device)
+    prox, prox_top = prox_logps(engine, examples, make_batch, tp, rank, world, device)
     plans = [plan_epoch(examples, tp, epoch, rank, world) for epoch in range(tp.epochs)]
     total_steps = sum(len(p) for p in plans)
     client = _mlflow_client(mlflow_run_id) if rank == 0 else None
@@ -275,6 +290,10 @@ def train(
                             kl_beta=tp.kl_beta,  # reference = the starting weights
                             num_tokens=plan.step_tokens / world,
                         )
+                        if tp.kl_top_k:
+                            top = torch.cat([prox_top[i][0] for i in batch.example_idx]).to(device)
+                            ids = torch.cat([prox_top[i][1] for i in batch.example_idx]).to(device).long()
+                            stats["kl_top_k"] = float(top_k_kl(logits, batch.inv_temp, top, ids).mean())
                         if abstaining:
                             a_logp = first_token_logp(logits, batch.first_idx, batch.inv_temp, stop_ids)  # (E,)
                             a_adv = torch.tensor(
@@ -292,17 +311,19 @@ def train(
                     ratio_max = max(ratio_max, stats["ratio_max"])
                 tokens_seen += batch.n_tokens
             g = sums.reduced(device, world)
-            kl = g.mean("approx_kl")
+            # the guards' statistic: the top-k KL to the starting weights, or (train.kl_top_k = 0) sampled k3
+            kl = g.mean("kl_top_k") if tp.kl_top_k else g.mean("approx_kl")
+            kl_name = f"approx-KL (top-{tp.kl_top_k} KL to the starting weights)" if tp.kl_top_k else "approx-KL (k3)"
             if g.non_finite > 0 or not math.isfinite(g.loss):
                 raise TrainingDiverged(f"non-finite loss at step {step} (loss {g.loss}); no checkpoint written")
             if kl > tp.max_approx_kl:
                 raise TrainingDiverged(
-                    f"approx-KL {kl:.4g} at step {step} exceeds train.max_approx_kl="
+                    f"{kl_name} {kl:.4g} at step {step} exceeds train.max_approx_kl="
                     f"{tp.max_approx_kl}; lower train.lr or raise the limit; no checkpoint written"
                 )
             if kl > tp.target_kl:  # PPO's early stop: this step would leave the trust region; keep the weights so far
                 stopped_early = (
-                    f"approx-KL {kl:.4g} at step {step} of {total_steps} exceeds train.target_kl="
+                    f"{kl_name} {kl:.4g} at step {step} of {total_steps} exceeds train.target_kl="
                     f"{tp.target_kl}; the update stopped there"
                 )
                 break
@@ -314,6 +335,7 @@ def train(
                 "train/loss": g.loss,
                 "train/clipfrac": g.mean("clipfrac"),
                 "train/approx_kl": kl,
+                "train/kl_k3": g.mean("approx_kl"),
                 "train/entropy": g.mean("entropy"),
                 "train/grad_norm": grad_norm,
                 "train/lr": lr,
