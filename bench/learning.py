@@ -107,7 +107,7 @@ def run_grpo(seed, args, base_dir, test, base: dict) -> tuple[list[dict], list]:
     params = load_params(args.params, [*args.set, *GRPO, f"train.seed={seed}", f"simulator.seed={seed}"])
     prompts = read_samples(Path(params.paths.data_dir) / "fim" / "train.parquet")
     regions = read_regions(regions_path(params.paths.data_dir, "test"))
-    current, curve, last = str(base_dir), [], base
+    current, curve, last, mark = str(base_dir), [], base, None
     for cycle in range(1, args.cycles + 1):
         start = ((cycle - 1) * params.train.grpo_prompts + seed * 997) % len(prompts)
         batch = (prompts * 2)[start : start + params.train.grpo_prompts]
@@ -120,9 +120,10 @@ def run_grpo(seed, args, base_dir, test, base: dict) -> tuple[list[dict], list]:
             print(f"grpo seed {seed} cycle {cycle}: {err}", flush=True)
             curve.append(last)
             continue
-        result = compare(str(candidate), current, test, regions, params)
+        result = compare(str(candidate), current, test, regions, params, mark)
         chosen = result.candidate if result.decision.passed else result.champion
-        current = str(candidate) if result.decision.passed else current
+        if result.decision.passed:  # as the online cycle's registry tag: the lineage's best chars saved
+            current, mark = str(candidate), result.decision.numbers["mark_after/chars_saved"]
         last = _pick(chosen.metrics)
         curve.append(last)
     return curve, final_sessions(current, seed, args)

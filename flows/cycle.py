@@ -26,7 +26,14 @@ from flows.remote_training import TrainingLost, train_step
 from serving.store import CHALLENGER
 from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
 from tasks.corpus import read_samples
-from tasks.deploy.registry import ensure_champion, get_alias_version, register_candidate, resolve_model_dir
+from tasks.deploy.registry import (
+    CHARS_MARK_TAG,
+    chars_saved_mark,
+    ensure_champion,
+    get_alias_version,
+    register_candidate,
+    resolve_model_dir,
+)
 from tasks.deploy.rollout import rollout
 from tasks.deploy.tracking import end_cycle_run, name_cycle_run, start_cycle_run
 from tasks.editor import read_regions, regions_path
@@ -101,7 +108,8 @@ def online_rl_cycle(
                     mlflow.set_tag("tabrl.train_stopped_early", trained.stopped_early[:5000])
                 test = read_samples(Path(params.paths.data_dir) / "fim" / "test.parquet")[: params.evaluate.n_samples]
                 regions = read_regions(regions_path(params.paths.data_dir, "test"))
-                comparison = compare_task(str(candidate_dir), str(champion_dir), test, regions, params)
+                mark = chars_saved_mark(champion, params)
+                comparison = compare_task(str(candidate_dir), str(champion_dir), test, regions, params, mark)
                 champion_metrics = {
                     k.replace("eval/", "eval/champion/", 1): v for k, v in comparison.champion.metrics.items()
                 }
@@ -110,7 +118,10 @@ def online_rl_cycle(
                     report.status, report.reason = "gate_failed", "; ".join(comparison.decision.reasons)
                     log.info(f"candidate not deployed: {report.reason}")
                 else:
-                    version = register_candidate(candidate_dir, params, run_id, gate=comparison.decision.numbers)
+                    carried = {CHARS_MARK_TAG: repr(comparison.decision.numbers["mark_after/chars_saved"])}
+                    version = register_candidate(
+                        candidate_dir, params, run_id, tags=carried, gate=comparison.decision.numbers
+                    )
                     rollout(version, str(resolve_model_dir(version.uri, params)), params)
                     report.status, report.version = "deployed", version.label
                     report.reason = "; ".join(comparison.decision.reasons)

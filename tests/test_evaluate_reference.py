@@ -118,3 +118,22 @@ def test_showing_less_to_raise_accept_rate_while_saving_fewer_characters_is_refu
     assert decision.numbers["delta/chars_saved"] == pytest.approx(-0.05)
     # Within the tolerance it is not a drop; the same candidate saving as much passes.
     assert gate(metrics(0.15, 6.0, chars=0.097), champion, GATE).passed
+
+
+def test_drops_within_the_tolerance_cannot_add_up_over_cycles():
+    """Each candidate a little below its champion, but together far below what the lineage once saved:
+    the gate compares with the lineage's best (the champion's chars_mark) too."""
+    params = EvaluateParams(gate_tolerance=0.02, gate_margin=0.005, chars_saved_tolerance=0.005)
+    champion = metrics(0.10, 5.0, chars=0.096)  # itself 0.004 below the 0.100 its lineage reached
+    slipping = metrics(0.15, 6.0, chars=0.093)  # 0.003 below the champion, 0.007 below the best
+    assert gate(slipping, champion, params).passed  # champion alone: within the tolerance
+    decision = gate(slipping, champion, params, chars_mark=0.100)
+    assert not decision.passed
+    assert any("the lineage's best 0.1000; champion 0.0960" in r for r in decision.reasons), decision.reasons
+    assert decision.numbers["mark/chars_saved"] == pytest.approx(0.100)
+    kept = gate(metrics(0.15, 6.0, chars=0.097), champion, params, chars_mark=0.100)
+    assert kept.passed and kept.numbers["mark_after/chars_saved"] == pytest.approx(0.100)  # the mark carries on
+    better = gate(metrics(0.15, 6.0, chars=0.104), champion, params, chars_mark=0.100)
+    assert better.passed and better.numbers["mark_after/chars_saved"] == pytest.approx(0.104)  # and rises
+    below_champion = gate(metrics(0.15, 6.0, chars=0.097), champion, params, chars_mark=0.09)
+    assert below_champion.numbers["mark/chars_saved"] == pytest.approx(0.096)  # never below the champion's own

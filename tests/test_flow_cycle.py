@@ -23,7 +23,7 @@ from serving.simulate import run_simulation
 from serving.store import CHALLENGER, CHAMPION, Arm, init_schema, make_engine, read_arms, replace_arms
 from tasks.corpus import write_samples
 from tasks.deploy.promote import rollback
-from tasks.deploy.registry import ensure_champion, get_alias_version, resolve_model_dir
+from tasks.deploy.registry import chars_saved_mark, ensure_champion, get_alias_version, resolve_model_dir
 from tasks.editor import regions_path, write_regions
 from tasks.simulated_users import make_users
 from tests.conftest import tiny_params
@@ -131,8 +131,13 @@ def test_cycle_registers_and_rolls_out_a_challenger(
     assert run.data.tags["tabrl.version"] == version.label and run.data.tags["tabrl.cycle_reason"] == report.reason
     md5 = yaml.safe_load(snapshot.with_name(snapshot.name + ".dvc").read_text())["outs"][0]["md5"]
     assert run.data.tags["tabrl.snapshot_dvc_md5"] == md5 and run.data.tags["tabrl.snapshot"].endswith(snapshot.name)
-    description = client.get_model_version(version.name, str(version.version)).description
+    registered = client.get_model_version(version.name, str(version.version))
+    description = registered.description
     m = report.metrics
+    # the promoted version carries its lineage's best characters saved for the next gate (the base had none)
+    best = max(m["eval/typing/chars_saved"], m["eval/champion/typing/chars_saved"])
+    assert float(registered.tags["tabrl.chars_saved_mark"]) == pytest.approx(best)
+    assert chars_saved_mark(version, params) == pytest.approx(best) and chars_saved_mark(champion, params) is None
     gate_row = (
         f"| reward_per_request | {m['eval/typing/reward_per_request']:.4g} "
         f"| {m['eval/champion/typing/reward_per_request']:.4g} |"

@@ -167,6 +167,17 @@ def _ensure_registered_model(client: MlflowClient, name: str) -> bool:
     return False
 
 
+CHARS_MARK_TAG = "tabrl.chars_saved_mark"
+"""Version tag: the highest held-out characters saved its lineage reached at the gates it passed."""
+
+
+def chars_saved_mark(version: ModelVersion, params: Params) -> float | None:
+    """The version's `tabrl.chars_saved_mark`, or None (the base, or a version registered by hand)."""
+    tags = tracking_client(params).get_model_version(version.name, str(version.version)).tags
+    raw = tags.get(CHARS_MARK_TAG)
+    return None if raw is None else float(raw)
+
+
 def _version(mv) -> ModelVersion:
     return ModelVersion(name=mv.name, version=int(mv.version), source=mv.source, run_id=mv.run_id or None)
 

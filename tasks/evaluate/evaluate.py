@@ -215,14 +215,16 @@ def compare(
     samples: Sequence[dict],
     regions: Sequence[Region],
     params: Params,
+    chars_mark: float | None = None,
 ) -> Comparison:
-    """Candidate vs champion on the same samples, regions, decoding, simulated users and judge; then the gate."""
+    """Candidate vs champion on the same samples, regions, decoding, simulated users and judge; then the gate
+    (chars_mark: the best characters saved of the champion's lineage, `tasks.evaluate.gate.gate`)."""
     samples = held_out(samples, params)
     made = [suggest(candidate_dir, samples, regions, params), suggest(champion_dir, samples, regions, params)]
     run, (cand_verdicts, champ_verdicts) = _judge_all(samples, made, params)
     candidate = score_suggestions(samples, made[0], cand_verdicts, run.judge, params)
     champion = score_suggestions(samples, made[1], champ_verdicts, run.judge, params)
-    decision = gate(candidate.metrics, champion.metrics, params.evaluate)
+    decision = gate(candidate.metrics, champion.metrics, params.evaluate, chars_mark)
     comparison = Comparison(candidate, champion, decision, run.requests, run.cache_hits)
     if mlflow.active_run() is not None:
         log_results({"candidate": candidate, "champion": champion}, decision)
@@ -281,7 +283,12 @@ def _judge_was_down(task, task_run, state) -> bool:
     name="evaluate", retries=2, retry_delay_seconds=[60, 300], retry_condition_fn=_judge_was_down, cache_policy=NO_CACHE
 )
 def compare_task(
-    candidate_dir: str, champion_dir: str, samples: list[dict], regions: list[Region], params: Params
+    candidate_dir: str,
+    champion_dir: str,
+    samples: list[dict],
+    regions: list[Region],
+    params: Params,
+    chars_mark: float | None = None,
 ) -> Comparison:
     """The cycle's evaluate step: `compare`, retried when the LLM judge was down."""
-    return compare(candidate_dir, champion_dir, samples, regions, params)
+    return compare(candidate_dir, champion_dir, samples, regions, params, chars_mark)

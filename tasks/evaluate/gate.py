@@ -4,7 +4,9 @@ It passes only if, against the champion on the same held-out traffic and judge,
 
 * neither reward per request (editor traffic) nor judge mean drops by more than the tolerance
   (``gate_tolerance`` for reward, 10x that for the 0-10 judge mean), and
-* characters saved (editor traffic) do not drop by more than ``chars_saved_tolerance``: a policy
+* characters saved (editor traffic) do not drop by more than ``chars_saved_tolerance`` below the
+  champion's, nor below the best its lineage ever reached (``chars_mark``: the registered champion's
+  ``tabrl.chars_saved_mark`` tag, so drops within the tolerance cannot add up over cycles): a policy
   that raises its accept rate by showing less while saving users fewer characters is reward
   hacking (GitHub found accept rate alone favours short, simple suggestions), and
 * at least one of them improves by the margin (``gate_margin``, 10x for the judge mean) and by
@@ -33,8 +35,17 @@ class GateDecision:
     numbers: dict[str, float] = field(default_factory=dict)
 
 
-def gate(candidate: Mapping[str, float], champion: Mapping[str, float], params: EvaluateParams) -> GateDecision:
-    """Decide from two metric dicts (``EvalResult.metrics``) whether the candidate may go to users."""
+def gate(
+    candidate: Mapping[str, float],
+    champion: Mapping[str, float],
+    params: EvaluateParams,
+    chars_mark: float | None = None,
+) -> GateDecision:
+    """Decide from two metric dicts (``EvalResult.metrics``) whether the candidate may go to users.
+
+    chars_mark: the highest characters saved the champion's lineage reached on the same held-out traffic
+    (None: the champion's own). ``numbers["mark_after/chars_saved"]`` is the mark a promoted candidate
+    carries on."""
     numbers: dict[str, float] = {}
     reasons: list[str] = []
     no_drop, improved = True, False
@@ -68,23 +79,27 @@ def gate(candidate: Mapping[str, float], champion: Mapping[str, float], params: 
                 f"not an improvement by the margin {margin:.4f}"
             )
     cand, champ = float(candidate[CHARS]), float(champion[CHARS])
+    mark = champ if chars_mark is None else max(champ, float(chars_mark))
     numbers.update(
         {
             "candidate/chars_saved": cand,
             "champion/chars_saved": champ,
             "delta/chars_saved": cand - champ,
             "tolerance/chars_saved": params.chars_saved_tolerance,
+            "mark/chars_saved": mark,
+            "mark_after/chars_saved": max(mark, cand),
         }
     )
-    if cand - champ < -params.chars_saved_tolerance:
+    against = f"{champ:.4f}" if mark == champ else f"the lineage's best {mark:.4f}; champion {champ:.4f}"
+    if cand - mark < -params.chars_saved_tolerance:
         no_drop = False
         reasons.append(
-            f"chars_saved drops {cand - champ:+.4f} ({cand:.4f} vs {champ:.4f}), beyond tolerance "
+            f"chars_saved drops {cand - mark:+.4f} ({cand:.4f} vs {against}), beyond tolerance "
             f"{params.chars_saved_tolerance:.4f}: users would type more themselves"
         )
     else:
         reasons.append(
-            f"chars_saved changes {cand - champ:+.4f} ({cand:.4f} vs {champ:.4f}): no drop beyond "
+            f"chars_saved changes {cand - mark:+.4f} ({cand:.4f} vs {against}): no drop beyond "
             f"{params.chars_saved_tolerance:.4f}"
         )
     evidence = float(candidate[SCORED])
