@@ -25,6 +25,7 @@ from tasks.corpus import write_samples
 from tasks.deploy.promote import rollback
 from tasks.deploy.registry import chars_saved_mark, ensure_champion, get_alias_version, resolve_model_dir
 from tasks.editor import regions_path, write_regions
+from tasks.evaluate.gate import eval_fingerprint
 from tasks.simulated_users import make_users
 from tests.conftest import tiny_params
 from tests.serving_util import serve_app
@@ -137,7 +138,16 @@ def test_cycle_registers_and_rolls_out_a_challenger(
     # the promoted version carries its lineage's best characters saved for the next gate (the base had none)
     best = max(m["eval/typing/chars_saved"], m["eval/champion/typing/chars_saved"])
     assert float(registered.tags["tabrl.chars_saved_mark"]) == pytest.approx(best)
-    assert chars_saved_mark(version, params) == pytest.approx(best) and chars_saved_mark(champion, params) is None
+    held_out = regions_path(params.paths.data_dir, "test")  # as the flow reads them
+    fingerprint = eval_fingerprint(params, held_out)
+    assert registered.tags["tabrl.chars_saved_mark_eval"] == fingerprint
+    assert chars_saved_mark(version, params, fingerprint) == pytest.approx(best)
+    assert chars_saved_mark(champion, params, fingerprint) is None  # the base carries no mark
+    # measured under other simulated users, the mark says nothing about the next evaluation
+    other = params.model_copy(update={"simulator": params.simulator.model_copy(update={"seed": 99})})
+    assert (
+        chars_saved_mark(version, params, eval_fingerprint(other, regions_path(params.paths.data_dir, "test"))) is None
+    )
     gate_row = (
         f"| reward_per_request | {m['eval/typing/reward_per_request']:.4g} "
         f"| {m['eval/champion/typing/reward_per_request']:.4g} |"

@@ -169,13 +169,18 @@ def _ensure_registered_model(client: MlflowClient, name: str) -> bool:
 
 CHARS_MARK_TAG = "tabrl.chars_saved_mark"
 """Version tag: the highest held-out characters saved its lineage reached at the gates it passed."""
+CHARS_MARK_EVAL_TAG = "tabrl.chars_saved_mark_eval"
+"""Version tag: the evaluation the mark was measured under (`tasks.evaluate.gate.eval_fingerprint`)."""
 
 
-def chars_saved_mark(version: ModelVersion, params: Params) -> float | None:
-    """The version's `tabrl.chars_saved_mark`, or None (the base, or a version registered by hand)."""
+def chars_saved_mark(version: ModelVersion, params: Params, fingerprint: str) -> float | None:
+    """The version's `tabrl.chars_saved_mark` if it was measured under this evaluation fingerprint; else None
+    (the base, a version registered by hand, or a mark from other held-out data or simulated users)."""
     tags = tracking_client(params).get_model_version(version.name, str(version.version)).tags
     raw = tags.get(CHARS_MARK_TAG)
-    return None if raw is None else float(raw)
+    if raw is None or tags.get(CHARS_MARK_EVAL_TAG) != fingerprint:
+        return None
+    return float(raw)
 
 
 def _version(mv) -> ModelVersion:

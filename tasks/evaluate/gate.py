@@ -18,10 +18,13 @@ It passes only if, against the champion on the same held-out traffic and judge,
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from tasks.config import EvaluateParams
+from tasks.config import EvaluateParams, Params
 
 REWARD, JUDGE, SCORED = "eval/typing/reward_per_request", "eval/judge_mean", "eval/judge_scored"
 CHARS = "eval/typing/chars_saved"
@@ -112,3 +115,18 @@ def gate(
     passed = no_drop and improved and evidence > 0
     reasons.append("PASS: the candidate may be deployed" if passed else "FAIL: the champion stays")
     return GateDecision(passed, reasons, numbers)
+
+
+def eval_fingerprint(params: Params, regions_file: str | Path) -> str:
+    """What held-out characters saved depend on: the held-out regions file, how they are typed (traffic,
+    simulated users) and generated (requests, length, batch). A lineage's chars-saved mark is compared
+    only under the same fingerprint: measured on other data or users it says nothing."""
+    h = hashlib.sha256(Path(regions_file).read_bytes())
+    ev = params.evaluate
+    conditions = {
+        "evaluate": [ev.n_requests, ev.max_new_tokens, ev.batch_size, ev.sim_users],
+        "simulator": params.simulator.model_dump(mode="json"),
+        "traffic": params.traffic.model_dump(mode="json"),
+    }
+    h.update(json.dumps(conditions, sort_keys=True).encode())
+    return h.hexdigest()[:16]

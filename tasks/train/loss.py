@@ -28,7 +28,9 @@ How it departs from textbook PPO (Schulman et al. 2017), and why:
   anyway. A sampled-only estimator reaches that action at the rate the policy already abstains (about 1 %
   of requests at T = 0.3), and the ratio clip would let it grow by at most 1 + clip_high per update; this
   term is not clipped, so the approx-KL early stop (which sees the shown first tokens lose the mass) is
-  its trust region.
+  its trust region. It also leaves out the pi(stop) factor of the exact gradient pi(stop) x A x grad log
+  pi(stop): every row pushes as if the empty suggestion had been sampled there (~1/pi(stop) harder than
+  its share of the expected reward), which is what lets an action sampled ~1 % of the time move at all.
 * **No KL penalty by default.** The clip is the trust region, and each cycle starts from the
   last checkpoint; the optional k3 KL to a reference (`kl_beta` > 0) is there for long runs.
 

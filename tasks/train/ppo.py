@@ -85,6 +85,7 @@ METRICS = (
     "train/is_weight",
     "train/ratio_max",
     "train/tokens",
+    "train/abstain_p",  # only with train.abstain_weight > 0
 )
 """Per-step metric names logged to MLflow (one list, namespaced)."""
 
@@ -180,7 +181,8 @@ def prox_logps(
                 n = examples[i].n_completion
                 local[i] = logp[cursor : cursor + n].tolist()
                 if tp.kl_top_k:
-                    tops[i] = (top[cursor : cursor + n].cpu(), ids[cursor : cursor + n].to(torch.int32).cpu())
+                    # clone: on CPU a slice is a view, and pickling it (ranks > 1) would carry the whole batch's storage
+                    tops[i] = (top[cursor : cursor + n].cpu().clone(), ids[cursor : cursor + n].to(torch.int32).cpu())
                 cursor += n
     engine.module.train()
     return all_gather_lists(local, world), all_gather_lists(tops, world)
@@ -194,6 +196,8 @@ def inputs_digest(snapshot: Path, from_dir: Path, params: Params) -> str:
         h.update((from_dir / name).read_bytes())
     h.update(json.dumps(params.train.model_dump(mode="json"), sort_keys=True).encode())
     h.update(str(params.serving.max_tokens).encode())
+    if params.train.abstain_weight > 0:  # the abstain term's advantage reads the reward of showing nothing
+        h.update(str(params.reward.abstained).encode())
     return h.hexdigest()
 
 
