@@ -21,7 +21,7 @@ from tasks.train.batching import Example, SnapshotError, build_examples, pack, p
 from tasks.train.engines import CompletionPolicy, first_token_logp, token_logp
 from tasks.train.launch import launch_train
 from tasks.train.loss import ppo_loss
-from tasks.train.ppo import RESULT_FILE, TrainingDiverged, train
+from tasks.train.ppo import RESULT_FILE, TrainingDiverged, inputs_digest, train
 from tests.conftest import tiny_params
 
 MAX_NEW = 8
@@ -240,6 +240,16 @@ def test_the_abstain_term_moves_pi_stop_by_the_known_reward(tiny_model_dir, snap
     train(snap, tiny_model_dir, tmp_path / "off", _params(tmp_path, micro_batch=32))
     start, off = _weights(tiny_model_dir), _weights(tmp_path / "off")
     assert start.keys() == off.keys() and all(torch.equal(start[n], off[n]) for n in start)
+
+
+def test_the_train_cache_key_follows_the_abstain_reward_only_when_the_term_reads_it(tiny_model_dir, snapshot, tmp_path):
+    def key(abstain_weight: float, abstained: float) -> str:
+        params = _params(tmp_path, abstain_weight=abstain_weight)
+        params = params.model_copy(update={"reward": params.reward.model_copy(update={"abstained": abstained})})
+        return inputs_digest(snapshot, Path(tiny_model_dir), params)
+
+    assert key(1.0, 0.0) != key(1.0, 0.1)  # the term's advantage changed: a stored result is not reused
+    assert key(0.0, 0.0) == key(0.0, 0.1)  # without the term the trainer never reads it
 
 
 def test_the_abstain_term_needs_every_rows_reward(tiny_model_dir, snapshot, tmp_path):
