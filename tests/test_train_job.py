@@ -18,7 +18,7 @@ from tasks.fim import QWEN
 from tasks.generate import generate, load_model, prompt_limit, split_stops, stops_of
 from tasks.schema import REWARDED_SCHEMA
 from tasks.train.batching import Example, SnapshotError, build_examples, pack, plan_epoch, read_snapshot
-from tasks.train.engines import CompletionPolicy, first_token_logp, token_logp
+from tasks.train.engines import CompletionPolicy, first_token_logp, row_log_softmax, token_logp
 from tasks.train.launch import launch_train
 from tasks.train.loss import ppo_loss
 from tasks.train.ppo import RESULT_FILE, TrainingDiverged, inputs_digest, train
@@ -220,7 +220,7 @@ def _p_abstain(model_dir: Path, examples) -> torch.Tensor:
     stops = torch.tensor(split_stops(tok, stops_of(template, tok))[0])
     with torch.no_grad():
         logits = CompletionPolicy(model)(packed.input_ids, packed.position_ids, packed.gather_idx)
-        p = first_token_logp(logits, packed.first_idx, packed.inv_temp, stops).exp()
+        p = first_token_logp(row_log_softmax(logits, packed.inv_temp), packed.first_idx, stops).exp()
     return p[torch.tensor([packed.example_idx.index(i) for i in range(len(examples))])]
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tasks.train.engines import top_k_kl, top_logp
+from tasks.train.engines import row_log_softmax, top_k_kl, top_logp
 from tasks.train.loss import ppo_loss, truncated_is_weight
 
 # token:        a (clip high)  b (clip low)  c (inside)  d (inside, pessimistic)  e (masked)
@@ -69,14 +69,15 @@ def test_top_k_kl_is_exact_with_the_whole_vocabulary_and_a_lower_bound_with_less
     prox, new = torch.randn(6, 50, generator=g) * 3, torch.randn(6, 50, generator=g) * 3
     ones = torch.ones(6)
     exact = _exact_kl(prox, new)
-    whole = top_k_kl(new, ones, *top_logp(prox, ones, 50))
+    whole = top_k_kl(row_log_softmax(new, ones), *top_logp(row_log_softmax(prox, ones), 50))
     assert torch.allclose(whole, exact, atol=1e-5)
     for k in (1, 5, 20):
-        bound = top_k_kl(new, ones, *top_logp(prox, ones, k))
+        bound = top_k_kl(row_log_softmax(new, ones), *top_logp(row_log_softmax(prox, ones), k))
         assert (bound <= exact + 1e-5).all() and (bound >= -1e-6).all()
     # the temperature scales the logits of both sides, as the rows were sampled
     half = torch.full((6,), 2.0)
-    assert torch.allclose(top_k_kl(new, half, *top_logp(prox, half, 50)), _exact_kl(prox * 2, new * 2), atol=1e-5)
+    scaled = top_k_kl(row_log_softmax(new, half), *top_logp(row_log_softmax(prox, half), 50))
+    assert torch.allclose(scaled, _exact_kl(prox * 2, new * 2), atol=1e-5)
 
 
 def test_one_rare_token_that_became_likely_costs_top_k_kl_a_nat_and_k3_two_hundred():
@@ -85,6 +86,7 @@ def test_one_rare_token_that_became_likely_costs_top_k_kl_a_nat_and_k3_two_hundr
     new = torch.log(torch.tensor([[0.3, 0.06, 0.64]]))
     r = 0.64 / 0.003
     k3 = (r - 1) - math.log(r)
-    top = top_k_kl(new, torch.ones(1), *top_logp(prox, torch.ones(1), 2))  # the rare token lies in the tail
+    one = torch.ones(1)
+    top = top_k_kl(row_log_softmax(new, one), *top_logp(row_log_softmax(prox, one), 2))  # the rare token: in the tail
     assert k3 > 200 and 0.5 < float(top) < 1.5
     assert float(top) == pytest.approx(float(_exact_kl(prox, new)), abs=0.01)

@@ -33,36 +33,42 @@ class CompletionPolicy(torch.nn.Module):
         return self.lm.lm_head(hidden.flatten(0, 1)[gather_idx])  # (N, V)
 
 
-def token_logp(
-    logits: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """log pi(target) and entropy at the sampling temperature, in fp32."""
-    logz = F.log_softmax(logits.float() * inv_temp[:, None], dim=-1)  # (N, V)
+def row_log_softmax(logits: torch.Tensor, inv_temp: torch.Tensor) -> torch.Tensor:
+    """(N, V) log-probs at each row's sampling temperature, in fp32: computed once per micro-batch, then read
+    by `target_logp`, `top_logp`, `top_k_kl` and `first_token_logp`."""
+    return F.log_softmax(logits.float() * inv_temp[:, None], dim=-1)
+
+
+def target_logp(logz: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N,) log pi(target) and (N,) entropy from `row_log_softmax`."""
     logp = logz.gather(-1, targets[:, None]).squeeze(-1)  # (N,)
     with torch.no_grad():
         entropy = -(logz.exp() * logz).sum(-1)  # (N,)
     return logp, entropy
 
 
-def top_logp(logits: torch.Tensor, inv_temp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, k) the k largest log-probs at each position, at the row's temperature, and (N, k) their token ids."""
+def token_logp(
+    logits: torch.Tensor, targets: torch.Tensor, inv_temp: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi(target) and entropy at the sampling temperature, in fp32."""
+    return target_logp(row_log_softmax(logits, inv_temp), targets)
+
+
+def top_logp(logz: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, k) the k largest log-probs at each position (of `row_log_softmax`) and (N, k) their token ids."""
     with torch.no_grad():
-        logz = F.log_softmax(logits.float() * inv_temp[:, None], dim=-1)  # (N, V)
         return logz.topk(min(k, logz.shape[-1]), dim=-1)
 
 
-def top_k_kl(
-    logits: torch.Tensor, inv_temp: torch.Tensor, prox_top: torch.Tensor, prox_ids: torch.Tensor
-) -> torch.Tensor:
+def top_k_kl(logz: torch.Tensor, prox_top: torch.Tensor, prox_ids: torch.Tensor) -> torch.Tensor:
     """(N,) KL(pi_prox || pi_theta) at each position over pi_prox's top-k tokens (`top_logp` of the starting
-    weights), the rest of the vocabulary lumped into one outcome.
+    weights; logz: `row_log_softmax` of the current ones), the rest of the vocabulary lumped into one outcome.
 
     By the log-sum inequality the lumped tail can only lower the sum, so this is a lower bound of the exact
     KL that is exact when the top k hold all of pi_prox's mass (at T = 0.3 they hold nearly all). Unlike the
     sampled k3 estimate (r - 1) - log r, it does not grow with the ratio of one sampled token: a token
     sampled at p = 0.003 that rose to 0.64 reads 210 in k3 but costs the distribution about one nat."""
     with torch.no_grad():
-        logz = F.log_softmax(logits.float() * inv_temp[:, None], dim=-1)  # (N, V)
         theta = logz.gather(-1, prox_ids)  # (N, k) log pi_theta on pi_prox's top k
         p = prox_top.exp()
         kl = (p * (prox_top - theta)).sum(-1)  # (N,)
@@ -72,13 +78,10 @@ def top_k_kl(
         return kl + torch.where(tail_p > 0, tail, torch.zeros_like(tail))
 
 
-def first_token_logp(
-    logits: torch.Tensor, first_idx: torch.Tensor, inv_temp: torch.Tensor, token_ids: torch.Tensor
-) -> torch.Tensor:
-    """(E,) log pi(any of token_ids) at each row's first completion position (first_idx into logits' rows),
-    at the row's temperature, in fp32: with the stop tokens, the probability of showing nothing."""
-    logz = F.log_softmax(logits[first_idx].float() * inv_temp[first_idx, None], dim=-1)  # (E, V)
-    return torch.logsumexp(logz[:, token_ids], dim=-1)
+def first_token_logp(logz: torch.Tensor, first_idx: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """(E,) log pi(any of token_ids) at each row's first completion position (first_idx into logz's rows,
+    `row_log_softmax`): with the stop tokens, the probability of showing nothing."""
+    return torch.logsumexp(logz[first_idx][:, token_ids], dim=-1)
 
 
 def trainable(policy: CompletionPolicy, tp: TrainParams) -> list[torch.nn.Parameter]:

@@ -68,7 +68,8 @@ from tasks.train.engines import (
     first_token_logp,
     has_flash_attn,
     lr_at,
-    token_logp,
+    row_log_softmax,
+    target_logp,
     top_k_kl,
     top_logp,
 )
@@ -174,8 +175,10 @@ def prox_logps(
         for idx in step.micro:
             batch = make_batch(idx).to(device)
             logits = engine.module(batch.input_ids, batch.position_ids, batch.gather_idx)
-            logp, _ = token_logp(logits, batch.targets, batch.inv_temp)
-            top, ids = top_logp(logits, batch.inv_temp, tp.kl_top_k) if tp.kl_top_k else (logp, logp)
+            logz = row_log_softmax(logits, batch.inv_temp)  # (N, V)
+            logp, _ = target_logp(logz, batch.targets)
+            if tp.kl_top_k:
+                top, ids = top_logp(logz, tp.kl_top_k)
             cursor = 0
             for i in batch.example_idx:
                 n = examples[i].n_completion
@@ -277,7 +280,8 @@ def train(
                 batch = make_batch(idx).to(device)
                 with engine.micro_step(boundary):
                     logits = engine.module(batch.input_ids, batch.position_ids, batch.gather_idx)  # (N, V)
-                    logp, entropy = token_logp(logits, batch.targets, batch.inv_temp)  # (N,)
+                    logz = row_log_softmax(logits, batch.inv_temp)  # (N, V), read by every term below
+                    logp, entropy = target_logp(logz, batch.targets)  # (N,)
                     if idx:
                         old, weight, adv = _token_inputs(examples, batch.example_idx, prox, tp.is_cap, device)
                         # DDP/DeepSpeed average gradients over ranks, so each rank divides by step_tokens / world
@@ -297,9 +301,9 @@ def train(
                         if tp.kl_top_k:
                             top = torch.cat([prox_top[i][0] for i in batch.example_idx]).to(device)
                             ids = torch.cat([prox_top[i][1] for i in batch.example_idx]).to(device).long()
-                            stats["kl_top_k"] = float(top_k_kl(logits, batch.inv_temp, top, ids).mean())
+                            stats["kl_top_k"] = float(top_k_kl(logz, top, ids).mean())
                         if abstaining:
-                            a_logp = first_token_logp(logits, batch.first_idx, batch.inv_temp, stop_ids)  # (E,)
+                            a_logp = first_token_logp(logz, batch.first_idx, stop_ids)  # (E,)
                             a_adv = torch.tensor(
                                 [examples[i].abstain_advantage for i in batch.example_idx], device=device
                             )
