@@ -1,4 +1,4 @@
-"""Would stopping where the model is unsure help users? A decoding rule, measured, not built into serving.
+"""Does stopping where the model is unsure help users? The show rule (serving.min_logprob), measured per threshold.
 
     python bench/stop_rule.py                                   # the shipped base, 1000 requests
     python bench/stop_rule.py --model DIR --requests 500 --thresholds -1 -2 -3
@@ -10,7 +10,11 @@ its tokens. For a threshold t the suggestion is cut before its first token whose
 (the simulated user's noise-free rule, K = 4), the accept/shown the default personas would give (right
 plus their noise on the wrong ones) and characters saved (the characters a right suggestion covers,
 over all the requests' true continuations; a model-free set, so the typing loop's jump is not modelled).
-"none" is the greedy suggestion as served today.
+"none" is the greedy suggestion whole.
+
+--typing measures the rule as shipped instead (serving.min_logprob, tasks/generate.py ShowRule): the held-out
+evaluation itself (simulated users type the regions, Tab moves the cursor, greedy, log-probs under the
+serving temperature) once per threshold, with 95 % intervals over typing sessions.
 Prints a table, writes bench/out/stop_rule/results.json.
 """
 
@@ -33,9 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], help="override: section.key=value")
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--split", choices=("test", "train"), default="test", help="held-out or traffic regions")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (log-probs at T = 1); else sampled")
     parser.add_argument("--thresholds", type=float, nargs="+", default=[-0.5, -1.0, -1.5, -2.0, -2.5, -3.0, -4.0])
+    parser.add_argument("--typing", action="store_true", help="run the held-out typing evaluation per threshold")
     parser.add_argument("--out", type=Path, default=Path("bench/out/stop_rule"))
     args = parser.parse_args(argv)
+    if args.typing:
+        return typing(args)
 
     from rich.table import Table
     from tqdm import tqdm
@@ -56,10 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     stops = stops_of(lm.template, lm.tokenizer)
     batch = params.evaluate.batch_size
     gens = []
-    for start in tqdm(range(0, len(requests), batch), desc="greedy with log-probs", unit="batch"):
+    for start in tqdm(range(0, len(requests), batch), desc="generate with log-probs", unit="batch"):
         chunk = requests[start : start + batch]
         prompts = [lm.template.render(q["prefix"], q["suffix"]) for q in chunk]
-        gens.extend(generate(*lm, prompts, params.evaluate.max_new_tokens))
+        gens.extend(generate(*lm, prompts, params.evaluate.max_new_tokens, temperature=args.temperature, seed=start))
 
     def cut(gen, threshold: float | None) -> str:
         if threshold is None:
@@ -87,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
     table = Table(
-        title=f"Cut at the first token below a log-prob ({Path(model_dir).name}, {len(requests)} {args.split} requests)"
+        title=f"Cut at the first token below a log-prob ({Path(model_dir).name}, {len(requests)} {args.split} "
+        f"requests, "
+        f"T = {args.temperature:g})"
     )
     for col in ("threshold", "suggest rate", "right/request", "right/shown", "accept/shown (personas)", "chars saved"):
         table.add_column(col, justify="right")
@@ -103,9 +113,69 @@ def main(argv: list[str] | None = None) -> int:
     print_table(table)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(
-        json.dumps({"model": str(model_dir), "split": args.split, "rows": rows}, indent=2) + "\n"
+        json.dumps(
+            {"model": str(model_dir), "split": args.split, "temperature": args.temperature, "rows": rows}, indent=2
+        )
+        + "\n"
     )
     console.print(f"wrote {args.out / 'results.json'}")
+    return 0
+
+
+def typing(args: argparse.Namespace) -> int:
+    """The typing evaluation (tasks/acceptance.type_regions) once per serving.min_logprob."""
+    from rich.table import Table
+
+    from tasks.acceptance import type_regions
+    from tasks.config import load_params
+    from tasks.console import console, print_table
+    from tasks.editor import read_regions, regions_path
+    from tasks.generate import load_model
+    from tasks.intervals import difference, metric_fns
+
+    base = load_params(args.params, args.set)
+    model_dir = args.model or Path(base.model.base_dir)
+    lm = load_model(model_dir)
+    regions = read_regions(regions_path(base.paths.data_dir, args.split))
+    metrics = metric_fns(base.reward)
+    rows, whole = [], None
+    for threshold in [None, *args.thresholds]:
+        rule = "null" if threshold is None else threshold
+        params = load_params(
+            args.params, [*args.set, f"serving.min_logprob={rule}", f"evaluate.n_requests={args.requests}"]
+        )
+        run = type_regions(lm, regions, params, desc=f"type, min_logprob {rule}")
+        whole = whole or [run.sessions]  # the first run: every suggestion shown whole
+        vs = {m: difference([run.sessions], whole, metrics[m], paired=True) for m in ("accept_rate", "chars_saved")}
+        rows.append(
+            {"threshold": threshold, **run.summary.as_dict(), **{f"{m}_vs_none": vars(i) for m, i in vs.items()}}
+        )
+    table = Table(
+        title=f"The show rule in the typing evaluation ({Path(model_dir).name}, {args.requests} {args.split} "
+        f"requests, greedy, log-probs at T = {base.serving.temperature:g})"
+    )
+    for col in ("min_logprob", "suggest rate", "accept/shown", "right/shown", "chars saved"):
+        table.add_column(col, justify="right")
+    for col in ("accept/shown - none [95 %]", "chars saved - none [95 %]"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(
+            "none" if r["threshold"] is None else f"{r['threshold']:g}",
+            f"{r['suggest_rate']:.3f}",
+            f"{r['accept_rate']:.4f}",
+            f"{r['right_rate']:.4f}",
+            f"{r['chars_saved']:.4f}",
+            *(
+                "{value:+.4f} [{low:+.4f}, {high:+.4f}]".format(**r[f"{m}_vs_none"])
+                for m in ("accept_rate", "chars_saved")
+            ),
+        )
+    print_table(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "typing.json").write_text(
+        json.dumps({"model": str(model_dir), "split": args.split, "rows": rows}, indent=2) + "\n"
+    )
+    console.print(f"wrote {args.out / 'typing.json'}")
     return 0
 
 

@@ -7,7 +7,8 @@
   ``return_token_ids: true`` so the behaviour log-probs and token ids are logged. The raw FIM
   prompt is always sent: vLLM's ``suffix`` parameter is rejected for Qwen2.5-Coder.
 
-Both return ``tasks.generate.Generation`` (text, token ids, per-token log-probs); both raise
+Both apply a request's ``ShowRule`` (cut at the first unsure token) to the log-probs they log, and
+return ``tasks.generate.Generation`` (text, token ids, per-token log-probs); both raise
 ``BackendError`` with the reason when they cannot answer, which the gateway turns into a 502.
 Both say which FIM template their model speaks (``template``): the gateway renders every prompt in it.
 """
@@ -25,7 +26,16 @@ import httpx
 
 from serving.store import Arm
 from tasks.fim import FimFormatError, FimTemplate, parse_completion, template_for_model_name
-from tasks.generate import Generation, LoadedModel, ModelLoadError, generate, load_model, model_template
+from tasks.generate import (
+    Generation,
+    LoadedModel,
+    ModelLoadError,
+    ShowRule,
+    cut_unsure,
+    generate,
+    load_model,
+    model_template,
+)
 
 VLLM_MAX_STOP = 4
 # transformers' from_pretrained is not thread-safe: it builds the model under process-wide "empty
@@ -42,7 +52,13 @@ class Backend(Protocol):
     async def template(self) -> FimTemplate: ...
 
     async def complete(
-        self, prompt: str, max_tokens: int, temperature: float, top_p: float, stop: Sequence[str]
+        self,
+        prompt: str,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop: Sequence[str],
+        rule: ShowRule | None = None,
     ) -> Generation: ...
 
     async def aclose(self) -> None: ...
@@ -75,7 +91,13 @@ class EmbeddedBackend:
         return await asyncio.to_thread(self._template)
 
     def _complete(
-        self, prompt: str, max_tokens: int, temperature: float, top_p: float, stop: Sequence[str]
+        self,
+        prompt: str,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop: Sequence[str],
+        rule: ShowRule | None,
     ) -> Generation:
         with self._lock:
             return generate(
@@ -85,12 +107,19 @@ class EmbeddedBackend:
                 temperature=temperature,
                 top_p=top_p,
                 stop=tuple(stop),
+                rule=rule,
             )[0]
 
     async def complete(
-        self, prompt: str, max_tokens: int, temperature: float, top_p: float, stop: Sequence[str]
+        self,
+        prompt: str,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop: Sequence[str],
+        rule: ShowRule | None = None,
     ) -> Generation:
-        return await asyncio.to_thread(self._complete, prompt, max_tokens, temperature, top_p, stop)
+        return await asyncio.to_thread(self._complete, prompt, max_tokens, temperature, top_p, stop, rule)
 
     async def aclose(self) -> None:
         self._lm = None
@@ -147,8 +176,16 @@ class VLLMBackend:
         return response.json()
 
     async def complete(
-        self, prompt: str, max_tokens: int, temperature: float, top_p: float, stop: Sequence[str]
+        self,
+        prompt: str,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop: Sequence[str],
+        rule: ShowRule | None = None,
     ) -> Generation:
+        """rule: applied to the log-probs vLLM returns, those under logits / temperature
+        (--logprobs-mode processed_logprobs): the rule's own when the request runs at the serving temperature."""
         started = time.perf_counter()
         body = await self._request(
             "POST",
@@ -166,24 +203,29 @@ class VLLMBackend:
                 "skip_special_tokens": False,
             },
         )
-        return generation_from_vllm(body, stop, (time.perf_counter() - started) * 1000.0)
+        return generation_from_vllm(body, stop, (time.perf_counter() - started) * 1000.0, rule)
 
     async def aclose(self) -> None:
         await self._client.aclose()
 
 
-def generation_from_vllm(body: dict, stop: Sequence[str], latency_ms: float) -> Generation:
-    """Map one vLLM /v1/completions choice onto a Generation (token ids + behaviour log-probs)."""
+def generation_from_vllm(
+    body: dict, stop: Sequence[str], latency_ms: float, rule: ShowRule | None = None
+) -> Generation:
+    """Map one vLLM /v1/completions choice onto a Generation (token ids + behaviour log-probs), cut by rule.
+    A cut's text is the kept tokens' strings (vLLM's `logprobs.tokens`); when they do not spell the start of
+    the answer (a character split across tokens), nothing is shown: the model was unsure there anyway."""
     try:
         choice = body["choices"][0]
         token_ids = choice.get("token_ids")
         logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+        tokens = (choice.get("logprobs") or {}).get("tokens")
         raw = choice["text"]
     except (KeyError, IndexError, TypeError) as err:
         raise BackendError(f"vLLM answer lacks {err}: {str(body)[:300]}") from err
     if token_ids is None or logprobs is None or len(token_ids) != len(logprobs):
         raise BackendError("vLLM answer lacks token ids or log-probs (needs a vLLM with return_token_ids)")
-    return Generation(
+    gen = Generation(
         text=parse_completion(raw, tuple(stop)),
         token_ids=[int(t) for t in token_ids],
         logprobs=[float(lp) for lp in logprobs],
@@ -191,6 +233,13 @@ def generation_from_vllm(body: dict, stop: Sequence[str], latency_ms: float) -> 
         latency_ms=latency_ms,
         finish_reason="length" if choice.get("finish_reason") == "length" else "stop",
     )
+    unsure = None if rule is None else rule.first_unsure(gen.logprobs, gen.finish_reason == "stop")
+    if unsure is None:
+        return gen
+    if tokens is None or len(tokens) != len(token_ids):
+        raise BackendError("vLLM answer lacks the token strings (logprobs.tokens) a cut at an unsure token needs")
+    kept = "".join(tokens[:unsure])
+    return cut_unsure(gen, unsure if raw.startswith(kept) else 0, kept if raw.startswith(kept) else "", stop)
 
 
 def make_backend(arm: Arm, timeout_s: float) -> Backend:

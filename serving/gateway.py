@@ -66,7 +66,7 @@ from serving.router import FimRequest, Router, UnknownArmError
 from serving.store import Arm, init_schema, make_engine
 from tasks.config import Params, ServingParams
 from tasks.fim import TEMPLATES, FimFormatError, FimPrompt, parse_any
-from tasks.generate import Generation
+from tasks.generate import Generation, show_rule
 
 log = logging.getLogger("tabrl.gateway")
 
@@ -254,7 +254,8 @@ def normalise_request(req: CompletionRequest, s: ServingParams) -> CompletionInp
     max_tokens = min(req.max_tokens or s.max_tokens, s.max_tokens)  # clients ask for more than a FIM line needs
     temperature = s.temperature if req.temperature is None else req.temperature
     top_p = s.top_p if req.top_p is None else req.top_p
-    return CompletionInputs(FimRequest(fim, source, stop, max_tokens, temperature, top_p), client_prompt)
+    rule = show_rule(s.min_logprob, s.temperature)
+    return CompletionInputs(FimRequest(fim, source, stop, max_tokens, temperature, top_p, rule), client_prompt)
 
 
 def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:

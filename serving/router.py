@@ -26,7 +26,7 @@ from serving.backends import Backend, BackendError, make_backend
 from serving.errors import ApiError
 from serving.store import CHAMPION, Arm, read_arms
 from tasks.fim import FimPrompt, FimTemplate
-from tasks.generate import Generation
+from tasks.generate import Generation, ShowRule
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class FimRequest:
     max_tokens: int
     temperature: float
     top_p: float
+    rule: ShowRule | None = None  # serving.min_logprob's cut at the first unsure token
 
 
 def stops_for(target: FimTemplate, request: FimRequest) -> list[str]:
@@ -131,7 +132,12 @@ class Router:
         template = await backend.template()
         prompt = template.rerender(request.fim, request.source)
         gen = await backend.complete(
-            prompt, request.max_tokens, request.temperature, request.top_p, stops_for(template, request)
+            prompt,
+            request.max_tokens,
+            request.temperature,
+            request.top_p,
+            stops_for(template, request),
+            rule=request.rule,
         )
         return prompt, gen
 

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from tasks.config import Params, SimulatorParams
 from tasks.editor import Region, Turn, TypingSummary, pause_requests, run_sessions, summarise_turns
-from tasks.generate import LoadedModel, generate, load_model
+from tasks.generate import LoadedModel, generate, load_model, show_rule
 from tasks.simulated_users import SimUser, Summary, is_right, make_users, replay, right_if_cut, summarise
 
 
@@ -100,9 +100,11 @@ def type_regions(
     temperature: float = 0.0,
     desc: str = "type held-out regions",
 ) -> TypingRun:
-    """Simulated users type the regions; the model is asked at every pause (evaluate.n_requests in all)."""
+    """Simulated users type the regions; the model is asked at every pause (evaluate.n_requests in all), its
+    suggestions cut at the first unsure token as the gateway cuts them (serving.min_logprob)."""
     users = list(users) if users is not None else make_users(params.evaluate.sim_users, params.simulator)
     batch = itertools.count()
+    rule = show_rule(params.serving.min_logprob, params.serving.temperature)
 
     def suggest(requests: list[dict]) -> list[str]:
         prompts = [lm.template.render(r["prefix"], r["suffix"]) for r in requests]
@@ -112,6 +114,7 @@ def type_regions(
             params.evaluate.max_new_tokens,
             temperature=temperature,
             seed=params.simulator.seed * 100_003 + next(batch),
+            rule=rule,
         )
         return [g.text for g in gens]
 

@@ -376,6 +376,10 @@ class ServingParams(Section):
     """Default sampling temperature (training scores log-probs at the same temperature)."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Default nucleus sampling cut."""
+    min_logprob: float | None = Field(None, le=0)
+    """Show a suggestion only up to the model's first unsure token: cut before the first token whose log-prob
+    under logits / temperature is below this (nothing left: no suggestion). None shows every suggestion whole.
+    The gateway's arms (embedded and vLLM) and the held-out evaluation apply the same rule (tasks/generate.py)."""
     seed: int | None = None
     """Seed of the embedded arms' sampling, set once when the gateway starts; None draws one from the OS
     (torch's own default seed is the same in every fresh process, so restarts would replay one stream)."""

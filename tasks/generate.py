@@ -5,6 +5,9 @@ Qwen2.5-Coder directory; each model's FIM template comes with it (``model_templa
 the sampled tokens under the distribution actually sampled from: logits / temperature (greedy
 decoding reports temperature 1). The stop token that ended a completion is kept in ``token_ids``
 (stopping is an action the policy learns), never in ``text``.
+
+A ``ShowRule`` shows a suggestion only up to the model's first unsure token (``cut_unsure``): the same
+rule, on the same log-probs, in the gateway's embedded and vLLM arms and in the held-out evaluation.
 """
 
 from __future__ import annotations
@@ -33,6 +36,40 @@ class Generation:
     raw_text: str = ""  # the decoded tokens before stop handling
     latency_ms: float = 0.0
     finish_reason: str = field(default="stop")  # "stop" | "length"
+
+
+@dataclass(frozen=True)
+class ShowRule:
+    """Cut a suggestion before its first shown token whose log-prob under logits / temperature is below
+    min_logprob; nothing left: no suggestion. temperature is the serving temperature, so a sampled arm's
+    logged log-probs are the ones compared, and a greedy evaluation applies the rule the served model does.
+    The tokens kept are logged as the completion (no stop token: the row trains like a length-cut one)."""
+
+    min_logprob: float
+    temperature: float
+
+    def first_unsure(self, logprobs: Sequence[float], stopped: bool) -> int | None:
+        """Index of the first shown token below min_logprob, or None. The stop token that ended a completion
+        (its last, when stopped) shows nothing and never cuts."""
+        shown = len(logprobs) - 1 if stopped else len(logprobs)
+        return next((i for i in range(shown) if logprobs[i] < self.min_logprob), None)
+
+
+def show_rule(min_logprob: float | None, temperature: float) -> ShowRule | None:
+    """The rule serving params name (None: show every suggestion whole); greedy serving compares at T = 1."""
+    return None if min_logprob is None else ShowRule(min_logprob, temperature if temperature > 0 else 1.0)
+
+
+def cut_unsure(gen: Generation, keep: int, raw: str, stops: Sequence[str]) -> Generation:
+    """gen cut to its first keep tokens, raw being their text (what the backend decoded them to)."""
+    return Generation(
+        text=parse_completion(raw, tuple(stops)),
+        token_ids=gen.token_ids[:keep],
+        logprobs=gen.logprobs[:keep],
+        raw_text=raw,
+        latency_ms=gen.latency_ms,
+        finish_reason="stop",
+    )
 
 
 def check_model_dir(path: str | Path) -> Path:
@@ -135,9 +172,11 @@ def generate(
     top_p: float = 1.0,
     seed: int | None = None,
     stop: Sequence[str] | None = None,
+    rule: ShowRule | None = None,
 ) -> list[Generation]:
     """Complete a batch of prompts in the model's template (left-padded); greedy when temperature == 0.
-    stop: the request's stop strings (default: the template's, with the tokenizer's EOS)."""
+    stop: the request's stop strings (default: the template's, with the tokenizer's EOS); rule: cut each
+    suggestion at its first unsure token."""
     if not prompts:
         return []
     started = time.perf_counter()
@@ -176,6 +215,10 @@ def generate(
     logits = torch.stack(out.logits, dim=1).float().cpu()  # (B, new, V)
     scale = temperature if sample else 1.0
     logps = torch.log_softmax(logits / scale, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # (B, new)
+    rule_logps = logps
+    if rule is not None and rule.temperature != scale:
+        rule_logps = torch.log_softmax(logits / rule.temperature, dim=-1).gather(-1, new_tokens.unsqueeze(-1))
+        rule_logps = rule_logps.squeeze(-1)
     elapsed_ms = (time.perf_counter() - started) * 1000.0
     stop_set = set(stops)
     results = []
@@ -192,14 +235,16 @@ def generate(
         if text_stopped:
             lps, finish = lps[: len(ids)], "stop"
         raw = tokenizer.decode([t for t in ids if t not in stop_set], skip_special_tokens=False)
-        results.append(
-            Generation(
-                text=parse_completion(raw, tuple(stop)),
-                token_ids=ids,
-                logprobs=lps,
-                raw_text=raw,
-                latency_ms=elapsed_ms / len(prompts),
-                finish_reason=finish,
-            )
+        gen = Generation(
+            text=parse_completion(raw, tuple(stop)),
+            token_ids=ids,
+            logprobs=lps,
+            raw_text=raw,
+            latency_ms=elapsed_ms / len(prompts),
+            finish_reason=finish,
         )
+        unsure = None if rule is None else rule.first_unsure(rule_logps[row, : len(ids)].tolist(), finish == "stop")
+        if unsure is not None:
+            gen = cut_unsure(gen, unsure, tokenizer.decode(ids[:unsure], skip_special_tokens=False), stop)
+        results.append(gen)
     return results

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -22,7 +23,7 @@ from serving.auth import add_key
 from serving.gateway import create_app
 from serving.store import Arm, completions, init_schema, make_engine, replace_arms
 from tasks.fim import PREFIX_ONLY, QWEN
-from tasks.generate import generate, load_model
+from tasks.generate import ShowRule, generate, load_model
 from tasks.procs import free_port, wait_until_up
 from tests.conftest import tiny_params
 from tests.serving_util import serve_app
@@ -154,4 +155,45 @@ def test_vllm_arm_serves_smollm2_with_its_own_template(vllm_python, smollm2_dir,
         local = generate(model, tokenizer, template, [row["prompt"]], 8, temperature=0.0)[0]
         n = min(len(local.token_ids), len(row["token_ids"]))
         assert n >= 1 and row["token_ids"][:n] == local.token_ids[:n]
+    engine.dispose()
+
+
+def test_a_vllm_arm_cuts_at_the_first_unsure_token_as_the_embedded_model_does(vllm_python, tmp_path, fim_samples):
+    """serving.min_logprob through a real vLLM: the suggestion shown and logged is the one the same rule gives
+    in process (greedy serving: log-probs at T = 1 on both sides), the shipped base being sure of some tokens."""
+    base = Path(__file__).resolve().parents[1] / "models" / "tabrl-tiny"
+    rule = ShowRule(-1.0, 1.0)
+    params = tiny_params(tmp_path, serving={"config_ttl_s": 0, "max_tokens": 12, "temperature": 0, "min_logprob": -1.0})
+    engine = make_engine(params.paths.database_url)
+    init_schema(engine)
+    key = add_key(engine, "alice")
+    model, tokenizer, template = load_model(base)
+    prompts = [template.render(s["prefix"][-300:], s["suffix"][:100]) for s in fim_samples[:8]]
+    with vllm_server(vllm_python, base, "base", tmp_path / "vllm.log") as vllm_url:
+        replace_arms(engine, [Arm("champion", "base/vllm", vllm_url, "vllm", 1.0)])
+        with serve_app(create_app(params, engine=engine)) as url:
+            answers = [
+                httpx.post(
+                    url + "/v1/completions",
+                    json={"prompt": p, "max_tokens": 12},
+                    headers={"Authorization": f"Bearer {key}"},
+                    timeout=60,
+                )
+                for p in prompts
+            ]
+    assert [a.status_code for a in answers] == [200] * len(answers), answers[0].text
+    with engine.connect() as conn:
+        rows = {r["id"]: r for r in conn.execute(sa.select(completions)).mappings()}
+    whole = generate(model, tokenizer, template, prompts, 12)
+    local = generate(model, tokenizer, template, prompts, 12, rule=rule)
+    compared = cut = 0
+    for answer, w, mine in zip(answers, whole, local, strict=True):
+        row = rows[answer.json()["id"]]
+        assert answer.json()["choices"][0]["text"] == row["completion"]
+        if any(abs(lp - rule.min_logprob) < 0.01 for lp in w.logprobs):
+            continue  # a float32 tie at the threshold may fall either way
+        compared += 1
+        cut += len(mine.token_ids) < len(w.token_ids)
+        assert (row["completion"], row["token_ids"]) == (mine.text, mine.token_ids)
+    assert compared >= 4 and cut >= 1
     engine.dispose()

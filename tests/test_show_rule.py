@@ -1,0 +1,164 @@
+"""The show rule (serving.min_logprob): a suggestion is shown only up to the model's first unsure token, the
+same way in generate (embedded arms, evaluation), in the vLLM answer mapping and through the gateway."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+import sqlalchemy as sa
+
+from serving.auth import add_key
+from serving.backends import BackendError, generation_from_vllm
+from serving.gateway import create_app
+from serving.store import Arm, completions, init_schema, make_engine, replace_arms
+from tasks.acceptance import type_regions
+from tasks.fim import parse_completion
+from tasks.generate import ShowRule, generate, load_model, show_rule, stops_of
+from tests.conftest import tiny_params
+from tests.serving_util import serve_app
+
+BASE = Path(__file__).resolve().parents[1] / "models" / "tabrl-tiny"  # the shipped base: it is sure of some tokens
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load_model(BASE)
+
+
+def _prompts(lm, fim_samples, n=12):
+    return [lm.template.render(s["prefix"][-300:], s["suffix"][:100]) for s in fim_samples[:n]]
+
+
+def _shown_logprobs(gen) -> list[float]:
+    """Log-probs of the tokens that show text (the stop token that ended a completion shows none)."""
+    return gen.logprobs[:-1] if gen.finish_reason == "stop" and gen.token_ids else gen.logprobs
+
+
+def test_first_unsure_skips_the_stop_token_and_show_rule_reads_params():
+    rule = ShowRule(-1.0, 0.3)
+    assert rule.first_unsure([-0.1, -0.5, -2.0, -0.2], stopped=False) == 2
+    assert rule.first_unsure([-0.1, -0.5, -3.0], stopped=True) is None  # only the stop token is unsure
+    assert rule.first_unsure([-1.5], stopped=False) == 0
+    assert show_rule(None, 0.3) is None
+    assert show_rule(-0.5, 0.3) == ShowRule(-0.5, 0.3)
+    assert show_rule(-0.5, 0.0) == ShowRule(-0.5, 1.0)  # greedy serving: the model's own distribution
+
+
+def test_a_greedy_suggestion_is_cut_exactly_before_its_first_unsure_token(lm, fim_samples):
+    prompts = _prompts(lm, fim_samples)
+    whole = generate(*lm, prompts, 12)
+    # A threshold just above the lowest log-prob of a suggestion whose first token is not its least sure.
+    i, g = next(
+        (i, g)
+        for i, g in enumerate(whole)
+        if len(_shown_logprobs(g)) >= 2 and min(_shown_logprobs(g)) < _shown_logprobs(g)[0]
+    )
+    lps = _shown_logprobs(g)
+    j = lps.index(min(lps))
+    rule = ShowRule(lps[j] + 1e-4, 1.0)
+    cut = generate(*lm, prompts, 12, rule=rule)
+    stops = stops_of(lm.template, lm.tokenizer)
+    assert cut[i].token_ids == g.token_ids[:j] and cut[i].logprobs == pytest.approx(g.logprobs[:j])
+    assert cut[i].text == parse_completion(lm.tokenizer.decode(g.token_ids[:j], skip_special_tokens=False), stops)
+    assert g.text.startswith(cut[i].text) and len(cut[i].text) < len(g.text)
+    for w, c in zip(whole, cut, strict=True):  # every other suggestion: its sure part, never more
+        assert w.token_ids[: len(c.token_ids)] == c.token_ids
+        assert all(lp >= rule.min_logprob for lp in _shown_logprobs(c))
+
+
+def test_the_rule_compares_log_probs_at_its_own_temperature(lm, fim_samples):
+    """Greedy evaluation applies the serving temperature's rule: sharper than T = 1, so it keeps at least as much."""
+    prompts = _prompts(lm, fim_samples)
+    at_1 = generate(*lm, prompts, 12, rule=ShowRule(-0.7, 1.0))
+    at_03 = generate(*lm, prompts, 12, rule=ShowRule(-0.7, 0.3))
+    assert all(len(a.token_ids) <= len(b.token_ids) for a, b in zip(at_1, at_03, strict=True))
+    assert sum(len(b.token_ids) for b in at_03) > sum(len(a.token_ids) for a in at_1)
+    # Sampled at the rule's temperature: the logged (behaviour) log-probs are the ones the rule compared.
+    sampled = generate(*lm, prompts, 12, temperature=0.7, seed=3, rule=ShowRule(-1.0, 0.7))
+    assert all(lp >= -1.0 for g in sampled for lp in _shown_logprobs(g))
+
+
+def test_min_logprob_zero_shows_nothing(lm, fim_samples):
+    gens = generate(*lm, _prompts(lm, fim_samples), 12, rule=ShowRule(0.0, 1.0))
+    assert [g.text for g in gens] == [""] * len(gens)
+
+
+def _vllm_body(tokens, lps, finish="stop"):
+    return {
+        "choices": [
+            {
+                "text": "".join(t for t in tokens if t != "<|endoftext|>"),
+                "finish_reason": finish,
+                "token_ids": list(range(10, 10 + len(tokens))),
+                "logprobs": {"token_logprobs": lps, "tokens": tokens},
+            }
+        ]
+    }
+
+
+def test_a_vllm_answer_is_cut_by_its_token_strings():
+    stops = ["<|endoftext|>"]
+    body = _vllm_body(["foo", "(", "bar", ")", "<|endoftext|>"], [-0.1, -0.2, -2.5, -0.1, -4.0])
+    assert generation_from_vllm(body, stops, 1.0).text == "foo(bar)"  # no rule: whole
+    cut = generation_from_vllm(body, stops, 1.0, ShowRule(-1.0, 0.3))
+    assert (cut.text, cut.token_ids, cut.logprobs) == ("foo(", [10, 11], [-0.1, -0.2])
+    # Only the stop token is unsure: nothing to cut.
+    assert generation_from_vllm(body, stops, 1.0, ShowRule(-3.0, 0.3)).text == "foo(bar)"
+    # Unsure from the first token: no suggestion, no tokens to train on.
+    none = generation_from_vllm(body, stops, 1.0, ShowRule(-0.05, 0.3))
+    assert (none.text, none.token_ids) == ("", [])
+
+
+def test_a_vllm_cut_that_splits_a_character_shows_nothing_and_missing_strings_are_named():
+    body = _vllm_body(["é", "x"], [-0.1, -3.0], finish="length")
+    body["choices"][0]["logprobs"]["tokens"] = ["bytes:\\xc3", "bytes:\\xa9x"]  # as vLLM spells half a character
+    split = generation_from_vllm(body, ["<|endoftext|>"], 1.0, ShowRule(-1.0, 0.3))
+    assert (split.text, split.token_ids) == ("", [])
+    del body["choices"][0]["logprobs"]["tokens"]
+    with pytest.raises(BackendError, match=r"logprobs\.tokens"):
+        generation_from_vllm(body, ["<|endoftext|>"], 1.0, ShowRule(-1.0, 0.3))
+
+
+def test_the_gateway_shows_and_logs_only_the_sure_part(tmp_path, fim_samples, lm):
+    params = tiny_params(
+        tmp_path, serving={"config_ttl_s": 0, "max_tokens": 12, "min_logprob": -1.0, "temperature": 0.7, "seed": 5}
+    )
+    engine = make_engine(params.paths.database_url)
+    init_schema(engine)
+    replace_arms(engine, [Arm("champion", "base/1", str(BASE), "embedded", 1.0)])
+    key = add_key(engine, "alice")
+    with serve_app(create_app(params, engine=engine)) as url:
+        answers = [
+            httpx.post(
+                url + "/v1/completions",
+                json={"prompt": p, "max_tokens": 12},
+                headers={"Authorization": f"Bearer {key}"},
+                timeout=60,
+            )
+            for p in _prompts(lm, fim_samples)
+        ]
+    assert [a.status_code for a in answers] == [200] * len(answers), answers[0].text
+    with engine.connect() as conn:
+        rows = {r["id"]: r for r in conn.execute(sa.select(completions)).mappings()}
+    stop_ids = set(lm.tokenizer.convert_tokens_to_ids(list(stops_of(lm.template, lm.tokenizer))))
+    cut = 0
+    for answer in answers:
+        row = rows[answer.json()["id"]]
+        assert answer.json()["choices"][0]["text"] == row["completion"]
+        ended_by_stop = bool(row["token_ids"]) and row["token_ids"][-1] in stop_ids
+        shown = row["logprobs"][:-1] if ended_by_stop else row["logprobs"]
+        assert all(lp >= -1.0 for lp in shown), row["logprobs"]  # logged at the serving temperature
+        assert row["abstained"] == (row["completion"] == "")
+        cut += not ended_by_stop and len(row["token_ids"]) < 12
+    assert cut >= 1  # some suggestions were cut (not ended by the model, not at max_tokens)
+    engine.dispose()
+
+
+def test_the_held_out_evaluation_applies_the_rule(typing_regions, lm):
+    whole = type_regions(lm, typing_regions, tiny_params(serving={"min_logprob": None}))
+    silent = type_regions(lm, typing_regions, tiny_params(serving={"min_logprob": 0.0}))
+    sure = type_regions(lm, typing_regions, tiny_params(serving={"min_logprob": -0.5}))
+    assert whole.summary.shown > 0 and silent.summary.shown == 0
+    assert sure.summary.shown < whole.summary.shown
