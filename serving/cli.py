@@ -61,6 +61,7 @@ def serve_cmd(
     """Run the gateway (uvicorn): completions, feedback, A/B arms, a durable log."""
     from serving.gateway import serve
     from serving.store import Arm, read_arms, replace_arms
+    from tasks.generate import describe_rule, show_rule
 
     p = _params(params, [*(set_ or []), *(["serving.auth=false"] if no_auth else [])])
     if workers > 1 and not p.serving.redis_url:
@@ -81,6 +82,7 @@ def serve_cmd(
     elif model is not None:
         console.print(f"The store already has arms; --model {model} ignored (change arms with `tabrl arms`).")
     engine.dispose()
+    console.print(describe_rule(show_rule(p.serving.min_logprob, p.serving.temperature)), highlight=False)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     serve(p, host or p.serving.host, port or p.serving.port, workers)
 

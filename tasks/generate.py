@@ -60,6 +60,16 @@ def show_rule(min_logprob: float | None, temperature: float) -> ShowRule | None:
     return None if min_logprob is None else ShowRule(min_logprob, temperature if temperature > 0 else 1.0)
 
 
+def describe_rule(rule: ShowRule | None) -> str:
+    """One line saying what users are shown (for the gateway's and the evaluation's output)."""
+    if rule is None:
+        return "suggestions shown whole (serving.min_logprob: null)"
+    return (
+        f"suggestions shown up to the first token with log-prob < {rule.min_logprob:g} "
+        f"at T = {rule.temperature:g} (serving.min_logprob)"
+    )
+
+
 def cut_unsure(gen: Generation, keep: int, raw: str, stops: Sequence[str]) -> Generation:
     """gen cut to its first keep tokens, raw being their text (what the backend decoded them to)."""
     return Generation(

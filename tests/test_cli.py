@@ -56,6 +56,7 @@ def test_pipeline_commands_end_to_end(tmp_path):
     )
     assert r.exit_code == 0, r.output
     assert "Held-out editor traffic" in r.output and "chars_saved" in r.output and "noise floor" in r.output
+    assert "suggestions shown whole (serving.min_logprob: null)" in r.output  # what users are shown, said
     numbers = json.loads(out.read_text())
     assert numbers["requests"] >= 8 and 0 <= numbers["suggest_rate"] <= 1 and numbers["noise_floor"] == 0.0225
     low, high = numbers["intervals"]["suggest_rate"]

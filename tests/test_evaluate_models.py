@@ -115,6 +115,7 @@ def test_cli_prints_side_by_side_table_and_gate(babbler_dir, tiny_model_dir, fim
     regions = write_regions(typing_regions, tmp_path / "typing.parquet", tiny_params().traffic)
     out = tmp_path / "eval.json"
     sets = ["evaluate.n_samples=6", "evaluate.n_requests=12", "evaluate.max_new_tokens=8", "evaluate.batch_size=6"]
+    sets.append("serving.min_logprob=null")  # the babbler's suggestions shown whole: the show rule would hide them
     args = [
         "evaluate",
         "--model",

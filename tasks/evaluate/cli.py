@@ -99,10 +99,11 @@ def acceptance_cmd(
     characters saved, each with a 95 % bootstrap interval over typing sessions."""
     from tasks.acceptance import noise_floor, typing_acceptance
     from tasks.editor import read_regions
-    from tasks.generate import ModelLoadError, check_model_dir
+    from tasks.generate import ModelLoadError, check_model_dir, describe_rule, show_rule
     from tasks.intervals import interval, metric_fns
 
     p = params_or_exit(params, set_)
+    console.print(describe_rule(show_rule(p.serving.min_logprob, p.serving.temperature)), highlight=False)
     try:
         run = typing_acceptance(check_model_dir(model or p.model.base_dir), read_regions(regions), p)
     except (FileNotFoundError, ModelLoadError) as err:
