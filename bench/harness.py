@@ -37,6 +37,7 @@ import httpx
 import sqlalchemy as sa
 from fastapi import FastAPI, Request
 
+from serving.backends import Sampling
 from serving.store import Arm, completions, feedback
 from tasks.fim import QWEN, FimTemplate
 from tasks.generate import Generation
@@ -54,7 +55,7 @@ class FastBackend:
     async def template(self) -> FimTemplate:
         return QWEN
 
-    async def complete(self, prompt, max_tokens, temperature, top_p, stop, rule=None) -> Generation:
+    async def complete(self, prompt: str, sampling: Sampling) -> Generation:
         """The same suggestion every time, shown whole (a show rule is the model's business, not measured here)."""
         return Generation(
             text="return a + b",
@@ -104,7 +105,7 @@ def _serve_bare(port: int) -> None:
     @app.post("/v1/completions")
     async def complete(request: Request):
         body = await request.json()
-        gen = await backend.complete(body.get("prompt", ""), 8, 0.7, 1.0, [])
+        gen = await backend.complete(body.get("prompt", ""), Sampling(8, 0.7))
         return {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",

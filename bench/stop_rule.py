@@ -45,12 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.typing:
         return typing(args)
 
-    from rich.table import Table
     from tqdm import tqdm
 
     from tasks.acceptance import noise_floor
     from tasks.config import load_params
-    from tasks.console import console, print_table
+    from tasks.console import console
     from tasks.editor import covered_chars, pause_requests, read_regions, regions_path
     from tasks.fim import parse_completion
     from tasks.generate import generate, load_model, stops_of
@@ -94,23 +93,14 @@ def main(argv: list[str] | None = None) -> int:
                 "chars_saved": sum(covered_chars(q["middle"], t) for t, q in right) / typed,
             }
         )
-    table = Table(
-        title=f"Cut at the first token below a log-prob ({Path(model_dir).name}, {len(requests)} {args.split} "
-        f"requests, "
-        f"T = {args.temperature:g})"
-    )
-    for col in ("threshold", "suggest rate", "right/request", "right/shown", "accept/shown (personas)", "chars saved"):
-        table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(
-            "none" if r["threshold"] is None else f"{r['threshold']:g}",
-            f"{r['suggest_rate']:.3f}",
-            f"{r['right_per_request']:.4f}",
-            f"{r['right_per_shown']:.4f}",
-            f"{r['accept_per_shown']:.4f}",
-            f"{r['chars_saved']:.4f}",
-        )
-    print_table(table)
+    title = f"Cut at the first token below a log-prob ({Path(model_dir).name}, {len(requests)} {args.split} requests"
+    columns = ("threshold", "suggest rate", "right/request", "right/shown", "accept/shown (personas)", "chars saved")
+    cells = [
+        (f"{r['right_per_request']:.4f}", f"{r['right_per_shown']:.4f}", f"{r['accept_per_shown']:.4f}")
+        + (f"{r['chars_saved']:.4f}",)
+        for r in rows
+    ]
+    print_rows(f"{title}, T = {args.temperature:g})", columns, rows, cells)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(
         json.dumps(
@@ -122,13 +112,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+DIFF = "{value:+.4f} [{low:+.4f}, {high:+.4f}]"
+
+
+def print_rows(title: str, columns: tuple[str, ...], rows: list[dict], cells: list[tuple[str, ...]]) -> None:
+    """A table of one row per threshold: the threshold, its suggestion rate, then the given cells."""
+    from rich.table import Table
+
+    from tasks.console import print_table
+
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col, justify="right")
+    for r, rest in zip(rows, cells, strict=True):
+        table.add_row("none" if r["threshold"] is None else f"{r['threshold']:g}", f"{r['suggest_rate']:.3f}", *rest)
+    print_table(table)
+
+
 def typing(args: argparse.Namespace) -> int:
     """The typing evaluation (tasks/acceptance.type_regions) once per serving.min_logprob."""
-    from rich.table import Table
 
     from tasks.acceptance import type_regions
     from tasks.config import load_params
-    from tasks.console import console, print_table
+    from tasks.console import console
     from tasks.editor import read_regions, regions_path
     from tasks.generate import load_model
     from tasks.intervals import difference, metric_fns
@@ -150,27 +156,17 @@ def typing(args: argparse.Namespace) -> int:
         rows.append(
             {"threshold": threshold, **run.summary.as_dict(), **{f"{m}_vs_none": vars(i) for m, i in vs.items()}}
         )
-    table = Table(
-        title=f"The show rule in the typing evaluation ({Path(model_dir).name}, {args.requests} {args.split} "
-        f"requests, greedy, log-probs at T = {base.serving.temperature:g})"
-    )
-    for col in ("min_logprob", "suggest rate", "accept/shown", "right/shown", "chars saved"):
-        table.add_column(col, justify="right")
-    for col in ("accept/shown - none [95 %]", "chars saved - none [95 %]"):
-        table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(
-            "none" if r["threshold"] is None else f"{r['threshold']:g}",
-            f"{r['suggest_rate']:.3f}",
-            f"{r['accept_rate']:.4f}",
-            f"{r['right_rate']:.4f}",
-            f"{r['chars_saved']:.4f}",
-            *(
-                "{value:+.4f} [{low:+.4f}, {high:+.4f}]".format(**r[f"{m}_vs_none"])
-                for m in ("accept_rate", "chars_saved")
-            ),
+    columns = ("min_logprob", "suggest rate", "accept/shown", "right/shown", "chars saved")
+    columns += ("accept/shown - none [95 %]", "chars saved - none [95 %]")
+    cells = [
+        (f"{r['accept_rate']:.4f}", f"{r['right_rate']:.4f}", f"{r['chars_saved']:.4f}")
+        + tuple(
+            "{value:+.4f} [{low:+.4f}, {high:+.4f}]".format(**r[f"{m}_vs_none"]) for m in ("accept_rate", "chars_saved")
         )
-    print_table(table)
+        for r in rows
+    ]
+    title = f"The show rule in the typing evaluation ({Path(model_dir).name}, {args.requests} {args.split} requests"
+    print_rows(f"{title}, greedy, log-probs at T = {base.serving.temperature:g})", columns, rows, cells)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "typing.json").write_text(
         json.dumps({"model": str(model_dir), "split": args.split, "rows": rows}, indent=2) + "\n"

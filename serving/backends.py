@@ -19,6 +19,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -48,18 +49,21 @@ class BackendError(RuntimeError):
     """A backend that could not produce a completion; the message says why."""
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How one request is completed: length, sampling, the stop strings and the show rule."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    rule: ShowRule | None = None  # cut at the first unsure token (serving.min_logprob)
+
+
 class Backend(Protocol):
     async def template(self) -> FimTemplate: ...
 
-    async def complete(
-        self,
-        prompt: str,
-        max_tokens: int,
-        temperature: float,
-        top_p: float,
-        stop: Sequence[str],
-        rule: ShowRule | None = None,
-    ) -> Generation: ...
+    async def complete(self, prompt: str, sampling: Sampling) -> Generation: ...
 
     async def aclose(self) -> None: ...
 
@@ -90,36 +94,13 @@ class EmbeddedBackend:
             return self._lm.template
         return await asyncio.to_thread(self._template)
 
-    def _complete(
-        self,
-        prompt: str,
-        max_tokens: int,
-        temperature: float,
-        top_p: float,
-        stop: Sequence[str],
-        rule: ShowRule | None,
-    ) -> Generation:
+    def _complete(self, prompt: str, s: Sampling) -> Generation:
         with self._lock:
-            return generate(
-                *self._load(),
-                [prompt],
-                max_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                stop=tuple(stop),
-                rule=rule,
-            )[0]
+            lm = self._load()
+            return generate(*lm, [prompt], s.max_tokens, s.temperature, s.top_p, stop=s.stop, rule=s.rule)[0]
 
-    async def complete(
-        self,
-        prompt: str,
-        max_tokens: int,
-        temperature: float,
-        top_p: float,
-        stop: Sequence[str],
-        rule: ShowRule | None = None,
-    ) -> Generation:
-        return await asyncio.to_thread(self._complete, prompt, max_tokens, temperature, top_p, stop, rule)
+    async def complete(self, prompt: str, sampling: Sampling) -> Generation:
+        return await asyncio.to_thread(self._complete, prompt, sampling)
 
     async def aclose(self) -> None:
         self._lm = None
@@ -175,16 +156,8 @@ class VLLMBackend:
             raise BackendError(f"vLLM at {self.base_url}{path} answered {response.status_code}: {response.text[:300]}")
         return response.json()
 
-    async def complete(
-        self,
-        prompt: str,
-        max_tokens: int,
-        temperature: float,
-        top_p: float,
-        stop: Sequence[str],
-        rule: ShowRule | None = None,
-    ) -> Generation:
-        """rule: applied to the log-probs vLLM returns, those under logits / temperature
+    async def complete(self, prompt: str, sampling: Sampling) -> Generation:
+        """The show rule is applied to the log-probs vLLM returns, those under logits / temperature
         (--logprobs-mode processed_logprobs): the rule's own when the request runs at the serving temperature."""
         started = time.perf_counter()
         body = await self._request(
@@ -193,17 +166,18 @@ class VLLMBackend:
             {
                 "model": await self._model_name(),
                 "prompt": prompt,  # raw FIM prompt; never `suffix` (rejected for Qwen2.5-Coder)
-                "max_tokens": max_tokens,
-                "temperature": temperature,
-                "top_p": top_p,
+                "max_tokens": sampling.max_tokens,
+                "temperature": sampling.temperature,
+                "top_p": sampling.top_p,
                 # vLLM takes at most 4 stop strings (OpenAI's limit); the full list is applied to the text below.
-                "stop": list(stop)[:VLLM_MAX_STOP],
+                "stop": list(sampling.stop)[:VLLM_MAX_STOP],
                 "logprobs": 0,  # the sampled token's log-prob only
                 "return_token_ids": True,
                 "skip_special_tokens": False,
             },
         )
-        return generation_from_vllm(body, stop, (time.perf_counter() - started) * 1000.0, rule)
+        latency_ms = (time.perf_counter() - started) * 1000.0
+        return generation_from_vllm(body, sampling.stop, latency_ms, sampling.rule)
 
     async def aclose(self) -> None:
         await self._client.aclose()

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from sqlalchemy.engine import Engine
 
-from serving.backends import Backend, BackendError, make_backend
+from serving.backends import Backend, BackendError, Sampling, make_backend
 from serving.errors import ApiError
 from serving.store import CHAMPION, Arm, read_arms
 from tasks.fim import FimPrompt, FimTemplate
@@ -131,14 +131,9 @@ class Router:
         backend = self.backend(arm)
         template = await backend.template()
         prompt = template.rerender(request.fim, request.source)
-        gen = await backend.complete(
-            prompt,
-            request.max_tokens,
-            request.temperature,
-            request.top_p,
-            stops_for(template, request),
-            rule=request.rule,
-        )
+        stop = tuple(stops_for(template, request))
+        sampling = Sampling(request.max_tokens, request.temperature, request.top_p, stop, request.rule)
+        gen = await backend.complete(prompt, sampling)
         return prompt, gen
 
     async def complete(

@@ -21,7 +21,7 @@ from bench.harness import start_process
 def _serve_backend(model_dir: str, port: int) -> None:
     import uvicorn
 
-    from serving.backends import EmbeddedBackend
+    from serving.backends import EmbeddedBackend, Sampling
 
     backend = EmbeddedBackend(model_dir)
     app = FastAPI()
@@ -37,13 +37,13 @@ def _serve_backend(model_dir: str, port: int) -> None:
     @app.post("/v1/completions")
     async def complete(request: Request):
         body = await request.json()
-        gen = await backend.complete(
-            body["prompt"],
+        sampling = Sampling(
             body.get("max_tokens", 8),
             body.get("temperature", 0.7),
             body.get("top_p", 1.0),
-            body.get("stop") or [],
+            tuple(body.get("stop") or []),
         )
+        gen = await backend.complete(body["prompt"], sampling)
         return {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",

@@ -7,6 +7,7 @@ import threading
 import time
 from contextlib import contextmanager
 
+import httpx
 import pytest
 import uvicorn
 
@@ -45,3 +46,16 @@ def serve_app(app, timeout_s: float = 20.0):
     finally:
         server.should_exit = True
         thread.join(timeout_s)
+
+
+def post_completions(url: str, key: str, prompts, timeout_s: float = 60.0, **body) -> list[httpx.Response]:
+    """POST /v1/completions once per prompt as user `key`, each with the same extra body fields."""
+    return [
+        httpx.post(
+            url + "/v1/completions",
+            json={"prompt": p, **body},
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=timeout_s,
+        )
+        for p in prompts
+    ]

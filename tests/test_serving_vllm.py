@@ -15,7 +15,6 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import pytest
 import sqlalchemy as sa
 
@@ -26,7 +25,7 @@ from tasks.fim import PREFIX_ONLY, QWEN
 from tasks.generate import ShowRule, generate, load_model
 from tasks.procs import free_port, wait_until_up
 from tests.conftest import tiny_params
-from tests.serving_util import serve_app
+from tests.serving_util import post_completions, serve_app
 
 VLLM_PYTHON = os.environ.get("TABRL_TEST_VLLM_PYTHON")
 
@@ -101,15 +100,7 @@ def test_vllm_arm_logs_token_ids_and_behaviour_logprobs(vllm_url, tiny_model_dir
     key = add_key(engine, "alice")
     prompts = [QWEN.render(s["prefix"][-300:], s["suffix"][:100]) for s in fim_samples[:3]]
     with serve_app(create_app(params, engine=engine)) as url:
-        answers = [
-            httpx.post(
-                url + "/v1/completions",
-                json={"prompt": p, "temperature": 0, "max_tokens": 12},
-                headers={"Authorization": f"Bearer {key}"},
-                timeout=60,
-            )
-            for p in prompts
-        ]
+        answers = post_completions(url, key, prompts, temperature=0, max_tokens=12)
     assert [a.status_code for a in answers] == [200] * 3, answers[0].text
     with engine.connect() as conn:
         rows = {r["id"]: r for r in conn.execute(sa.select(completions)).mappings()}
@@ -135,15 +126,8 @@ def test_vllm_arm_serves_smollm2_with_its_own_template(vllm_python, smollm2_dir,
     with vllm_server(vllm_python, smollm2_dir, "smollm2", tmp_path / "vllm.log") as vllm_url:
         replace_arms(engine, [Arm("champion", "smollm2/vllm", vllm_url, "vllm", 1.0)])
         with serve_app(create_app(params, engine=engine)) as url:
-            answers = [
-                httpx.post(
-                    url + "/v1/completions",
-                    json={"prompt": QWEN.render(s["prefix"][-200:], s["suffix"][:50]), "temperature": 0},
-                    headers={"Authorization": f"Bearer {key}"},
-                    timeout=120,
-                )
-                for s in samples
-            ]
+            prompts = [QWEN.render(s["prefix"][-200:], s["suffix"][:50]) for s in samples]
+            answers = post_completions(url, key, prompts, timeout_s=120, temperature=0)
     assert [a.status_code for a in answers] == [200] * 2, answers[0].text
     with engine.connect() as conn:
         rows = {r["id"]: r for r in conn.execute(sa.select(completions)).mappings()}
@@ -172,15 +156,7 @@ def test_a_vllm_arm_cuts_at_the_first_unsure_token_as_the_embedded_model_does(vl
     with vllm_server(vllm_python, base, "base", tmp_path / "vllm.log") as vllm_url:
         replace_arms(engine, [Arm("champion", "base/vllm", vllm_url, "vllm", 1.0)])
         with serve_app(create_app(params, engine=engine)) as url:
-            answers = [
-                httpx.post(
-                    url + "/v1/completions",
-                    json={"prompt": p, "max_tokens": 12},
-                    headers={"Authorization": f"Bearer {key}"},
-                    timeout=60,
-                )
-                for p in prompts
-            ]
+            answers = post_completions(url, key, prompts, max_tokens=12)
     assert [a.status_code for a in answers] == [200] * len(answers), answers[0].text
     with engine.connect() as conn:
         rows = {r["id"]: r for r in conn.execute(sa.select(completions)).mappings()}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
 import pytest
 import sqlalchemy as sa
 
@@ -17,7 +16,7 @@ from tasks.acceptance import type_regions
 from tasks.fim import parse_completion
 from tasks.generate import ShowRule, generate, load_model, show_rule, stops_of
 from tests.conftest import tiny_params
-from tests.serving_util import serve_app
+from tests.serving_util import post_completions, serve_app
 
 BASE = Path(__file__).resolve().parents[1] / "models" / "tabrl-tiny"  # the shipped base: it is sure of some tokens
 
@@ -130,15 +129,7 @@ def test_the_gateway_shows_and_logs_only_the_sure_part(tmp_path, fim_samples, lm
     replace_arms(engine, [Arm("champion", "base/1", str(BASE), "embedded", 1.0)])
     key = add_key(engine, "alice")
     with serve_app(create_app(params, engine=engine)) as url:
-        answers = [
-            httpx.post(
-                url + "/v1/completions",
-                json={"prompt": p, "max_tokens": 12},
-                headers={"Authorization": f"Bearer {key}"},
-                timeout=60,
-            )
-            for p in _prompts(lm, fim_samples)
-        ]
+        answers = post_completions(url, key, _prompts(lm, fim_samples), max_tokens=12)
     assert [a.status_code for a in answers] == [200] * len(answers), answers[0].text
     with engine.connect() as conn:
         rows = {r["id"]: r for r in conn.execute(sa.select(completions)).mappings()}
