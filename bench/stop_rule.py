@@ -51,8 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from tasks.config import load_params
     from tasks.console import console
     from tasks.editor import covered_chars, pause_requests, read_regions, regions_path
-    from tasks.fim import parse_completion
-    from tasks.generate import generate, load_model, stops_of
+    from tasks.generate import ShowRule, cut_unsure, generate, load_model, stops_of
     from tasks.simulated_users import is_right
 
     params = load_params(args.params, args.set)
@@ -69,10 +68,15 @@ def main(argv: list[str] | None = None) -> int:
         gens.extend(generate(*lm, prompts, params.evaluate.max_new_tokens, temperature=args.temperature, seed=start))
 
     def cut(gen, threshold: float | None) -> str:
-        if threshold is None:
+        """The text the show rule leaves of gen (its log-probs: those it was generated with)."""
+        keep = (
+            None
+            if threshold is None
+            else ShowRule(threshold, 1.0).first_unsure(gen.logprobs, gen.finish_reason == "stop")
+        )
+        if keep is None:
             return gen.text
-        keep = next((i for i, lp in enumerate(gen.logprobs) if lp < threshold), len(gen.logprobs))
-        return parse_completion(lm.tokenizer.decode(gen.token_ids[:keep], skip_special_tokens=False), stops)
+        return cut_unsure(gen, keep, lm.tokenizer.decode(gen.token_ids[:keep], skip_special_tokens=False), stops).text
 
     floor = noise_floor(params.simulator)
     typed = sum(len(q["middle"]) for q in requests)

@@ -213,7 +213,9 @@ def generation_from_vllm(
     if tokens is None or len(tokens) != len(token_ids):
         raise BackendError("vLLM answer lacks the token strings (logprobs.tokens) a cut at an unsure token needs")
     kept = "".join(tokens[:unsure])
-    return cut_unsure(gen, unsure if raw.startswith(kept) else 0, kept if raw.startswith(kept) else "", stop)
+    if not raw.startswith(kept):  # a character split across the kept tokens: show nothing
+        unsure, kept = 0, ""
+    return cut_unsure(gen, unsure, kept, stop)
 
 
 def make_backend(arm: Arm, timeout_s: float) -> Backend:

@@ -82,7 +82,7 @@ def serve_cmd(
     elif model is not None:
         console.print(f"The store already has arms; --model {model} ignored (change arms with `tabrl arms`).")
     engine.dispose()
-    console.print(describe_rule(show_rule(p.serving.min_logprob, p.serving.temperature)), highlight=False)
+    console.print(describe_rule(show_rule(p.serving)), highlight=False)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     serve(p, host or p.serving.host, port or p.serving.port, workers)
 

@@ -254,8 +254,7 @@ def normalise_request(req: CompletionRequest, s: ServingParams) -> CompletionInp
     max_tokens = min(req.max_tokens or s.max_tokens, s.max_tokens)  # clients ask for more than a FIM line needs
     temperature = s.temperature if req.temperature is None else req.temperature
     top_p = s.top_p if req.top_p is None else req.top_p
-    rule = show_rule(s.min_logprob, s.temperature)
-    return CompletionInputs(FimRequest(fim, source, stop, max_tokens, temperature, top_p, rule), client_prompt)
+    return CompletionInputs(FimRequest(fim, source, stop, max_tokens, temperature, top_p, show_rule(s)), client_prompt)
 
 
 def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:

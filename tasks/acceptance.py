@@ -104,7 +104,7 @@ def type_regions(
     suggestions cut at the first unsure token as the gateway cuts them (serving.min_logprob)."""
     users = list(users) if users is not None else make_users(params.evaluate.sim_users, params.simulator)
     batch = itertools.count()
-    rule = show_rule(params.serving.min_logprob, params.serving.temperature)
+    rule = show_rule(params.serving)
 
     def suggest(requests: list[dict]) -> list[str]:
         prompts = [lm.template.render(r["prefix"], r["suffix"]) for r in requests]

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from tasks.config import ServingParams
 from tasks.fim import FimTemplate, infer_template, parse_completion, read_template
 
 
@@ -55,9 +56,12 @@ class ShowRule:
         return next((i for i in range(shown) if logprobs[i] < self.min_logprob), None)
 
 
-def show_rule(min_logprob: float | None, temperature: float) -> ShowRule | None:
-    """The rule serving params name (None: show every suggestion whole); greedy serving compares at T = 1."""
-    return None if min_logprob is None else ShowRule(min_logprob, temperature if temperature > 0 else 1.0)
+def show_rule(serving: ServingParams) -> ShowRule | None:
+    """The rule serving.min_logprob names at serving.temperature (None: show every suggestion whole); greedy
+    serving compares at T = 1."""
+    if serving.min_logprob is None:
+        return None
+    return ShowRule(serving.min_logprob, serving.temperature if serving.temperature > 0 else 1.0)
 
 
 def describe_rule(rule: ShowRule | None) -> str:

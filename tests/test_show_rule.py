@@ -13,6 +13,7 @@ from serving.backends import BackendError, generation_from_vllm
 from serving.gateway import create_app
 from serving.store import Arm, completions, init_schema, make_engine, replace_arms
 from tasks.acceptance import type_regions
+from tasks.config import ServingParams
 from tasks.fim import parse_completion
 from tasks.generate import ShowRule, generate, load_model, show_rule, stops_of
 from tests.conftest import tiny_params
@@ -40,9 +41,10 @@ def test_first_unsure_skips_the_stop_token_and_show_rule_reads_params():
     assert rule.first_unsure([-0.1, -0.5, -2.0, -0.2], stopped=False) == 2
     assert rule.first_unsure([-0.1, -0.5, -3.0], stopped=True) is None  # only the stop token is unsure
     assert rule.first_unsure([-1.5], stopped=False) == 0
-    assert show_rule(None, 0.3) is None
-    assert show_rule(-0.5, 0.3) == ShowRule(-0.5, 0.3)
-    assert show_rule(-0.5, 0.0) == ShowRule(-0.5, 1.0)  # greedy serving: the model's own distribution
+    assert show_rule(ServingParams(min_logprob=None, temperature=0.3)) is None
+    assert show_rule(ServingParams(min_logprob=-0.5, temperature=0.3)) == ShowRule(-0.5, 0.3)
+    # greedy serving: the model's own distribution
+    assert show_rule(ServingParams(min_logprob=-0.5, temperature=0.0)) == ShowRule(-0.5, 1.0)
 
 
 def test_a_greedy_suggestion_is_cut_exactly_before_its_first_unsure_token(lm, fim_samples):

@@ -103,7 +103,7 @@ def acceptance_cmd(
     from tasks.intervals import interval, metric_fns
 
     p = params_or_exit(params, set_)
-    console.print(describe_rule(show_rule(p.serving.min_logprob, p.serving.temperature)), highlight=False)
+    console.print(describe_rule(show_rule(p.serving)), highlight=False)
     try:
         run = typing_acceptance(check_model_dir(model or p.model.base_dir), read_regions(regions), p)
     except (FileNotFoundError, ModelLoadError) as err:
