@@ -203,9 +203,10 @@ class RewardParams(Section):
     """Reward of a suggestion shown and not taken (no Tab in time, or another edit)."""
     abstained: float = 0.0
     """Reward of showing nothing (an empty completion)."""
-    advantage: Literal["raw", "batch_mean", "batch_norm"] = "raw"
+    advantage: Literal["raw", "batch_mean", "batch_norm", "shown_mean"] = "raw"
     """`raw`: the reward (one-step Monte-Carlo return); `batch_mean`: minus the batch mean;
-    `batch_norm`: whitened over the batch (REINFORCE++ style)."""
+    `batch_norm`: whitened over the batch (REINFORCE++ style); `shown_mean`: minus the mean over the
+    shown suggestions (accepted and rejected pull equally; nothing-shown rows 0; tasks/reward/reward.py)."""
 
 
 class TrainParams(Section):

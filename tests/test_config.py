@@ -35,7 +35,9 @@ def test_bad_value_names_key_value_and_range(tmp_path):
 
 
 def test_wrong_type_and_literal_are_rejected():
-    with pytest.raises(ParamsError, match=r"reward.advantage = 'mean'.*'raw', 'batch_mean' or 'batch_norm'"):
+    with pytest.raises(
+        ParamsError, match=r"reward.advantage = 'mean'.*'raw', 'batch_mean', 'batch_norm' or 'shown_mean'"
+    ):
         load_params(None, ["reward.advantage=mean"], environ={})
     with pytest.raises(ParamsError, match=r"train.epochs = 'two'"):
         load_params(None, ["train.epochs=two"], environ={})

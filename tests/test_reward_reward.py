@@ -23,15 +23,27 @@ def test_reward_values_come_from_params():
 
 def test_advantage_modes():
     r = np.array([0.75, -0.25, -0.25, 0.0])
-    assert np.allclose(ADVANTAGES["raw"](r), r)
-    assert np.allclose(ADVANTAGES["batch_mean"](r), r - 0.0625)
-    whitened = ADVANTAGES["batch_norm"](r)
+    shown = np.array([True, True, True, False])
+    assert np.allclose(ADVANTAGES["raw"](r, shown), r)
+    assert np.allclose(ADVANTAGES["batch_mean"](r, shown), r - 0.0625)
+    whitened = ADVANTAGES["batch_norm"](r, shown)
     assert abs(whitened.mean()) < 1e-12 and abs(whitened.std() - 1.0) < 1e-6
-    assert np.all(ADVANTAGES["batch_norm"](np.full(5, -0.25)) == 0.0)  # no spread, no signal
-    assert ADVANTAGES["batch_norm"](np.array([])).size == 0
+    assert np.all(ADVANTAGES["batch_norm"](np.full(5, -0.25), np.ones(5, bool)) == 0.0)  # no spread, no signal
+    assert ADVANTAGES["batch_norm"](np.array([]), np.array([], bool)).size == 0
 
 
-@pytest.mark.parametrize("mode", ["raw", "batch_mean", "batch_norm"])
+def test_shown_mean_balances_accepted_and_rejected():
+    # one accept in ten shown suggestions, two rows showed nothing: the baseline is the shown rows' mean (-0.15)
+    r = np.array([0.75] + [-0.25] * 9 + [0.0, 0.0])
+    shown = np.array([True] * 10 + [False, False])
+    adv = ADVANTAGES["shown_mean"](r, shown)
+    assert adv[0] == pytest.approx(0.9) and np.allclose(adv[1:10], -0.1) and np.all(adv[10:] == 0.0)
+    assert adv[shown].sum() == pytest.approx(0.0)  # accepted and rejected rows pull with equal total weight
+    assert ADVANTAGES["raw"](r, shown)[shown].sum() < 0  # raw: the rejections' push wins
+    assert np.all(ADVANTAGES["shown_mean"](np.zeros(3), np.zeros(3, bool)) == 0.0)  # nothing shown, no signal
+
+
+@pytest.mark.parametrize("mode", ["raw", "batch_mean", "batch_norm", "shown_mean"])
 def test_rewarded_snapshot_and_summary(tmp_path, mode):
     params = tiny_params(tmp_path, reward={"advantage": mode})
     with store("sqlite", tmp_path) as engine:
@@ -51,7 +63,9 @@ def test_rewarded_snapshot_and_summary(tmp_path, mode):
     assert table.schema.equals(REWARDED_SCHEMA)
     rewards = table.column("reward").to_pylist()
     assert rewards == [-0.25, 0.75, 0.0, -0.25]
-    assert np.allclose(table.column("advantage").to_numpy(), ADVANTAGES[mode](np.array(rewards)))
+    shown = np.array([o != "abstained" for o in table.column("outcome").to_pylist()])
+    assert shown.tolist() == [True, True, False, True]
+    assert np.allclose(table.column("advantage").to_numpy(), ADVANTAGES[mode](np.array(rewards), shown))
     challenger = result.summary["challenger"]
     assert challenger["requests"] == 3 and challenger["suggest_rate"] == pytest.approx(2 / 3)
     assert challenger["accept_rate"] == 0.5 and challenger["reward_per_request"] == pytest.approx(0.5 / 3)

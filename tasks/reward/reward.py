@@ -8,6 +8,14 @@ Advantages (``reward.advantage``), computed over the whole snapshot (the cycle i
     batch_mean  A = r - mean(r)                (a constant baseline)
     batch_norm  A = (r - mean(r)) / std(r)     (whitened, as REINFORCE++ with one sample per prompt;
                                                 all-equal rewards carry no signal -> A = 0)
+    shown_mean  A = r - mean(r over shown)     (the baseline of the rows that carry gradient: a shown
+                                                suggestion's tokens; nothing-shown rows get A = 0)
+
+Why shown_mean: only shown suggestions have tokens to train, and at the accept rates of a weak model
+(~10 % of shown) raw rewards push nine rejected rows down for each accepted one pushed up, so every
+shown token loses probability and the model mostly learns to show less. Against the shown rows' own
+mean, accepted and rejected rows pull with equal total weight (0.9 each way at 10 %): what moves is
+which suggestions the model is sure of, not how often it is sure.
 
 The rewarded snapshot has ``tasks.schema.REWARDED_SCHEMA``.
 """
@@ -30,24 +38,33 @@ from tasks.simulated_users import Summary, summarise
 STD_EPS = 1e-8  # keeps whitening finite; far below any reward spread that carries signal
 
 
-def raw(rewards: np.ndarray) -> np.ndarray:
+def raw(rewards: np.ndarray, shown: np.ndarray) -> np.ndarray:
     return rewards.astype(np.float64)
 
 
-def batch_mean(rewards: np.ndarray) -> np.ndarray:
+def batch_mean(rewards: np.ndarray, shown: np.ndarray) -> np.ndarray:
     return rewards - rewards.mean() if rewards.size else rewards.astype(np.float64)
 
 
-def batch_norm(rewards: np.ndarray) -> np.ndarray:
-    centred = batch_mean(rewards)
+def batch_norm(rewards: np.ndarray, shown: np.ndarray) -> np.ndarray:
+    centred = batch_mean(rewards, shown)
     std = rewards.std() if rewards.size else 0.0
     return centred / (std + STD_EPS) if std > STD_EPS else np.zeros_like(centred)
 
 
-ADVANTAGES: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+def shown_mean(rewards: np.ndarray, shown: np.ndarray) -> np.ndarray:
+    out = np.zeros_like(rewards, dtype=np.float64)
+    if shown.any():
+        out[shown] = rewards[shown] - rewards[shown].mean()
+    return out
+
+
+# reward.advantage -> A(rewards, shown): shown marks the rows whose suggestion was shown (not abstained)
+ADVANTAGES: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "raw": raw,
     "batch_mean": batch_mean,
     "batch_norm": batch_norm,
+    "shown_mean": shown_mean,
 }
 
 
@@ -56,7 +73,8 @@ def add_rewards(table: pa.Table, params: RewardParams) -> pa.Table:
     by_outcome = {outcome: reward_of(outcome, params) for outcome in OUTCOMES}
     outcomes = table.column("outcome").to_pylist()
     rewards = np.array([by_outcome[o] if o in by_outcome else reward_of(o, params) for o in outcomes], dtype=np.float64)
-    advantages = ADVANTAGES[params.advantage](rewards)
+    shown = np.array([o != "abstained" for o in outcomes], dtype=bool)
+    advantages = ADVANTAGES[params.advantage](rewards, shown)
     return (
         table.append_column("reward", pa.array(rewards, pa.float64()))
         .append_column("advantage", pa.array(advantages, pa.float64()))
