@@ -120,12 +120,25 @@ def test_showing_less_to_raise_accept_rate_while_saving_fewer_characters_is_refu
     assert gate(metrics(0.15, 6.0, chars=0.097), champion, GATE).passed
 
 
+def test_the_tolerance_is_relative_to_what_the_code_lets_the_champion_save():
+    """On code unlike the traffic the base saves a tenth as much; showing less there can give up most of it
+    while moving far less in absolute terms than on familiar code. The same relative drop is refused at both."""
+    familiar, foreign = metrics(0.10, 5.0, chars=0.022), metrics(-0.07, 5.0, chars=0.0033)
+    assert not gate(metrics(0.12, 5.0, chars=0.0075), familiar, GATE).passed
+    hacked = gate(metrics(-0.02, 5.0, chars=0.0012), foreign, GATE)  # reward +0.05 by showing less
+    assert not hacked.passed and hacked.numbers["floor/chars_saved"] == pytest.approx(0.0033 * 0.8)
+    assert any("chars_saved drops -0.0021" in r for r in hacked.reasons), hacked.reasons
+    assert gate(metrics(-0.02, 5.0, chars=0.0030), foreign, GATE).passed  # 9 % below: within 20 %
+    never = EvaluateParams(gate_tolerance=0.02, gate_margin=0.005, chars_saved_tolerance=1.0)
+    assert gate(metrics(-0.02, 5.0, chars=0.0), foreign, never).passed  # 1: characters saved not checked
+
+
 def test_drops_within_the_tolerance_cannot_add_up_over_cycles():
     """Each candidate a little below its champion, but together far below what the lineage once saved:
     the gate compares with the lineage's best (the champion's chars_mark) too."""
-    params = EvaluateParams(gate_tolerance=0.02, gate_margin=0.005, chars_saved_tolerance=0.005)
-    champion = metrics(0.10, 5.0, chars=0.096)  # itself 0.004 below the 0.100 its lineage reached
-    slipping = metrics(0.15, 6.0, chars=0.093)  # 0.003 below the champion, 0.007 below the best
+    params = EvaluateParams(gate_tolerance=0.02, gate_margin=0.005, chars_saved_tolerance=0.05)
+    champion = metrics(0.10, 5.0, chars=0.096)  # itself 4 % below the 0.100 its lineage reached
+    slipping = metrics(0.15, 6.0, chars=0.093)  # 3 % below the champion, 7 % below the best
     assert gate(slipping, champion, params).passed  # champion alone: within the tolerance
     decision = gate(slipping, champion, params, chars_mark=0.100)
     assert not decision.passed

@@ -4,11 +4,15 @@ It passes only if, against the champion on the same held-out traffic and judge,
 
 * neither reward per request (editor traffic) nor judge mean drops by more than the tolerance
   (``gate_tolerance`` for reward, 10x that for the 0-10 judge mean), and
-* characters saved (editor traffic) do not drop by more than ``chars_saved_tolerance`` below the
-  champion's, nor below the best its lineage ever reached (``chars_mark``: the registered champion's
+* characters saved (editor traffic) do not drop by more than ``chars_saved_tolerance`` (relative) below
+  the champion's, nor below the best its lineage ever reached (``chars_mark``: the registered champion's
   ``tabrl.chars_saved_mark`` tag, so drops within the tolerance cannot add up over cycles): a policy
   that raises its accept rate by showing less while saving users fewer characters is reward
-  hacking (GitHub found accept rate alone favours short, simple suggestions), and
+  hacking (GitHub found accept rate alone favours short, simple suggestions). Relative, because the
+  level depends on the code: the tiny base saves ~2 % of the characters of held-out standard-library
+  files and ~0.3 % of third-party ones, where an absolute tolerance of a few tenths of a point let the
+  loop give up two thirds of its saved characters (bench/RESULTS.md, "Held-out code unlike the
+  traffic"); and
 * at least one of them improves by the margin (``gate_margin``, 10x for the judge mean) and by
   more than zero: equal is not better, whatever the margin;
 * and the candidate has judge evidence (at least one scored suggestion): no gate passes on no
@@ -83,6 +87,7 @@ def gate(
             )
     cand, champ = float(candidate[CHARS]), float(champion[CHARS])
     mark = champ if chars_mark is None else max(champ, float(chars_mark))
+    floor = mark * (1.0 - params.chars_saved_tolerance)
     numbers.update(
         {
             "candidate/chars_saved": cand,
@@ -90,20 +95,21 @@ def gate(
             "delta/chars_saved": cand - champ,
             "tolerance/chars_saved": params.chars_saved_tolerance,
             "mark/chars_saved": mark,
+            "floor/chars_saved": floor,
             "mark_after/chars_saved": max(mark, cand),
         }
     )
     against = f"{champ:.4f}" if mark == champ else f"the lineage's best {mark:.4f}; champion {champ:.4f}"
-    if cand - mark < -params.chars_saved_tolerance:
+    change = f"{cand - mark:+.4f} ({cand:.4f} vs {against})"
+    if cand < floor:
         no_drop = False
         reasons.append(
-            f"chars_saved drops {cand - mark:+.4f} ({cand:.4f} vs {against}), beyond tolerance "
-            f"{params.chars_saved_tolerance:.4f}: users would type more themselves"
+            f"chars_saved drops {change}, below {floor:.4f} ({params.chars_saved_tolerance:.0%} tolerance): "
+            "users would type more themselves"
         )
     else:
         reasons.append(
-            f"chars_saved changes {cand - mark:+.4f} ({cand:.4f} vs {against}): no drop beyond "
-            f"{params.chars_saved_tolerance:.4f}"
+            f"chars_saved changes {change}: not below {floor:.4f} ({params.chars_saved_tolerance:.0%} tolerance)"
         )
     evidence = float(candidate[SCORED])
     numbers["evidence/candidate_judge_scored"] = evidence
