@@ -206,7 +206,8 @@ class RewardParams(Section):
     advantage: Literal["raw", "batch_mean", "batch_norm", "shown_mean"] = "raw"
     """`raw`: the reward (one-step Monte-Carlo return); `batch_mean`: minus the batch mean;
     `batch_norm`: whitened over the batch (REINFORCE++ style); `shown_mean`: minus the mean over the
-    shown suggestions (accepted and rejected pull equally; nothing-shown rows 0; tasks/reward/reward.py)."""
+    shown suggestions (accepted and rejected pull equally; nothing-shown rows 0; tasks/reward/reward.py; with the
+    tiny base no better than raw: bench/RESULTS.md, "Balanced advantages")."""
 
 
 class TrainParams(Section):
