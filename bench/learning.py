@@ -38,9 +38,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+if TYPE_CHECKING:
+    from tasks.intervals import Interval
 
 ONLINE = {
     "defaults": [],
@@ -297,9 +301,22 @@ def _mean_spread(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {statistics.pstdev(values):.3f}"
 
 
+def paired_differences(a: list, b: list, fns: dict) -> tuple[dict[str, Interval], Interval, list[str]]:
+    """a - b for every TYPING metric and accept/shown relative (a / b - 1), paired 95 % intervals (seed k of a and
+    of b typed the same held-out regions with the same users and noise draws), and their table cells
+    (`*`: the interval excludes 0), the relative one last."""
+    from tasks.intervals import difference
+
+    diffs = {k: difference(a, b, fns[k], paired=True) for k in TYPING}
+    rel = difference(a, b, fns["accept_rate"], relative=True, paired=True)
+    star = lambda d: " *" if d.excludes_zero else ""  # noqa: E731
+    cells = [f"{d.value:+.4f} [{d.low:+.4f}, {d.high:+.4f}]{star(d)}" for d in diffs.values()]
+    return diffs, rel, [*cells, f"{rel.value:+.1%} [{rel.low:+.1%}, {rel.high:+.1%}]{star(rel)}"]
+
+
 def final_table(finals: dict[str, list[list]], reward) -> tuple[list[str], dict]:
     """Markdown rows: each setting's final metrics with 95 % intervals, and its difference from the control."""
-    from tasks.intervals import difference, interval, metric_fns, pair_sessions
+    from tasks.intervals import interval, metric_fns, pair_sessions
 
     fns = metric_fns(reward)
     lines = [
@@ -325,17 +342,11 @@ def final_table(finals: dict[str, list[list]], reward) -> tuple[list[str], dict]
         for setting in (s for s in finals if s != "control"):
             # paired: seed k of every setting types the same held-out regions with the same users and noise draws
             a, b = finals[setting], finals["control"]
-            diffs = {k: difference(a, b, fns[k], paired=True) for k in TYPING}
-            rel = difference(a, b, fns["accept_rate"], relative=True, paired=True)
+            diffs, rel, cells = paired_differences(a, b, fns)
             unpaired.append(f"{setting} {pair_sessions(a, b)[2]}")
             numbers[f"{setting} - control"] = {k: [d.value, d.low, d.high, d.excludes_zero] for k, d in diffs.items()}
             numbers[f"{setting} / control - 1, accept_rate"] = [rel.value, rel.low, rel.high, rel.excludes_zero]
-            cell = lambda d: f"{d.value:+.4f} [{d.low:+.4f}, {d.high:+.4f}]{' *' if d.excludes_zero else ''}"  # noqa: E731
-            lines.append(
-                f"| {setting} | "
-                + " | ".join(cell(d) for d in diffs.values())
-                + f" | {rel.value:+.1%} [{rel.low:+.1%}, {rel.high:+.1%}]{' *' if rel.excludes_zero else ''} |"
-            )
+            lines.append(f"| {setting} | " + " | ".join(cells) + " |")
         lines.append(
             "\n`*`: the 95 % interval excludes 0. Differences are paired (seed k of each setting typed the same "
             "held-out regions with the same users and noise draws; seeds and sessions resampled together); "

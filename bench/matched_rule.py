@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-TYPING = ("suggest_rate", "accept_rate", "right_rate", "chars_saved", "reward_per_request")
+from bench.learning import TYPING, paired_differences  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     params = load_params(args.params, args.set)
     stored = {s: [_stored(args.run, s, k) for k in range(args.seeds)] for s in (args.setting, "control")}
     lm = load_model(args.model or Path(params.model.base_dir))
-    per_seed = [match_seed(lm, k, stored[args.setting][k], stored["control"][k], args) for k in range(args.seeds)]
+    per_seed = [
+        match_seed(lm, k, stored[args.setting][k], stored["control"][k], params, args) for k in range(args.seeds)
+    ]
     report(per_seed, stored, args, params)
     return 0
 
@@ -74,33 +76,41 @@ def _summary(sessions: list, reward) -> dict:
     return {k: float(f(totals)) for k, f in metric_fns(reward).items()}
 
 
-def match_seed(lm, seed: int, learnt: list, control: list, args) -> dict:
+def match_seed(lm, seed: int, learnt: list, control: list, params, args) -> dict:
     """Bisect min_logprob so the base's suggestion rate meets the learnt model's; every typing run is kept."""
     from tasks.acceptance import type_regions
     from tasks.config import load_params
     from tasks.editor import read_regions, regions_path
 
+    default = params.serving.min_logprob
+    if default is None:
+        raise SystemExit("serving.min_logprob is null: the learning run had no show rule to make stricter")
+    regions = read_regions(regions_path(params.paths.data_dir, "test"))
+
     def run_at(threshold: float) -> dict:
-        params = load_params(args.params, [*args.set, f"simulator.seed={seed}", f"serving.min_logprob={threshold}"])
-        regions = read_regions(regions_path(params.paths.data_dir, "test"))
-        run = type_regions(lm, regions, params, desc=f"seed {seed}: base at min_logprob {threshold:+.4f}")
+        at = load_params(args.params, [*args.set, f"simulator.seed={seed}", f"serving.min_logprob={threshold}"])
+        run = type_regions(lm, regions, at, desc=f"seed {seed}: base at min_logprob {threshold:+.4f}")
         sessions = [list(s) for s in run.sessions]
         return {"threshold": threshold, "sessions": sessions, **_summary(sessions, params.reward)}
 
-    base = load_params(args.params, args.set)
-    default = base.serving.min_logprob
-    if default is None:
-        raise SystemExit("serving.min_logprob is null: the learning run had no show rule to make stricter")
-    target = _summary(learnt, base.reward)["suggest_rate"]
+    summary = _summary(learnt, params.reward)
+    target = summary["suggest_rate"]
     runs = [run_at(default)]
-    reproduced = runs[0]["sessions"] == control
     # suggestion rate falls as the threshold nears 0: the bracket that holds the learnt model's rate
     lo, hi = (default, 0.0) if runs[0]["suggest_rate"] > target else (args.loosest, default)
     while len(runs) < args.steps and abs(_nearest(runs, target)["suggest_rate"] - target) > args.tolerance:
         mid = (lo + hi) / 2
         runs.append(run_at(mid))
         lo, hi = (mid, hi) if runs[-1]["suggest_rate"] > target else (lo, mid)
-    return {"seed": seed, "target": target, "reproduced_control": reproduced, "runs": runs}
+    return {
+        "seed": seed,
+        "target": target,
+        "reproduced_control": runs[0]["sessions"] == control,
+        "learnt": summary,
+        "control": _summary(control, params.reward),
+        "runs": runs,
+        "matched": _nearest(runs, target),
+    }
 
 
 def _nearest(runs: list[dict], target: float) -> dict:
@@ -111,7 +121,7 @@ def report(per_seed: list[dict], stored: dict, args, params) -> None:
     from rich.table import Table
 
     from tasks.console import console, print_table
-    from tasks.intervals import difference, metric_fns
+    from tasks.intervals import metric_fns
 
     fns = metric_fns(params.reward)
     table = Table(title=f"The base at each threshold tried vs the final models of {args.setting} (held-out traffic)")
@@ -119,10 +129,9 @@ def report(per_seed: list[dict], stored: dict, args, params) -> None:
         table.add_column(col, justify="right")
     for entry in per_seed:
         k = entry["seed"]
-        learnt = _summary(stored[args.setting][k], params.reward)
-        table.add_row(str(k), args.setting, "-", *(f"{learnt[m]:.4f}" for m in TYPING))
+        table.add_row(str(k), args.setting, "-", *(f"{entry['learnt'][m]:.4f}" for m in TYPING))
         for run in sorted(entry["runs"], key=lambda r: r["threshold"]):
-            mark = " (matched)" if run is _nearest(entry["runs"], entry["target"]) else ""
+            mark = " (matched)" if run is entry["matched"] else ""
             table.add_row(str(k), "base", f"{run['threshold']:+.4f}{mark}", *(f"{run[m]:.4f}" for m in TYPING))
     print_table(table)
     for entry in per_seed:
@@ -133,10 +142,9 @@ def report(per_seed: list[dict], stored: dict, args, params) -> None:
             highlight=False,
         )
 
-    a = stored[args.setting]
     comparisons = {
         "control (params.yaml threshold)": [e["runs"][0]["sessions"] for e in per_seed],
-        "base at the matched threshold": [_nearest(e["runs"], e["target"])["sessions"] for e in per_seed],
+        "base at the matched threshold": [e["matched"]["sessions"] for e in per_seed],
     }
     diffs_table = Table(title=f"{args.setting} minus ... (paired 95 % intervals; * excludes 0)")
     diffs_table.add_column("against")
@@ -144,14 +152,8 @@ def report(per_seed: list[dict], stored: dict, args, params) -> None:
         diffs_table.add_column(m, justify="right")
     numbers = {}
     for name, b in comparisons.items():
-        diffs = {m: difference(a, b, fns[m], paired=True) for m in TYPING}
-        rel = difference(a, b, fns["accept_rate"], relative=True, paired=True)
-        star = lambda d: " *" if d.excludes_zero else ""  # noqa: E731
-        diffs_table.add_row(
-            name,
-            *(f"{d.value:+.4f} [{d.low:+.4f}, {d.high:+.4f}]{star(d)}" for d in diffs.values()),
-            f"{rel.value:+.1%} [{rel.low:+.1%}, {rel.high:+.1%}]{star(rel)}",
-        )
+        diffs, rel, cells = paired_differences(stored[args.setting], b, fns)
+        diffs_table.add_row(name, *cells)
         numbers[name] = {m: [d.value, d.low, d.high, d.excludes_zero] for m, d in diffs.items()}
         numbers[name]["accept_rate_relative"] = [rel.value, rel.low, rel.high, rel.excludes_zero]
     print_table(diffs_table)
@@ -167,7 +169,7 @@ def report(per_seed: list[dict], stored: dict, args, params) -> None:
                         "seed": e["seed"],
                         "target_suggest_rate": e["target"],
                         "reproduced_control": e["reproduced_control"],
-                        "learnt": _summary(stored[args.setting][e["seed"]], params.reward),
+                        "learnt": e["learnt"],
                         "base": [{k: v for k, v in r.items() if k != "sessions"} for r in e["runs"]],
                     }
                     for e in per_seed
@@ -177,11 +179,11 @@ def report(per_seed: list[dict], stored: dict, args, params) -> None:
         )
         + "\n"
     )
-    _plot(per_seed, stored, args, params.reward, args.run / "matched_rule.png")
+    _plot(per_seed, args.setting, args.run / "matched_rule.png")
     console.print(f"wrote {out} and {args.run / 'matched_rule.png'}")
 
 
-def _plot(per_seed: list[dict], stored: dict, args, reward, path: Path) -> None:
+def _plot(per_seed: list[dict], setting: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -195,22 +197,21 @@ def _plot(per_seed: list[dict], stored: dict, args, reward, path: Path) -> None:
             line = ax.plot(
                 [r["suggest_rate"] for r in runs], [r[key] for r in runs], ".-", alpha=0.7, label=f"base, seed {k}"
             )[0]
-            learnt = _summary(stored[args.setting][k], reward)
+            learnt, control = entry["learnt"], entry["control"]
             ax.plot(
                 learnt["suggest_rate"],
                 learnt[key],
                 "*",
                 ms=12,
                 color=line.get_color(),
-                label=f"{args.setting}, seed {k}",
+                label=f"{setting}, seed {k}",
             )
-            control = _summary(stored["control"][k], reward)
             ax.plot(control["suggest_rate"], control[key], "s", color=line.get_color(), mfc="none")
         ax.set_xlabel("suggestion rate (stricter rule: left)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"{args.setting}: final models (stars) vs the base over show-rule thresholds (squares: control)")
+    fig.suptitle(f"{setting}: final models (stars) vs the base over show-rule thresholds (squares: control)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
