@@ -83,6 +83,12 @@ def serve_cmd(
         console.print(f"The store already has arms; --model {model} ignored (change arms with `tabrl arms`).")
     engine.dispose()
     console.print(describe_rule(show_rule(p.serving)), highlight=False)
+    if p.serving.explore_fraction > 0:
+        console.print(
+            f"exploring: {p.serving.explore_fraction:.0%} of requests "
+            + describe_rule(show_rule(p.serving, explore=True)).replace("min_logprob", "explore_min_logprob"),
+            highlight=False,
+        )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     serve(p, host or p.serving.host, port or p.serving.port, workers)
 

@@ -22,6 +22,7 @@ import asyncio
 import json
 import logging
 import os
+import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -187,6 +188,9 @@ class Metrics:
         self.fallbacks = Counter(
             "tabrl_fallbacks", "Requests a failing arm handed to the champion.", ["arm"], registry=self.registry
         )
+        self.explored = Counter(
+            "tabrl_explored", "Requests cut at serving.explore_min_logprob, by arm.", ["arm"], registry=self.registry
+        )
         self.unlogged = Counter("tabrl_unlogged", "Requests served but not logged (opted out).", registry=self.registry)
         self._shown: dict[str, int] = {}
         self._accepted: dict[str, int] = {}
@@ -223,10 +227,11 @@ def check_size(field: str, text: str, limit: int) -> None:
         raise ApiError(413, f"{field} is {len(text)} characters; the limit is {limit}", field)
 
 
-def normalise_request(req: CompletionRequest, s: ServingParams) -> CompletionInputs:
+def normalise_request(req: CompletionRequest, s: ServingParams, explore: bool = False) -> CompletionInputs:
     """What an editor sent -> what the router takes: one prompt (a one-element list is fine), parsed in any
     FIM template tabrl knows or given as prefix (prompt) + suffix, the stop list, and sampling within the
-    server's limits. Pure: raises ApiError (400, 413, 422) naming the field."""
+    server's limits; explore: cut at serving.explore_min_logprob. Pure: raises ApiError (400, 413, 422)
+    naming the field."""
     if isinstance(req.prompt, list):
         if len(req.prompt) != 1:
             raise ApiError(422, f"prompt: send one prompt per request (got a list of {len(req.prompt)})", "prompt")
@@ -254,7 +259,9 @@ def normalise_request(req: CompletionRequest, s: ServingParams) -> CompletionInp
     max_tokens = min(req.max_tokens or s.max_tokens, s.max_tokens)  # clients ask for more than a FIM line needs
     temperature = s.temperature if req.temperature is None else req.temperature
     top_p = s.top_p if req.top_p is None else req.top_p
-    return CompletionInputs(FimRequest(fim, source, stop, max_tokens, temperature, top_p, show_rule(s)), client_prompt)
+    return CompletionInputs(
+        FimRequest(fim, source, stop, max_tokens, temperature, top_p, show_rule(s, explore)), client_prompt
+    )
 
 
 def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
@@ -430,6 +437,7 @@ class Gateway:
         self.router = Router(engine, s.experiment_salt, s.config_ttl_s, s.backend_timeout_s, backend_factory)
         self.directory = Directory(engine, s.config_ttl_s)
         self.metrics = Metrics()
+        self.explore_draws = random.Random(s.seed)  # which requests explore (serving.explore_fraction)
         self.limiter = (
             RedisRateLimiter(s.redis_url, s.rate_limit_per_minute, s.rate_limit_per_key_per_minute, s.db_timeout_s)
             if s.redis_url
@@ -451,7 +459,8 @@ class Gateway:
         started = time.perf_counter()
         req = CompletionRequest.model_validate_json(body)
         caller = await self.caller_of(headers, req.user)
-        inputs = normalise_request(req, self.s)
+        explore = self.s.explore_fraction > 0 and self.explore_draws.random() < self.s.explore_fraction
+        inputs = normalise_request(req, self.s, explore)
         await self.limiter.acquire(caller)
         forced = headers.get("x-tabrl-arm")
         try:
@@ -486,6 +495,8 @@ class Gateway:
         else:
             self.metrics.unlogged.inc()
         self.metrics.served(arm.name, bool(gen.text), time.perf_counter() - started)
+        if explore:
+            self.metrics.explored.labels(arm.name).inc()
         created = int(time.time())
         tabrl = {"arm": arm.name, "model_version": arm.model_version, "logged": caller.logged}
         answer_headers = {"X-Tabrl-Arm": arm.name}

@@ -384,6 +384,12 @@ class ServingParams(Section):
     """Show a suggestion only up to the model's first unsure token: cut before the first token whose log-prob
     under logits / temperature is below this (nothing left: no suggestion). None shows every suggestion whole.
     The gateway's arms (embedded and vLLM) and the held-out evaluation apply the same rule (tasks/generate.py)."""
+    explore_fraction: float = Field(0.0, ge=0, le=1)
+    """Fraction of served requests (drawn per request) cut at explore_min_logprob instead of min_logprob, so
+    the logs hold users' verdicts on text the strict rule hides: an accepted one raises those tokens'
+    log-probs, and the next model shows them under min_logprob. Evaluations never explore. 0: never."""
+    explore_min_logprob: float | None = Field(-1.0, le=0)
+    """The looser cut of an exploring request (below min_logprob); None shows an exploring suggestion whole."""
     seed: int | None = None
     """Seed of the embedded arms' sampling, set once when the gateway starts; None draws one from the OS
     (torch's own default seed is the same in every fresh process, so restarts would replay one stream)."""
@@ -425,6 +431,18 @@ class ServingParams(Section):
     """Redis holding the rate-limit windows that gateway replicas share (e.g. `redis://127.0.0.1:6379/0`), so
     the per-user and per-key limits hold in total across replicas; None keeps them in the process (one
     gateway). `tabrl serve --workers N` with N > 1 needs it."""
+
+    @model_validator(mode="after")
+    def _explore(self) -> ServingParams:
+        if self.explore_fraction > 0:
+            if self.min_logprob is None:
+                raise ValueError("explore_fraction needs serving.min_logprob: suggestions are already shown whole")
+            if self.explore_min_logprob is not None and self.explore_min_logprob >= self.min_logprob:
+                raise ValueError(
+                    f"explore_min_logprob ({self.explore_min_logprob}) must be below min_logprob "
+                    f"({self.min_logprob}): exploring shows what the strict cut hides"
+                )
+        return self
 
 
 class IngestParams(Section):

@@ -56,12 +56,13 @@ class ShowRule:
         return next((i for i in range(shown) if logprobs[i] < self.min_logprob), None)
 
 
-def show_rule(serving: ServingParams) -> ShowRule | None:
+def show_rule(serving: ServingParams, explore: bool = False) -> ShowRule | None:
     """The rule serving.min_logprob names at serving.temperature (None: show every suggestion whole); greedy
-    serving compares at T = 1."""
-    if serving.min_logprob is None:
+    serving compares at T = 1. explore: an exploring request's looser cut (serving.explore_min_logprob)."""
+    threshold = serving.explore_min_logprob if explore else serving.min_logprob
+    if threshold is None:
         return None
-    return ShowRule(serving.min_logprob, serving.temperature if serving.temperature > 0 else 1.0)
+    return ShowRule(threshold, serving.temperature if serving.temperature > 0 else 1.0)
 
 
 def describe_rule(rule: ShowRule | None) -> str:

@@ -3,8 +3,10 @@ same way in generate (embedded arms, evaluation), in the vLLM answer mapping and
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import httpx
 import pytest
 import sqlalchemy as sa
 
@@ -155,3 +157,51 @@ def test_the_held_out_evaluation_applies_the_rule(typing_regions, lm):
     sure = type_regions(lm, typing_regions, tiny_params(serving={"min_logprob": -0.5}))
     assert whole.summary.shown > 0 and silent.summary.shown == 0
     assert sure.summary.shown < whole.summary.shown
+
+
+def test_exploring_loosens_the_cut_and_needs_a_strict_rule_to_loosen():
+    serving = ServingParams(min_logprob=-0.25, explore_fraction=0.2, explore_min_logprob=-1.0, temperature=0.3)
+    assert show_rule(serving) == ShowRule(-0.25, 0.3)
+    assert show_rule(serving, explore=True) == ShowRule(-1.0, 0.3)
+    whole = ServingParams(min_logprob=-0.25, explore_fraction=0.2, explore_min_logprob=None, temperature=0.3)
+    assert show_rule(whole, explore=True) is None
+    with pytest.raises(ValueError, match="explore_fraction needs serving.min_logprob"):
+        ServingParams(min_logprob=None, explore_fraction=0.2)
+    with pytest.raises(ValueError, match=r"explore_min_logprob \(-0.1\) must be below min_logprob \(-0.25\)"):
+        ServingParams(min_logprob=-0.25, explore_fraction=0.2, explore_min_logprob=-0.1)
+
+
+def test_the_gateway_explores_a_fraction_of_requests_at_the_looser_cut(tmp_path, fim_samples, lm):
+    params = tiny_params(
+        tmp_path,
+        serving={
+            "config_ttl_s": 0,
+            "max_tokens": 12,
+            "min_logprob": -0.05,
+            "explore_fraction": 0.5,
+            "explore_min_logprob": -3.0,
+            "temperature": 0.7,
+            "seed": 5,
+        },
+    )
+    engine = make_engine(params.paths.database_url)
+    init_schema(engine)
+    replace_arms(engine, [Arm("champion", "base/1", str(BASE), "embedded", 1.0)])
+    key = add_key(engine, "alice")
+    with serve_app(create_app(params, engine=engine)) as url:
+        answers = post_completions(url, key, _prompts(lm, fim_samples, n=16), max_tokens=12)
+        metrics = httpx.get(f"{url}/metrics").text
+    assert [a.status_code for a in answers] == [200] * len(answers), answers[0].text
+    explored = int(float(re.search(r'tabrl_explored_total\{arm="champion"\} (\S+)', metrics).group(1)))
+    assert 0 < explored < len(answers)  # seed 5's draws: some requests explore, some do not
+    with engine.connect() as conn:
+        rows = list(conn.execute(sa.select(completions)).mappings())
+    stop_ids = set(lm.tokenizer.convert_tokens_to_ids(list(stops_of(lm.template, lm.tokenizer))))
+    loose = 0
+    for row in rows:
+        ended_by_stop = bool(row["token_ids"]) and row["token_ids"][-1] in stop_ids
+        shown = row["logprobs"][:-1] if ended_by_stop else row["logprobs"]
+        assert all(lp >= -3.0 for lp in shown), row["logprobs"]  # never looser than the exploring cut
+        loose += any(lp < -0.05 for lp in shown)  # shown past the strict cut: only an exploring request does
+    assert 1 <= loose <= explored
+    engine.dispose()
