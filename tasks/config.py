@@ -203,6 +203,10 @@ class RewardParams(Section):
     """Reward of a suggestion shown and not taken (no Tab in time, or another edit)."""
     abstained: float = 0.0
     """Reward of showing nothing (an empty completion)."""
+    accepted_per_char: float = Field(0.0, ge=0)
+    """Training only: extra reward per character of an accepted suggestion, so a long accepted suggestion
+    outweighs a short one (Copilot: an accept-rate reward favours short suggestions; characters saved is what
+    users feel). Reported rewards per request stay the per-outcome ones above. 0: none."""
     advantage: Literal["raw", "batch_mean", "batch_norm", "shown_mean"] = "raw"
     """`raw`: the reward (one-step Monte-Carlo return); `batch_mean`: minus the batch mean;
     `batch_norm`: whitened over the batch (REINFORCE++ style); `shown_mean`: minus the mean over the

@@ -100,3 +100,29 @@ def test_reward_task_logs_to_mlflow(tmp_path):
         reward_task.fn(ingest.snapshot, params.reward, tmp_path / "r.parquet")
     metrics = mlflow.get_run(run.info.run_id).data.metrics
     assert metrics["reward/accept_rate"] == 1.0 and metrics["reward/reward_per_request"] == 0.75
+
+
+def test_an_accepted_suggestion_earns_per_character_it_saved(tmp_path):
+    """reward.accepted_per_char: a longer accepted suggestion earns more; rejections and abstentions do not
+    change, nor does the reported reward per request (the per-outcome one the gate and the A/B test read)."""
+    params = tiny_params(tmp_path, reward={"accepted_per_char": 0.1})
+    with store("sqlite", tmp_path) as engine:
+        add_completions(
+            engine,
+            [
+                completion_row("short", 100.0, completion=")"),
+                completion_row("long", 100.0, completion="self.assertEqual("),
+                completion_row("wrong", 100.0, completion="return None"),
+                completion_row("none", 100.0, completion=""),
+            ],
+        )
+        add_feedback(engine, "short", True, 101.0)
+        add_feedback(engine, "long", True, 101.0)
+        ingest = run_ingest(engine, params, tmp_path, 200.0)
+    result = reward_snapshot(ingest.snapshot, params.reward, tmp_path / "rewarded.parquet", ingest.arms)
+    table = pq.read_table(result.path)
+    by_id = dict(zip(table.column("completion").to_pylist(), table.column("reward").to_pylist(), strict=True))
+    assert by_id[")"] == pytest.approx(0.75 + 0.1)
+    assert by_id["self.assertEqual("] == pytest.approx(0.75 + 0.1 * 17)
+    assert by_id["return None"] == -0.25 and by_id[""] == 0.0
+    assert result.summary["all"]["reward_per_request"] == pytest.approx((0.75 * 2 - 0.25) / 4)

@@ -1,6 +1,7 @@
 """Reward: outcome -> reward -> advantage, and the cycle's per-arm summary.
 
-Rewards are Cursor Tab RL's (params ``reward``): accepted +0.75, rejected -0.25, nothing shown 0.
+Rewards are Cursor Tab RL's (params ``reward``): accepted +0.75, rejected -0.25, nothing shown 0; with
+``reward.accepted_per_char`` an accepted suggestion earns that much more per character it saved.
 Each logged suggestion is one step of a one-step episode, so its Monte-Carlo return is its reward.
 Advantages (``reward.advantage``), computed over the whole snapshot (the cycle is the batch):
 
@@ -73,6 +74,9 @@ def add_rewards(table: pa.Table, params: RewardParams) -> pa.Table:
     by_outcome = {outcome: reward_of(outcome, params) for outcome in OUTCOMES}
     outcomes = table.column("outcome").to_pylist()
     rewards = np.array([by_outcome[o] if o in by_outcome else reward_of(o, params) for o in outcomes], dtype=np.float64)
+    if params.accepted_per_char:
+        chars = np.array([len(c) for c in table.column("completion").to_pylist()], dtype=np.float64)
+        rewards += params.accepted_per_char * chars * np.array([o == "accepted" for o in outcomes])
     shown = np.array([o != "abstained" for o in outcomes], dtype=bool)
     advantages = ADVANTAGES[params.advantage](rewards, shown)
     return (
