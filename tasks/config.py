@@ -206,7 +206,8 @@ class RewardParams(Section):
     accepted_per_char: float = Field(0.0, ge=0)
     """Training only: extra reward per character of an accepted suggestion, so a long accepted suggestion
     outweighs a short one (Copilot: an accept-rate reward favours short suggestions; characters saved is what
-    users feel). Reported rewards per request stay the per-outcome ones above. 0: none."""
+    users feel). Reported rewards per request stay the per-outcome ones above. 0: none (0.1 raised neither
+    characters saved nor accept rate: bench/RESULTS.md, "Two tries at characters saved")."""
     advantage: Literal["raw", "batch_mean", "batch_norm", "shown_mean"] = "raw"
     """`raw`: the reward (one-step Monte-Carlo return); `batch_mean`: minus the batch mean;
     `batch_norm`: whitened over the batch (REINFORCE++ style); `shown_mean`: minus the mean over the
@@ -391,7 +392,8 @@ class ServingParams(Section):
     explore_fraction: float = Field(0.0, ge=0, le=1)
     """Fraction of served requests (drawn per request) cut at explore_min_logprob instead of min_logprob, so
     the logs hold users' verdicts on text the strict rule hides: an accepted one raises those tokens'
-    log-probs, and the next model shows them under min_logprob. Evaluations never explore. 0: never."""
+    log-probs, and the next model shows them under min_logprob. Evaluations never explore. 0: never (at 0.25
+    and -1.0 not shown to beat a stricter threshold, and it costs live accepts: bench/RESULTS.md, "Two tries")."""
     explore_min_logprob: float | None = Field(-1.0, le=0)
     """The looser cut of an exploring request (below min_logprob); None shows an exploring suggestion whole."""
     seed: int | None = None
