@@ -86,7 +86,7 @@ def serve_cmd(
     if p.serving.explore_fraction > 0:
         console.print(
             f"exploring: {p.serving.explore_fraction:.0%} of requests "
-            + describe_rule(show_rule(p.serving, explore=True)).replace("min_logprob", "explore_min_logprob"),
+            + describe_rule(show_rule(p.serving, explore=True), "serving.explore_min_logprob"),
             highlight=False,
         )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

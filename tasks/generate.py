@@ -65,13 +65,14 @@ def show_rule(serving: ServingParams, explore: bool = False) -> ShowRule | None:
     return ShowRule(threshold, serving.temperature if serving.temperature > 0 else 1.0)
 
 
-def describe_rule(rule: ShowRule | None) -> str:
-    """One line saying what users are shown (for the gateway's and the evaluation's output)."""
+def describe_rule(rule: ShowRule | None, key: str = "serving.min_logprob") -> str:
+    """One line saying what users are shown (for the gateway's and the evaluation's output); key: the param
+    that set the rule's threshold."""
     if rule is None:
-        return "suggestions shown whole (serving.min_logprob: null)"
+        return f"suggestions shown whole ({key}: null)"
     return (
         f"suggestions shown up to the first token with log-prob < {rule.min_logprob:g} "
-        f"at T = {rule.temperature:g} (serving.min_logprob)"
+        f"at T = {rule.temperature:g} ({key})"
     )
 
 
