@@ -124,31 +124,43 @@ def test_a_vllm_cut_that_splits_a_character_shows_nothing_and_missing_strings_ar
         generation_from_vllm(body, ["<|endoftext|>"], 1.0, ShowRule(-1.0, 0.3))
 
 
-def test_the_gateway_shows_and_logs_only_the_sure_part(tmp_path, fim_samples, lm):
-    params = tiny_params(
-        tmp_path, serving={"config_ttl_s": 0, "max_tokens": 12, "min_logprob": -1.0, "temperature": 0.7, "seed": 5}
-    )
+def _serve_base(tmp_path, prompts, serving: dict) -> tuple[list, dict, str]:
+    """POST prompts to a real gateway whose one arm is the shipped base: (answers, logged rows by id, /metrics)."""
+    params = tiny_params(tmp_path, serving={"config_ttl_s": 0, "max_tokens": 12, **serving})
     engine = make_engine(params.paths.database_url)
     init_schema(engine)
     replace_arms(engine, [Arm("champion", "base/1", str(BASE), "embedded", 1.0)])
     key = add_key(engine, "alice")
     with serve_app(create_app(params, engine=engine)) as url:
-        answers = post_completions(url, key, _prompts(lm, fim_samples), max_tokens=12)
+        answers = post_completions(url, key, prompts, max_tokens=12)
+        metrics = httpx.get(f"{url}/metrics").text
     assert [a.status_code for a in answers] == [200] * len(answers), answers[0].text
     with engine.connect() as conn:
         rows = {r["id"]: r for r in conn.execute(sa.select(completions)).mappings()}
+    engine.dispose()
+    return answers, rows, metrics
+
+
+def _row_shown(row, stop_ids: set[int]) -> tuple[bool, list[float]]:
+    """(ended by a stop token, log-probs of the logged tokens that show text)."""
+    ended_by_stop = bool(row["token_ids"]) and row["token_ids"][-1] in stop_ids
+    return ended_by_stop, row["logprobs"][:-1] if ended_by_stop else row["logprobs"]
+
+
+def test_the_gateway_shows_and_logs_only_the_sure_part(tmp_path, fim_samples, lm):
+    answers, rows, _ = _serve_base(
+        tmp_path, _prompts(lm, fim_samples), {"min_logprob": -1.0, "temperature": 0.7, "seed": 5}
+    )
     stop_ids = set(lm.tokenizer.convert_tokens_to_ids(list(stops_of(lm.template, lm.tokenizer))))
     cut = 0
     for answer in answers:
         row = rows[answer.json()["id"]]
         assert answer.json()["choices"][0]["text"] == row["completion"]
-        ended_by_stop = bool(row["token_ids"]) and row["token_ids"][-1] in stop_ids
-        shown = row["logprobs"][:-1] if ended_by_stop else row["logprobs"]
+        ended_by_stop, shown = _row_shown(row, stop_ids)
         assert all(lp >= -1.0 for lp in shown), row["logprobs"]  # logged at the serving temperature
         assert row["abstained"] == (row["completion"] == "")
         cut += not ended_by_stop and len(row["token_ids"]) < 12
     assert cut >= 1  # some suggestions were cut (not ended by the model, not at max_tokens)
-    engine.dispose()
 
 
 def test_the_held_out_evaluation_applies_the_rule(typing_regions, lm):
@@ -172,36 +184,20 @@ def test_exploring_loosens_the_cut_and_needs_a_strict_rule_to_loosen():
 
 
 def test_the_gateway_explores_a_fraction_of_requests_at_the_looser_cut(tmp_path, fim_samples, lm):
-    params = tiny_params(
-        tmp_path,
-        serving={
-            "config_ttl_s": 0,
-            "max_tokens": 12,
-            "min_logprob": -0.05,
-            "explore_fraction": 0.5,
-            "explore_min_logprob": -3.0,
-            "temperature": 0.7,
-            "seed": 5,
-        },
-    )
-    engine = make_engine(params.paths.database_url)
-    init_schema(engine)
-    replace_arms(engine, [Arm("champion", "base/1", str(BASE), "embedded", 1.0)])
-    key = add_key(engine, "alice")
-    with serve_app(create_app(params, engine=engine)) as url:
-        answers = post_completions(url, key, _prompts(lm, fim_samples, n=16), max_tokens=12)
-        metrics = httpx.get(f"{url}/metrics").text
-    assert [a.status_code for a in answers] == [200] * len(answers), answers[0].text
+    serving = {
+        "min_logprob": -0.05,
+        "explore_fraction": 0.5,
+        "explore_min_logprob": -3.0,
+        "temperature": 0.7,
+        "seed": 5,
+    }
+    answers, rows, metrics = _serve_base(tmp_path, _prompts(lm, fim_samples, n=16), serving)
     explored = int(float(re.search(r'tabrl_explored_total\{arm="champion"\} (\S+)', metrics).group(1)))
     assert 0 < explored < len(answers)  # seed 5's draws: some requests explore, some do not
-    with engine.connect() as conn:
-        rows = list(conn.execute(sa.select(completions)).mappings())
     stop_ids = set(lm.tokenizer.convert_tokens_to_ids(list(stops_of(lm.template, lm.tokenizer))))
     loose = 0
-    for row in rows:
-        ended_by_stop = bool(row["token_ids"]) and row["token_ids"][-1] in stop_ids
-        shown = row["logprobs"][:-1] if ended_by_stop else row["logprobs"]
+    for row in rows.values():
+        _, shown = _row_shown(row, stop_ids)
         assert all(lp >= -3.0 for lp in shown), row["logprobs"]  # never looser than the exploring cut
         loose += any(lp < -0.05 for lp in shown)  # shown past the strict cut: only an exploring request does
     assert 1 <= loose <= explored
-    engine.dispose()
