@@ -208,6 +208,14 @@ class RewardParams(Section):
     outweighs a short one (Copilot: an accept-rate reward favours short suggestions; characters saved is what
     users feel). Reported rewards per request stay the per-outcome ones above. 0: none (0.1 raised neither
     characters saved nor accept rate: bench/RESULTS.md, "Two tries at characters saved")."""
+    typed_prefix: float | None = None
+    """Training only: the reward credited to the leading tokens of a rejected suggestion that are what the user
+    then typed (read from their next requests: tasks/reward/typed.py), in place of the rejection's; the tokens
+    from the first wrong one on keep it. A rejected suggestion is often right for a while and wrong at its end;
+    the whole-suggestion reward pushes its right tokens down with the wrong ones. None: off (every token of a
+    suggestion gets its outcome's reward, as Cursor's)."""
+    continuation_chars: int = Field(200, ge=1)
+    """Characters of what a user typed after a request kept in the rewarded snapshot (``continuation``)."""
     advantage: Literal["raw", "batch_mean", "batch_norm", "shown_mean"] = "raw"
     """`raw`: the reward (one-step Monte-Carlo return); `batch_mean`: minus the batch mean;
     `batch_norm`: whitened over the batch (REINFORCE++ style); `shown_mean`: minus the mean over the

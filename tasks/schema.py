@@ -16,7 +16,7 @@ FIM samples (``data/fim/{train,test}.parquet``), built by ``tasks/corpus.py``:
 Interaction snapshots (``data/interactions/interactions-<first seq>-<last seq>.parquet``), built by
 ``tasks/ingest`` from the completions with ``<first seq> <= completions.seq <= <last seq>`` that
 survived cleaning, in seq order (one row per shown or abstained request; DVC-versioned, never
-rewritten); the reward stage writes a copy with ``reward`` and ``advantage`` added
+rewritten); the reward stage writes a copy with ``continuation``, ``reward`` and ``advantage`` added
 (``REWARDED_SCHEMA``):
 
     completion_id       string
@@ -31,6 +31,11 @@ rewritten); the reward stage writes a copy with ``reward`` and ``advantage`` add
     temperature         float64
     outcome             string         "accepted" | "rejected" | "abstained"
     accepted_chars      int32          null unless accepted and the client reported it
+    prefix              string         the text before the cursor, as the editor sent it (null in snapshots
+                                       written before 2026-11-26)
+    suffix              string         the text after the cursor, as the editor sent it (idem)
+    continuation        string         (reward stage) what the same user typed after this request, read from
+                                       their next requests' prefixes (null when unknown; tasks/reward/typed.py)
     reward              float64        (reward stage)
     advantage           float64        (reward stage)
 """
@@ -71,11 +76,18 @@ INTERACTION_SCHEMA = pa.schema(
         ("temperature", pa.float64()),
         ("outcome", pa.string()),
         ("accepted_chars", pa.int32()),
+        ("prefix", pa.string()),
+        ("suffix", pa.string()),
     ]
 )
 
-REWARDED_SCHEMA = INTERACTION_SCHEMA.append(pa.field("reward", pa.float64())).append(
-    pa.field("advantage", pa.float64())
+REWARDED_SCHEMA = pa.schema(
+    [
+        *INTERACTION_SCHEMA,
+        pa.field("continuation", pa.string()),
+        pa.field("reward", pa.float64()),
+        pa.field("advantage", pa.float64()),
+    ]
 )
 
 

@@ -58,6 +58,8 @@ class Decided(NamedTuple):
     opted_out: bool
     late_accepted: bool | None  # the late feedback's verdict, None when there was none
     prompt_hash: str  # sha256(prompt + NUL + completion), as the gateway stored it
+    prefix: str  # the text before the cursor, as the editor sent it
+    suffix: str
 
 
 def read_watermark(conn: Connection) -> Watermark:
@@ -102,6 +104,8 @@ def _query(after_seq: int, upto_seq: int | None) -> sa.Select:
             f.c.trainable,
             u.c.opted_out,
             c.c.prompt_hash,
+            c.c.prefix,
+            c.c.suffix,
         )
         .select_from(
             c.outerjoin(f, sa.and_(f.c.completion_id == c.c.id, f.c.matched == sa.true())).outerjoin(
@@ -147,6 +151,8 @@ def pull_decided(
                 trainable,
                 opted_out,
                 prompt_hash,
+                prefix,
+                suffix,
             ) in part:
                 if upto_seq is None:
                     if created_at + timeout > now:
@@ -176,6 +182,8 @@ def pull_decided(
                         bool(opted_out),
                         bool(accepted) if late else None,
                         prompt_hash,
+                        prefix,
+                        suffix,
                     )
                 )
             yield chunk

@@ -147,6 +147,8 @@ def _columns(rows: list[Decided]) -> pa.Table:
             "temperature",
             "outcome",
             "accepted_chars",
+            "prefix",
+            "suffix",
         )
     }
     pick["token_ids"] = _json_lists(cols[f.index("token_ids")])

@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 
 from tasks.config import RewardParams
 from tasks.outcomes import OUTCOMES, reward_of, reward_per_request
+from tasks.reward.typed import continuations
 from tasks.schema import REWARDED_SCHEMA
 from tasks.simulated_users import Summary, summarise
 
@@ -69,8 +70,23 @@ ADVANTAGES: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
 }
 
 
+def add_continuations(table: pa.Table, params: RewardParams) -> pa.Table:
+    """The snapshot with a ``continuation`` column: what each user typed next (tasks/reward/typed.py)."""
+    for name in ("prefix", "suffix"):  # snapshots written before the editor's texts were logged
+        if name not in table.column_names:
+            table = table.append_column(name, pa.nulls(table.num_rows, pa.string()))
+    typed = continuations(
+        table.column("user_id").to_pylist(),
+        table.column("prefix").to_pylist(),
+        table.column("suffix").to_pylist(),
+        params.continuation_chars,
+    )
+    return table.append_column("continuation", pa.array(typed, pa.string()))
+
+
 def add_rewards(table: pa.Table, params: RewardParams) -> pa.Table:
-    """An interaction snapshot with ``reward`` and ``advantage`` columns (REWARDED_SCHEMA)."""
+    """An interaction snapshot with ``continuation``, ``reward`` and ``advantage`` columns (REWARDED_SCHEMA)."""
+    table = add_continuations(table, params)
     by_outcome = {outcome: reward_of(outcome, params) for outcome in OUTCOMES}
     outcomes = table.column("outcome").to_pylist()
     rewards = np.array([by_outcome[o] if o in by_outcome else reward_of(o, params) for o in outcomes], dtype=np.float64)
@@ -82,6 +98,7 @@ def add_rewards(table: pa.Table, params: RewardParams) -> pa.Table:
     return (
         table.append_column("reward", pa.array(rewards, pa.float64()))
         .append_column("advantage", pa.array(advantages, pa.float64()))
+        .select(REWARDED_SCHEMA.names)
         .cast(REWARDED_SCHEMA)
     )
 

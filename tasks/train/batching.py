@@ -35,6 +35,13 @@ class Example:
     temperature: float  # the scale of the sampling distribution (1.0 for greedy)
     behaviour_logp: list[float] | None  # logged at serving, one per completion token
     abstain_advantage: float = 0.0  # reward of showing nothing minus the row's reward (0: no abstain term)
+    right_tokens: int = 0  # leading completion tokens that carry right_advantage instead of advantage
+    right_advantage: float = 0.0
+
+    def token_advantages(self) -> list[float]:
+        """The advantage of each completion token."""
+        n_right = min(self.right_tokens, self.n_completion)
+        return [self.right_advantage] * n_right + [self.advantage] * (self.n_completion - n_right)
 
     @property
     def n_completion(self) -> int:
@@ -50,7 +57,7 @@ def read_snapshot(path: str | Path) -> list[dict]:
     missing = [c for c in SNAPSHOT_COLUMNS if c not in table.column_names]
     if missing:
         raise SnapshotError(f"snapshot {path} lacks column(s) {missing}; run the reward stage first")
-    optional = [c for c in ("completion", "reward") if c in table.column_names]
+    optional = [c for c in ("completion", "reward", "outcome", "continuation") if c in table.column_names]
     return table.select([*SNAPSHOT_COLUMNS, *optional]).to_pylist()
 
 
@@ -65,6 +72,22 @@ def sampled_by_another_model(row: dict, tokenizer) -> bool:
     return bool(shown) and not tokenizer.decode(ids, skip_special_tokens=False).lstrip().startswith(shown.lstrip())
 
 
+def right_tokens(tokenizer, token_ids: Sequence[int], continuation: str) -> int:
+    """How many leading tokens of a suggestion are what the user went on to type."""
+    n = 0
+    while n < len(token_ids) and continuation.startswith(
+        tokenizer.decode(token_ids[: n + 1], skip_special_tokens=False)
+    ):
+        n += 1
+    return n
+
+
+def _row_reward(row: dict, i: int, needs: str) -> float:
+    if row.get("reward") is None or not math.isfinite(row["reward"]):
+        raise SnapshotError(f"row {i}: reward is {row.get('reward')!r}; {needs} needs every row's reward")
+    return float(row["reward"])
+
+
 def build_examples(
     rows: Sequence[dict],
     tokenizer,
@@ -72,10 +95,13 @@ def build_examples(
     limit: int,
     max_len: int,
     abstain_reward: float | None = None,
+    typed_prefix: float | None = None,
 ) -> list[Example]:
     """Training sequences from snapshot rows; rows with no completion tokens carry no gradient and are left out,
     and so are rows another model's tokenizer sampled. With abstain_reward, each example also carries
-    abstain_reward - its row's reward (the known-reward abstain term's advantage; rows need `reward`)."""
+    abstain_reward - its row's reward (the known-reward abstain term's advantage; rows need `reward`). With
+    typed_prefix, a rejected suggestion's leading tokens that the user then typed (its row's `continuation`)
+    get the row's advantage + typed_prefix - its reward: the credit of those tokens, on the row's baseline."""
     examples = []
     for i, row in enumerate(rows):
         completion = row["token_ids"] or []
@@ -93,11 +119,11 @@ def build_examples(
         temperature = row["temperature"] if row["temperature"] and row["temperature"] > 0 else 1.0
         abstain_advantage = 0.0
         if abstain_reward is not None:
-            if row.get("reward") is None or not math.isfinite(row["reward"]):
-                raise SnapshotError(
-                    f"row {i}: reward is {row.get('reward')!r}; the abstain term needs every row's reward"
-                )
-            abstain_advantage = abstain_reward - float(row["reward"])
+            abstain_advantage = abstain_reward - _row_reward(row, i, "the abstain term")
+        n_right, right_advantage = 0, 0.0
+        if typed_prefix is not None and row.get("outcome") == "rejected" and row.get("continuation"):
+            n_right = right_tokens(tokenizer, completion, row["continuation"])
+            right_advantage = float(row["advantage"]) + typed_prefix - _row_reward(row, i, "reward.typed_prefix")
         examples.append(
             Example(
                 ids,
@@ -106,6 +132,8 @@ def build_examples(
                 float(temperature),
                 None if behaviour is None else [float(x) for x in behaviour],
                 abstain_advantage,
+                n_right,
+                right_advantage,
             )
         )
     return examples

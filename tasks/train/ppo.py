@@ -201,6 +201,8 @@ def inputs_digest(snapshot: Path, from_dir: Path, params: Params) -> str:
     h.update(str(params.serving.max_tokens).encode())
     if params.train.abstain_weight > 0:  # the abstain term's advantage reads the reward of showing nothing
         h.update(str(params.reward.abstained).encode())
+    if params.reward.typed_prefix is not None:  # so does the credit of a rejected suggestion's right tokens
+        h.update(f"typed_prefix={params.reward.typed_prefix}".encode())
     return h.hexdigest()
 
 
@@ -247,6 +249,7 @@ def train(
         prompt_limit(lm, params.serving.max_tokens),
         lm.config.max_position_embeddings,
         abstain_reward=params.reward.abstained if abstaining else None,
+        typed_prefix=params.reward.typed_prefix,
     )
     stop_ids = torch.tensor(split_stops(tokenizer, stops_of(template, tokenizer))[0], device=device)
     if not examples:
@@ -394,7 +397,7 @@ def _token_inputs(examples, idx, prox, is_cap, device):
         ex = examples[i]
         old.extend(prox[i])
         behaviour.extend(ex.behaviour_logp if ex.behaviour_logp is not None else [math.nan] * ex.n_completion)
-        adv.extend([ex.advantage] * ex.n_completion)
+        adv.extend(ex.token_advantages())
     old_t = torch.tensor(old, dtype=torch.float32, device=device)  # (N,)
     beh_t = torch.tensor(behaviour, dtype=torch.float32, device=device)  # (N,)
     weight = torch.where(torch.isnan(beh_t), torch.ones_like(old_t), truncated_is_weight(old_t, beh_t, is_cap))
