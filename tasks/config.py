@@ -214,6 +214,11 @@ class RewardParams(Section):
     from the first wrong one on keep it. A rejected suggestion is often right for a while and wrong at its end;
     the whole-suggestion reward pushes its right tokens down with the wrong ones. None: off (every token of a
     suggestion gets its outcome's reward, as Cursor's)."""
+    typed_demo: float | None = None
+    """Training only: every rejected or abstained request whose continuation is known also trains on the rest
+    of the line the user typed there (then the end token), as a suggestion that earned this reward: what a right
+    suggestion would have been, on every request instead of the few accepted ones. Its tokens were not sampled
+    (importance weight 1, as rows logged without log-probs); the ratio clip bounds each update. None: off."""
     continuation_chars: int = Field(200, ge=1)
     """Characters of what a user typed after a request kept in the rewarded snapshot (``continuation``)."""
     advantage: Literal["raw", "batch_mean", "batch_norm", "shown_mean"] = "raw"

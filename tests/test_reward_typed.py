@@ -3,7 +3,7 @@
 import pyarrow.parquet as pq
 
 from tasks.ingest.snapshot import run_ingest
-from tasks.reward.reward import reward_snapshot
+from tasks.reward.reward import reward_metrics, reward_snapshot
 from tasks.reward.typed import MIN_ANCHOR, continuations, typed_between
 from tests.conftest import tiny_params
 from tests.ingest_helpers import add_completions, add_feedback, completion_row, store
@@ -65,6 +65,7 @@ def test_the_rewarded_snapshot_carries_continuations_from_the_log(tmp_path):
     assert pq.read_table(ingest.snapshot).column("prefix").to_pylist()[0] == FILE[:39]
     result = reward_snapshot(ingest.snapshot, params.reward, tmp_path / "rewarded.parquet", ingest.arms)
     table = pq.read_table(result.path)
+    assert result.continued == 2 and reward_metrics(result)["reward/continued"] == 2
     rows = {r["completion_id"]: r for r in table.to_pylist()}
     assert rows["a"]["outcome"] == "rejected" and rows["a"]["continuation"] == FILE[39:]
     assert not rows["a"]["continuation"].startswith(rows["a"]["completion"])  # it wrote g, the user f

@@ -303,6 +303,37 @@ def test_typed_prefix_credits_a_rejected_suggestions_right_tokens(tiny_model_dir
     assert (gained > lost).float().mean() >= 0.9
 
 
+def test_typed_demo_trains_on_the_line_the_user_typed(tiny_model_dir, snapshot, tmp_path):
+    """With reward.typed_demo a rejected or abstained request whose continuation holds a whole line adds that
+    line and the end token as an example with that reward; one update makes those lines likelier. Accepted
+    requests, and continuations without a line end, add none."""
+    _, tok, _ = load_model(tiny_model_dir)
+    rows = pq.read_table(snapshot).to_pylist()[:12]
+    line = "config = load_settings(path)"
+    for k, row in enumerate(rows):
+        row["outcome"] = ("rejected", "abstained", "accepted")[k % 3]
+        row["reward"] = row["advantage"] = {"rejected": -0.25, "abstained": 0.0, "accepted": 0.75}[row["outcome"]]
+        row["continuation"] = line + "\n    return config\n" if k < 9 else line  # the last three: no line end
+    snap = tmp_path / "snap.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=REWARDED_SCHEMA), snap)
+    on = _params(tmp_path, micro_batch=32)
+    on = on.model_copy(update={"reward": on.reward.model_copy(update={"typed_demo": 0.75})})
+    model, plain = _examples(tiny_model_dir, snap, _params(tmp_path))
+    with_demos = build_examples(read_snapshot(snap), tok, QWEN, prompt_limit(model, MAX_NEW), 512, typed_demo=0.75)
+    expected = tok.encode(line, add_special_tokens=False) + [tok.eos_token_id]
+    demos = [ex for ex in with_demos if ex.input_ids[ex.n_prompt :] == expected]
+    assert len(demos) == 6  # rows 0, 1, 3, 4, 6, 7
+    assert all(ex.advantage == 0.75 and ex.behaviour_logp is None and ex.temperature == 1.0 for ex in demos)
+    assert len(with_demos) == len(plain) + 6
+
+    def demo_logp(model_dir: Path) -> torch.Tensor:
+        lm, _, _ = load_model(model_dir)
+        return torch.stack([t.sum() for t in _logps(lm, demos).split([ex.n_completion for ex in demos])])
+
+    train(snap, tiny_model_dir, tmp_path / "on", on)
+    assert (demo_logp(tmp_path / "on") > demo_logp(tiny_model_dir)).all()
+
+
 def test_non_finite_loss_stops_without_checkpoint(tiny_model_dir, snapshot, tmp_path):
     rows = pq.read_table(snapshot).to_pylist()
     rows[0]["advantage"] = 1e39  # finite in the log, inf in fp32

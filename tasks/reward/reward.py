@@ -110,6 +110,7 @@ class RewardResult:
     reward_mean: float
     advantage_mean: float
     advantage_std: float
+    continued: int  # rows whose continuation (what the user typed next) is known
     summary: dict[str, dict[str, float]]  # per arm and "all" (see arm_summary)
 
 
@@ -132,6 +133,7 @@ def reward_snapshot(
         reward_mean=float(rewards.mean()) if rewards.size else 0.0,
         advantage_mean=float(adv.mean()) if adv.size else 0.0,
         advantage_std=float(adv.std()) if adv.size else 0.0,
+        continued=table.num_rows - table.column("continuation").null_count,
         summary=cycle_summary(summaries, params),
     )
 
@@ -171,6 +173,7 @@ def reward_metrics(result: RewardResult) -> dict[str, float]:
         "reward/rows": result.rows,
         "reward/mean": result.reward_mean,
         "reward/advantage_std": result.advantage_std,
+        "reward/continued": result.continued,
     }
     for arm, numbers in result.summary.items():
         prefix = "reward/" if arm == "all" else f"reward/{arm}/"

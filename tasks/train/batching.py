@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import torch
 
 from tasks.config import TrainParams
+from tasks.editor import stop_of
 from tasks.fim import FimTemplate
 from tasks.generate import encode_prompt
 
@@ -82,6 +83,12 @@ def right_tokens(tokenizer, token_ids: Sequence[int], continuation: str) -> int:
     return n
 
 
+def demo_text(continuation: str) -> str | None:
+    """The rest of the line a user typed after a request (None when the continuation holds no whole line)."""
+    end = stop_of(continuation, "line", 1)
+    return continuation[:end] if end < len(continuation) and continuation[:end].strip() else None
+
+
 def _row_reward(row: dict, i: int, needs: str) -> float:
     if row.get("reward") is None or not math.isfinite(row["reward"]):
         raise SnapshotError(f"row {i}: reward is {row.get('reward')!r}; {needs} needs every row's reward")
@@ -96,14 +103,21 @@ def build_examples(
     max_len: int,
     abstain_reward: float | None = None,
     typed_prefix: float | None = None,
+    typed_demo: float | None = None,
 ) -> list[Example]:
     """Training sequences from snapshot rows; rows with no completion tokens carry no gradient and are left out,
     and so are rows another model's tokenizer sampled. With abstain_reward, each example also carries
     abstain_reward - its row's reward (the known-reward abstain term's advantage; rows need `reward`). With
     typed_prefix, a rejected suggestion's leading tokens that the user then typed (its row's `continuation`)
-    get the row's advantage + typed_prefix - its reward: the credit of those tokens, on the row's baseline."""
+    get the row's advantage + typed_prefix - its reward: the credit of those tokens, on the row's baseline. With
+    typed_demo, a rejected or abstained row whose continuation holds a whole line adds an example of that line
+    and the end token, advantage the row's + typed_demo - its reward, no behaviour log-probs."""
     examples = []
     for i, row in enumerate(rows):
+        if typed_demo is not None:
+            demo = _demo_example(row, i, tokenizer, template, limit, max_len, typed_demo)
+            if demo is not None:
+                examples.append(demo)
         completion = row["token_ids"] or []
         if not completion or sampled_by_another_model(row, tokenizer):
             continue
@@ -137,6 +151,20 @@ def build_examples(
             )
         )
     return examples
+
+
+def _demo_example(row: dict, i: int, tokenizer, template, limit: int, max_len: int, reward: float) -> Example | None:
+    if row.get("outcome") not in ("rejected", "abstained") or not row.get("continuation"):
+        return None
+    text = demo_text(row["continuation"])
+    if text is None:
+        return None
+    prompt = encode_prompt(tokenizer, row["prompt"], limit, template)
+    ids = prompt + tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+    if len(ids) > max_len:
+        return None
+    advantage = float(row["advantage"]) + reward - _row_reward(row, i, "reward.typed_demo")
+    return Example(ids, len(prompt), advantage, 1.0, None)
 
 
 @dataclass

@@ -201,8 +201,9 @@ def inputs_digest(snapshot: Path, from_dir: Path, params: Params) -> str:
     h.update(str(params.serving.max_tokens).encode())
     if params.train.abstain_weight > 0:  # the abstain term's advantage reads the reward of showing nothing
         h.update(str(params.reward.abstained).encode())
-    if params.reward.typed_prefix is not None:  # so does the credit of a rejected suggestion's right tokens
-        h.update(f"typed_prefix={params.reward.typed_prefix}".encode())
+    for key in ("typed_prefix", "typed_demo"):  # the credit of what the user typed, when on
+        if getattr(params.reward, key) is not None:
+            h.update(f"{key}={getattr(params.reward, key)}".encode())
     return h.hexdigest()
 
 
@@ -250,6 +251,7 @@ def train(
         lm.config.max_position_embeddings,
         abstain_reward=params.reward.abstained if abstaining else None,
         typed_prefix=params.reward.typed_prefix,
+        typed_demo=params.reward.typed_demo,
     )
     stop_ids = torch.tensor(split_stops(tokenizer, stops_of(template, tokenizer))[0], device=device)
     if not examples:
