@@ -208,12 +208,6 @@ class RewardParams(Section):
     outweighs a short one (Copilot: an accept-rate reward favours short suggestions; characters saved is what
     users feel). Reported rewards per request stay the per-outcome ones above. 0: none (0.1 raised neither
     characters saved nor accept rate: bench/RESULTS.md, "Two tries at characters saved")."""
-    typed_prefix: float | None = None
-    """Training only: the reward credited to the leading tokens of a rejected suggestion that are what the user
-    then typed (read from their next requests: tasks/reward/typed.py), in place of the rejection's; the tokens
-    from the first wrong one on keep it. A rejected suggestion is often right for a while and wrong at its end;
-    the whole-suggestion reward pushes its right tokens down with the wrong ones. None: off (every token of a
-    suggestion gets its outcome's reward, as Cursor's)."""
     typed_demo: float | None = None
     """Training only: every rejected or abstained request whose continuation is known also trains on the rest
     of the line the user typed there (then the end token), as a suggestion that earned this reward: what a right

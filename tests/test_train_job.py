@@ -260,49 +260,6 @@ def test_the_abstain_term_needs_every_rows_reward(tiny_model_dir, snapshot, tmp_
     assert not (tmp_path / "out").exists()
 
 
-def _typed_copy(snapshot: Path, out: Path, tok, n_right: int) -> Path:
-    """Every row rejected (reward and advantage -0.25), its user having typed its first n_right tokens and then
-    something else: those tokens were right, the rest wrong."""
-    rows = pq.read_table(snapshot).to_pylist()
-    for row in rows:
-        row["outcome"], row["reward"], row["advantage"] = "rejected", -0.25, -0.25
-        head = tok.decode(row["token_ids"][:n_right], skip_special_tokens=False)
-        row["continuation"] = head + "\u2603 what the user typed instead"  # a character the model never writes
-    pq.write_table(pa.Table.from_pylist(rows, schema=REWARDED_SCHEMA), out)
-    return out
-
-
-def test_typed_prefix_credits_a_rejected_suggestions_right_tokens(tiny_model_dir, snapshot, tmp_path):
-    """With reward.typed_prefix the tokens of a rejected suggestion that the user went on to type get that
-    reward's advantage and gain probability; the tokens after them keep the rejection's. Off, they all lose."""
-    _, tok, _ = load_model(tiny_model_dir)
-    snap = _typed_copy(snapshot, tmp_path / "snap.parquet", tok, 2)
-    on = _params(tmp_path, micro_batch=32)
-    on = on.model_copy(update={"reward": on.reward.model_copy(update={"typed_prefix": 0.75})})
-    model, examples = _examples(tiny_model_dir, snap, on)
-    long = [i for i, ex in enumerate(examples) if ex.n_completion >= 3]
-    assert len(long) >= 8
-    rows = read_snapshot(snap)
-    credited = build_examples(rows, tok, QWEN, prompt_limit(model, MAX_NEW), 512, typed_prefix=0.75)
-    for i in long:
-        assert credited[i].right_tokens == 2
-        assert credited[i].token_advantages() == [0.75, 0.75] + [-0.25] * (credited[i].n_completion - 2)
-    plain = build_examples(rows, tok, QWEN, prompt_limit(model, MAX_NEW), 512)
-    assert all(ex.token_advantages() == [-0.25] * ex.n_completion for ex in plain)  # off: the outcome's alone
-
-    def head_logp(model_dir: Path) -> torch.Tensor:
-        lm, _, _ = load_model(model_dir)
-        per_example = _logps(lm, credited).split([ex.n_completion for ex in credited])
-        return torch.stack([per_example[i][:2].sum() for i in long])
-
-    train(snap, tiny_model_dir, tmp_path / "on", on)
-    train(snap, tiny_model_dir, tmp_path / "off", _params(tmp_path, micro_batch=32))
-    start = head_logp(tiny_model_dir)
-    gained, lost = head_logp(tmp_path / "on") - start, head_logp(tmp_path / "off") - start
-    assert gained.mean() > 0 > lost.mean()
-    assert (gained > lost).float().mean() >= 0.9
-
-
 def test_typed_demo_trains_on_the_line_the_user_typed(tiny_model_dir, snapshot, tmp_path):
     """With reward.typed_demo a rejected or abstained request whose continuation holds a whole line adds that
     line and the end token as an example with that reward; one update makes those lines likelier. Accepted
@@ -332,6 +289,9 @@ def test_typed_demo_trains_on_the_line_the_user_typed(tiny_model_dir, snapshot, 
 
     train(snap, tiny_model_dir, tmp_path / "on", on)
     assert (demo_logp(tmp_path / "on") > demo_logp(tiny_model_dir)).all()
+    half = on.model_copy(update={"reward": on.reward.model_copy(update={"typed_demo": 0.5})})
+    keys = {inputs_digest(snap, Path(tiny_model_dir), p) for p in (on, half, _params(tmp_path, micro_batch=32))}
+    assert len(keys) == 3  # a stored update is reused only with the same examples and rewards
 
 
 def test_non_finite_loss_stops_without_checkpoint(tiny_model_dir, snapshot, tmp_path):

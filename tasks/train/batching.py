@@ -36,13 +36,6 @@ class Example:
     temperature: float  # the scale of the sampling distribution (1.0 for greedy)
     behaviour_logp: list[float] | None  # logged at serving, one per completion token
     abstain_advantage: float = 0.0  # reward of showing nothing minus the row's reward (0: no abstain term)
-    right_tokens: int = 0  # leading completion tokens that carry right_advantage instead of advantage
-    right_advantage: float = 0.0
-
-    def token_advantages(self) -> list[float]:
-        """The advantage of each completion token."""
-        n_right = min(self.right_tokens, self.n_completion)
-        return [self.right_advantage] * n_right + [self.advantage] * (self.n_completion - n_right)
 
     @property
     def n_completion(self) -> int:
@@ -73,16 +66,6 @@ def sampled_by_another_model(row: dict, tokenizer) -> bool:
     return bool(shown) and not tokenizer.decode(ids, skip_special_tokens=False).lstrip().startswith(shown.lstrip())
 
 
-def right_tokens(tokenizer, token_ids: Sequence[int], continuation: str) -> int:
-    """How many leading tokens of a suggestion are what the user went on to type."""
-    n = 0
-    while n < len(token_ids) and continuation.startswith(
-        tokenizer.decode(token_ids[: n + 1], skip_special_tokens=False)
-    ):
-        n += 1
-    return n
-
-
 def demo_text(continuation: str) -> str | None:
     """The rest of the line a user typed after a request (None when the continuation holds no whole line)."""
     end = stop_of(continuation, "line", 1)
@@ -102,14 +85,11 @@ def build_examples(
     limit: int,
     max_len: int,
     abstain_reward: float | None = None,
-    typed_prefix: float | None = None,
     typed_demo: float | None = None,
 ) -> list[Example]:
     """Training sequences from snapshot rows; rows with no completion tokens carry no gradient and are left out,
     and so are rows another model's tokenizer sampled. With abstain_reward, each example also carries
     abstain_reward - its row's reward (the known-reward abstain term's advantage; rows need `reward`). With
-    typed_prefix, a rejected suggestion's leading tokens that the user then typed (its row's `continuation`)
-    get the row's advantage + typed_prefix - its reward: the credit of those tokens, on the row's baseline. With
     typed_demo, a rejected or abstained row whose continuation holds a whole line adds an example of that line
     and the end token, advantage the row's + typed_demo - its reward, no behaviour log-probs."""
     examples = []
@@ -134,10 +114,6 @@ def build_examples(
         abstain_advantage = 0.0
         if abstain_reward is not None:
             abstain_advantage = abstain_reward - _row_reward(row, i, "the abstain term")
-        n_right, right_advantage = 0, 0.0
-        if typed_prefix is not None and row.get("outcome") == "rejected" and row.get("continuation"):
-            n_right = right_tokens(tokenizer, completion, row["continuation"])
-            right_advantage = float(row["advantage"]) + typed_prefix - _row_reward(row, i, "reward.typed_prefix")
         examples.append(
             Example(
                 ids,
@@ -146,8 +122,6 @@ def build_examples(
                 float(temperature),
                 None if behaviour is None else [float(x) for x in behaviour],
                 abstain_advantage,
-                n_right,
-                right_advantage,
             )
         )
     return examples

@@ -201,9 +201,8 @@ def inputs_digest(snapshot: Path, from_dir: Path, params: Params) -> str:
     h.update(str(params.serving.max_tokens).encode())
     if params.train.abstain_weight > 0:  # the abstain term's advantage reads the reward of showing nothing
         h.update(str(params.reward.abstained).encode())
-    for key in ("typed_prefix", "typed_demo"):  # the credit of what the user typed, when on
-        if getattr(params.reward, key) is not None:
-            h.update(f"{key}={getattr(params.reward, key)}".encode())
+    if params.reward.typed_demo is not None:  # the examples of what users typed, and their reward
+        h.update(f"typed_demo={params.reward.typed_demo}".encode())
     return h.hexdigest()
 
 
@@ -250,7 +249,6 @@ def train(
         prompt_limit(lm, params.serving.max_tokens),
         lm.config.max_position_embeddings,
         abstain_reward=params.reward.abstained if abstaining else None,
-        typed_prefix=params.reward.typed_prefix,
         typed_demo=params.reward.typed_demo,
     )
     stop_ids = torch.tensor(split_stops(tokenizer, stops_of(template, tokenizer))[0], device=device)
@@ -399,7 +397,7 @@ def _token_inputs(examples, idx, prox, is_cap, device):
         ex = examples[i]
         old.extend(prox[i])
         behaviour.extend(ex.behaviour_logp if ex.behaviour_logp is not None else [math.nan] * ex.n_completion)
-        adv.extend(ex.token_advantages())
+        adv.extend([ex.advantage] * ex.n_completion)
     old_t = torch.tensor(old, dtype=torch.float32, device=device)  # (N,)
     beh_t = torch.tensor(behaviour, dtype=torch.float32, device=device)  # (N,)
     weight = torch.where(torch.isnan(beh_t), torch.ones_like(old_t), truncated_is_weight(old_t, beh_t, is_cap))
