@@ -130,6 +130,8 @@ def build_examples(
 def _demo_example(row: dict, i: int, tokenizer, template, limit: int, max_len: int, reward: float) -> Example | None:
     if row.get("outcome") not in ("rejected", "abstained") or not row.get("continuation"):
         return None
+    if tokenizer.eos_token_id is None:  # a model with no end token cannot be shown where a line stops
+        return None
     text = demo_text(row["continuation"])
     if text is None:
         return None
