@@ -94,19 +94,22 @@ def build_examples(
     and the end token, advantage the row's + typed_demo - its reward, no behaviour log-probs."""
     examples = []
     for i, row in enumerate(rows):
-        if typed_demo is not None:
-            demo = _demo_example(row, i, tokenizer, template, limit, max_len, typed_demo)
-            if demo is not None:
-                examples.append(demo)
+        demo = _demo_ids(row, tokenizer) if typed_demo is not None else None
         completion = row["token_ids"] or []
-        if not completion or sampled_by_another_model(row, tokenizer):
+        trains = bool(completion) and not sampled_by_another_model(row, tokenizer)
+        if not trains and demo is None:
             continue
         if row["advantage"] is None or not math.isfinite(row["advantage"]):
             raise SnapshotError(f"row {i}: advantage is {row['advantage']!r}; every row needs a finite advantage")
+        prompt = encode_prompt(tokenizer, row["prompt"], limit, template)  # once, for the row and its demo
+        if demo is not None and len(prompt) + len(demo) <= max_len:
+            advantage = float(row["advantage"]) + typed_demo - _row_reward(row, i, "reward.typed_demo")
+            examples.append(Example(prompt + demo, len(prompt), advantage, 1.0, None))
+        if not trains:
+            continue
         behaviour = row["logprobs"]
         if behaviour is not None and len(behaviour) != len(completion):
             raise SnapshotError(f"row {i}: {len(behaviour)} logprobs for {len(completion)} token_ids")
-        prompt = encode_prompt(tokenizer, row["prompt"], limit, template)
         ids = prompt + list(completion)
         if len(ids) > max_len:
             raise SnapshotError(f"row {i}: {len(ids)} tokens exceed the model's {max_len} positions")
@@ -127,7 +130,8 @@ def build_examples(
     return examples
 
 
-def _demo_example(row: dict, i: int, tokenizer, template, limit: int, max_len: int, reward: float) -> Example | None:
+def _demo_ids(row: dict, tokenizer) -> list[int] | None:
+    """The completion ids of a row's demo: the line its user typed and the end token (None: the row has none)."""
     if row.get("outcome") not in ("rejected", "abstained") or not row.get("continuation"):
         return None
     if tokenizer.eos_token_id is None:  # a model with no end token cannot be shown where a line stops
@@ -135,12 +139,7 @@ def _demo_example(row: dict, i: int, tokenizer, template, limit: int, max_len: i
     text = demo_text(row["continuation"])
     if text is None:
         return None
-    prompt = encode_prompt(tokenizer, row["prompt"], limit, template)
-    ids = prompt + tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
-    if len(ids) > max_len:
-        return None
-    advantage = float(row["advantage"]) + reward - _row_reward(row, i, "reward.typed_demo")
-    return Example(ids, len(prompt), advantage, 1.0, None)
+    return tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
 
 
 @dataclass
