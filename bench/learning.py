@@ -143,7 +143,9 @@ def corpus_data_dir(args) -> Path:
     from tasks.editor import pick_regions, regions_path, write_regions
 
     params = load_params(args.params, args.set)
-    out = (args.out / "corpus-data").resolve()
+    # relative when --out is: each run's interaction snapshots then land in its own DVC repo (an absolute
+    # data dir would put every run's snapshots in one folder, unversioned)
+    out = args.out / "corpus-data"
     files = list(iter_source_files(args.corpus, params.data))
     write_samples(
         sample_spans(files, "test", params.evaluate.n_samples, params.fim, params.fim.seed),
