@@ -271,6 +271,10 @@ class TrainParams(Section):
     (advantage reward.abstained - the row's reward) without the empty suggestion having been sampled. The
     term is -weight x that advantage x log pi(stop as the first token), one per row, counted like a
     completion token in the token mean (tasks/train/loss.py, abstain_loss). 0 disables it."""
+    abstain_where_typed: bool = True
+    """With abstain_weight > 0 and reward.typed_demo: also push towards abstaining on the rows whose typed line
+    trains as a suggestion. False: where the line the user typed is known the loop teaches that line only (the
+    better action), and the abstain term acts where no line is known."""
     target_kl: float = Field(0.5, gt=0)
     """PPO's early stop: when approx-KL of a step (to the starting weights) exceeds this, the update ends
     before that step and the checkpoint so far is kept. Set it above max_approx_kl to turn it off."""

@@ -260,24 +260,33 @@ def test_the_abstain_term_needs_every_rows_reward(tiny_model_dir, snapshot, tmp_
     assert not (tmp_path / "out").exists()
 
 
+TYPED_LINE = "config = load_settings(path)"
+
+
+def _typed_snapshot(snapshot: Path, tmp_path: Path) -> Path:
+    """12 rows: rejected, abstained, accepted in turn; the first nine users typed TYPED_LINE and a line end after
+    the request, the last three TYPED_LINE only (no whole line)."""
+    rows = pq.read_table(snapshot).to_pylist()[:12]
+    for k, row in enumerate(rows):
+        row["outcome"] = ("rejected", "abstained", "accepted")[k % 3]
+        row["reward"] = row["advantage"] = {"rejected": -0.25, "abstained": 0.0, "accepted": 0.75}[row["outcome"]]
+        row["continuation"] = TYPED_LINE + "\n    return config\n" if k < 9 else TYPED_LINE
+    snap = tmp_path / "snap.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=REWARDED_SCHEMA), snap)
+    return snap
+
+
 def test_typed_demo_trains_on_the_line_the_user_typed(tiny_model_dir, snapshot, tmp_path):
     """With reward.typed_demo a rejected or abstained request whose continuation holds a whole line adds that
     line and the end token as an example with that reward; one update makes those lines likelier. Accepted
     requests, and continuations without a line end, add none."""
     _, tok, _ = load_model(tiny_model_dir)
-    rows = pq.read_table(snapshot).to_pylist()[:12]
-    line = "config = load_settings(path)"
-    for k, row in enumerate(rows):
-        row["outcome"] = ("rejected", "abstained", "accepted")[k % 3]
-        row["reward"] = row["advantage"] = {"rejected": -0.25, "abstained": 0.0, "accepted": 0.75}[row["outcome"]]
-        row["continuation"] = line + "\n    return config\n" if k < 9 else line  # the last three: no line end
-    snap = tmp_path / "snap.parquet"
-    pq.write_table(pa.Table.from_pylist(rows, schema=REWARDED_SCHEMA), snap)
+    snap = _typed_snapshot(snapshot, tmp_path)
     on = _params(tmp_path, micro_batch=32)
     on = on.model_copy(update={"reward": on.reward.model_copy(update={"typed_demo": 0.75})})
     model, plain = _examples(tiny_model_dir, snap, _params(tmp_path))
     with_demos = build_examples(read_snapshot(snap), tok, QWEN, prompt_limit(model, MAX_NEW), 512, typed_demo=0.75)
-    expected = tok.encode(line, add_special_tokens=False) + [tok.eos_token_id]
+    expected = tok.encode(TYPED_LINE, add_special_tokens=False) + [tok.eos_token_id]
     demos = [ex for ex in with_demos if ex.input_ids[ex.n_prompt :] == expected]
     assert len(demos) == 6  # rows 0, 1, 3, 4, 6, 7
     assert all(ex.advantage == 0.75 and ex.behaviour_logp is None and ex.temperature == 1.0 for ex in demos)
@@ -292,6 +301,35 @@ def test_typed_demo_trains_on_the_line_the_user_typed(tiny_model_dir, snapshot, 
     half = on.model_copy(update={"reward": on.reward.model_copy(update={"typed_demo": 0.5})})
     keys = {inputs_digest(snap, Path(tiny_model_dir), p) for p in (on, half, _params(tmp_path, micro_batch=32))}
     assert len(keys) == 3  # a stored update is reused only with the same examples and rewards
+
+
+def test_without_abstain_where_typed_rows_with_a_typed_line_carry_no_abstain_term(tiny_model_dir, snapshot, tmp_path):
+    """train.abstain_where_typed False: a rejected row whose typed line trains as a demo gets no push towards
+    abstaining; a rejected row without a whole line still gets +0.25, an accepted one -0.75 (as with True)."""
+    model, tok, _ = load_model(tiny_model_dir)
+    snap = _typed_snapshot(snapshot, tmp_path)
+    demo = tok.encode(TYPED_LINE, add_special_tokens=False) + [tok.eos_token_id]
+
+    def row_terms(where_typed: bool) -> list[float]:  # the abstain advantage of each row's own example
+        examples = build_examples(
+            read_snapshot(snap),
+            tok,
+            QWEN,
+            prompt_limit(model, MAX_NEW),
+            512,
+            abstain_reward=0.0,
+            typed_demo=0.75,
+            abstain_where_typed=where_typed,
+        )
+        return [ex.abstain_advantage for ex in examples if ex.input_ids[ex.n_prompt :] != demo]
+
+    rows = read_snapshot(snap)
+    assert len(row_terms(True)) == len(rows)  # every row has completion tokens
+    expected_on = [{"rejected": 0.25, "abstained": 0.0, "accepted": -0.75}[r["outcome"]] for r in rows]
+    assert row_terms(True) == expected_on
+    typed = [k < 9 and r["outcome"] != "accepted" for k, r in enumerate(rows)]
+    assert row_terms(False) == [0.0 if t else a for t, a in zip(typed, expected_on, strict=True)]
+    assert row_terms(False)[9] == 0.25  # rejected, no whole line typed: the term stays
 
 
 def test_non_finite_loss_stops_without_checkpoint(tiny_model_dir, snapshot, tmp_path):

@@ -86,12 +86,14 @@ def build_examples(
     max_len: int,
     abstain_reward: float | None = None,
     typed_demo: float | None = None,
+    abstain_where_typed: bool = True,
 ) -> list[Example]:
     """Training sequences from snapshot rows; rows with no completion tokens carry no gradient and are left out,
     and so are rows another model's tokenizer sampled. With abstain_reward, each example also carries
     abstain_reward - its row's reward (the known-reward abstain term's advantage; rows need `reward`). With
     typed_demo, a rejected or abstained row whose continuation holds a whole line adds an example of that line
-    and the end token, advantage the row's + typed_demo - its reward, no behaviour log-probs."""
+    and the end token, advantage the row's + typed_demo - its reward, no behaviour log-probs; with
+    abstain_where_typed False, a row that adds such an example carries no abstain term (its advantage 0)."""
     examples = []
     for i, row in enumerate(rows):
         demo = _demo_ids(row, tokenizer) if typed_demo is not None else None
@@ -102,7 +104,8 @@ def build_examples(
         if row["advantage"] is None or not math.isfinite(row["advantage"]):
             raise SnapshotError(f"row {i}: advantage is {row['advantage']!r}; every row needs a finite advantage")
         prompt = encode_prompt(tokenizer, row["prompt"], limit, template)  # once, for the row and its demo
-        if demo is not None and len(prompt) + len(demo) <= max_len:
+        typed = demo is not None and len(prompt) + len(demo) <= max_len
+        if typed:
             advantage = float(row["advantage"]) + typed_demo - _row_reward(row, i, "reward.typed_demo")
             examples.append(Example(prompt + demo, len(prompt), advantage, 1.0, None))
         if not trains:
@@ -115,7 +118,7 @@ def build_examples(
             raise SnapshotError(f"row {i}: {len(ids)} tokens exceed the model's {max_len} positions")
         temperature = row["temperature"] if row["temperature"] and row["temperature"] > 0 else 1.0
         abstain_advantage = 0.0
-        if abstain_reward is not None:
+        if abstain_reward is not None and (abstain_where_typed or not typed):
             abstain_advantage = abstain_reward - _row_reward(row, i, "the abstain term")
         examples.append(
             Example(

@@ -250,6 +250,7 @@ def train(
         lm.config.max_position_embeddings,
         abstain_reward=params.reward.abstained if abstaining else None,
         typed_demo=params.reward.typed_demo,
+        abstain_where_typed=tp.abstain_where_typed,
     )
     stop_ids = torch.tensor(split_stops(tokenizer, stops_of(template, tokenizer))[0], device=device)
     if not examples:
