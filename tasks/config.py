@@ -274,7 +274,8 @@ class TrainParams(Section):
     abstain_where_typed: bool = True
     """With abstain_weight > 0 and reward.typed_demo: also push towards abstaining on the rows whose typed line
     trains as a suggestion. False: where the line the user typed is known the loop teaches that line only (the
-    better action), and the abstain term acts where no line is known."""
+    better action), and the abstain term acts where no line is known (params.yaml: false; 3 seeds x 5 cycles:
+    characters saved +0.0062 vs control where True gave +0.0011: bench/RESULTS.md, "Teach the typed line")."""
     target_kl: float = Field(0.5, gt=0)
     """PPO's early stop: when approx-KL of a step (to the starting weights) exceeds this, the update ends
     before that step and the checkpoint so far is kept. Set it above max_approx_kl to turn it off."""
