@@ -324,12 +324,13 @@ def test_without_abstain_where_typed_rows_with_a_typed_line_carry_no_abstain_ter
         return [ex.abstain_advantage for ex in examples if ex.input_ids[ex.n_prompt :] != demo]
 
     rows = read_snapshot(snap)
-    assert len(row_terms(True)) == len(rows)  # every row has completion tokens
+    on, off = row_terms(True), row_terms(False)
+    assert len(on) == len(rows)  # every row has completion tokens
     expected_on = [{"rejected": 0.25, "abstained": 0.0, "accepted": -0.75}[r["outcome"]] for r in rows]
-    assert row_terms(True) == expected_on
+    assert on == expected_on
     typed = [k < 9 and r["outcome"] != "accepted" for k, r in enumerate(rows)]
-    assert row_terms(False) == [0.0 if t else a for t, a in zip(typed, expected_on, strict=True)]
-    assert row_terms(False)[9] == 0.25  # rejected, no whole line typed: the term stays
+    assert off == [0.0 if t else a for t, a in zip(typed, expected_on, strict=True)]
+    assert off[9] == 0.25  # rejected, no whole line typed: the term stays
 
 
 def test_non_finite_loss_stops_without_checkpoint(tiny_model_dir, snapshot, tmp_path):
