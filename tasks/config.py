@@ -336,7 +336,8 @@ class EvaluateParams(Section):
     """The gate refuses a candidate whose characters saved (per typed character, editor traffic) fall more
     than this fraction below the champion's (and its lineage's best), however its accept rate or reward
     moved (no reward hacking by showing less). Relative, since the level depends on the code (0.2: about the
-    absolute 0.005 it replaced at the standard library's ~0.022-0.025; 1 or more: never refuses on it)."""
+    absolute 0.005 it replaced at the standard library's ~0.022-0.025; 1 or more: never refuses on it). params.yaml
+    sets 0.05, the A/B decision's deploy.chars_tolerance (bench/RESULTS.md, "The 5 % tolerance again")."""
     n_samples: int = Field(200, ge=1)
     """Held-out FIM test samples scored per evaluation."""
     max_new_tokens: int = Field(48, ge=1)
