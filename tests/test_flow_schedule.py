@@ -76,7 +76,9 @@ def test_schedule_serves_both_flows_and_runs_a_manual_run(tmp_path, prefect_serv
         started = _cli("deployment", "run", "ab-decision/ab-decision", env=env)
         assert started.returncode == 0, started.stdout + started.stderr
         # the manual run by its id: the served schedules add SCHEDULED runs of their own beside it
-        run_id = re.search(r"UUID: ([0-9a-f-]{36})", started.stdout).group(1)
+        printed = re.search(r"UUID: ([0-9a-f-]{36})", started.stdout)
+        assert printed, f"no flow-run UUID in `prefect deployment run`'s output: {started.stdout}"
+        run_id = printed.group(1)
         deadline, state = time.monotonic() + 180, None
         while time.monotonic() < deadline and state not in ("COMPLETED", "FAILED", "CRASHED"):
             state = httpx.get(f"{api}/flow_runs/{run_id}").json()["state"]["type"]
