@@ -103,6 +103,7 @@ def run_grpo(seed, args, base_dir, test, base: dict) -> tuple[list[dict], list]:
     from tasks.corpus import read_samples
     from tasks.editor import read_regions, regions_path
     from tasks.evaluate.evaluate import compare
+    from tasks.train.batching import SnapshotError
     from tasks.train.grpo import grpo_snapshot
     from tasks.train.launch import launch_train
     from tasks.train.ppo import TrainingDiverged
@@ -120,7 +121,8 @@ def run_grpo(seed, args, base_dir, test, base: dict) -> tuple[list[dict], list]:
         candidate = out / f"model{cycle}"
         try:
             launch_train(snapshot, current, candidate, params)
-        except TrainingDiverged as err:  # as in the online cycle: no candidate, the current model stays
+        except (TrainingDiverged, SnapshotError) as err:  # diverged, or no group had an advantage to learn
+            # from (every sample scored alike): as in the online cycle, no candidate and the current model stays
             print(f"grpo seed {seed} cycle {cycle}: {err}", flush=True)
             curve.append(last)
             continue
