@@ -103,7 +103,6 @@ def run_grpo(seed, args, base_dir, test, base: dict) -> tuple[list[dict], list]:
     from tasks.corpus import read_samples
     from tasks.editor import read_regions, regions_path
     from tasks.evaluate.evaluate import compare
-    from tasks.train.batching import SnapshotError
     from tasks.train.grpo import grpo_snapshot
     from tasks.train.launch import launch_train
     from tasks.train.ppo import TrainingDiverged
@@ -117,12 +116,14 @@ def run_grpo(seed, args, base_dir, test, base: dict) -> tuple[list[dict], list]:
         start = ((cycle - 1) * params.train.grpo_prompts + seed * 997) % len(prompts)
         batch = (prompts * 2)[start : start + params.train.grpo_prompts]
         snapshot = out / f"cycle{cycle}.parquet"
-        grpo_snapshot(current, batch, params, snapshot)
+        if not grpo_snapshot(current, batch, params, snapshot)["rows"]:  # every group scored alike: no advantage
+            print(f"grpo seed {seed} cycle {cycle}: no group to learn from; the current model stays", flush=True)
+            curve.append(last)
+            continue
         candidate = out / f"model{cycle}"
         try:
             launch_train(snapshot, current, candidate, params)
-        except (TrainingDiverged, SnapshotError) as err:  # diverged, or no group had an advantage to learn
-            # from (every sample scored alike): as in the online cycle, no candidate and the current model stays
+        except TrainingDiverged as err:  # as in the online cycle: no candidate, the current model stays
             print(f"grpo seed {seed} cycle {cycle}: {err}", flush=True)
             curve.append(last)
             continue
