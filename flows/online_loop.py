@@ -96,17 +96,7 @@ def run_online_loop(
     cycle's traffic comes from the newest model: what the learning benchmark measures."""
     shutil.rmtree(state, ignore_errors=True)
     state.mkdir(parents=True)
-    overrides = [
-        *DEMO_OVERRIDES,
-        f"paths.state_dir={state}",
-        f"paths.database_url=sqlite:///{state}/tabrl.db",
-        f"paths.mlflow_tracking_uri=sqlite:///{state}/mlflow.db",
-        f"paths.models_dir={state}/models",
-        f"simulator.seed={seed}",
-        f"train.seed={seed}",
-        f"serving.seed={seed}",
-        *overrides,
-    ]
+    overrides = loop_overrides(overrides, state, seed)
     params = load_params(params_file, overrides)
     os.environ["MLFLOW_TRACKING_URI"] = params.paths.mlflow_tracking_uri
 
@@ -168,6 +158,22 @@ def run_online_loop(
         gateway.terminate()
         gateway.wait(timeout=30)
     return rows, params
+
+
+def loop_overrides(overrides: list[str], state: Path, seed: int) -> list[str]:
+    """The overrides of an online loop whose store, registry and models live in `state`: with them,
+    ``champion_dir(load_params(params_file, ...))`` finds the model a finished loop ended with."""
+    return [
+        *DEMO_OVERRIDES,
+        f"paths.state_dir={state}",
+        f"paths.database_url=sqlite:///{state}/tabrl.db",
+        f"paths.mlflow_tracking_uri=sqlite:///{state}/mlflow.db",
+        f"paths.models_dir={state}/models",
+        f"simulator.seed={seed}",
+        f"train.seed={seed}",
+        f"serving.seed={seed}",
+        *overrides,
+    ]
 
 
 def champion_dir(params: Params) -> Path:
