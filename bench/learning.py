@@ -86,6 +86,7 @@ def unseen_sessions(model_dir, seed: int, args, sessions: list) -> dict:
     that no evaluation reached that half."""
     from tasks.acceptance import typing_acceptance
     from tasks.config import load_params
+    from tasks.editor import unseen_regions
 
     params, regions = _final_params(seed, args)
     half, cycles_n = len(regions) // 2, load_params(args.params, args.set).evaluate.n_requests
@@ -97,7 +98,7 @@ def unseen_sessions(model_dir, seed: int, args, sessions: list) -> dict:
             f"them out of every evaluation; raise traffic.eval_regions (now {params.traffic.eval_regions}) and "
             "rebuild the data (`tabrl data`)"
         )
-    run = typing_acceptance(model_dir, regions[half:], params)
+    run = typing_acceptance(model_dir, unseen_regions(regions), params)
     return {"unseen": [list(s) for s in run.sessions]}
 
 

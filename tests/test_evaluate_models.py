@@ -178,13 +178,17 @@ def test_the_demo_story_pairs_base_and_final_on_the_same_held_out_typing(
     """`make demo` ends with base vs final champion (flows/online_loop.print_story); the change is paired."""
     from flows.online_loop import print_story
     from tasks.acceptance import typing_acceptance
-    from tasks.editor import read_regions, regions_path
+    from tasks.editor import read_regions, regions_path, unseen_regions
 
-    params = tiny_params(tmp_path, evaluate={"n_requests": 120, "max_new_tokens": 4})
+    params = tiny_params(tmp_path, evaluate={"n_requests": 64, "max_new_tokens": 4})
     regions = write_regions(typing_regions, regions_path(params.paths.data_dir, "test"), params.traffic)
     story = print_story(tiny_model_dir, babbler_dir, tmp_path, params)
     assert json.loads((tmp_path / "story.json").read_text()) == story
-    base = typing_acceptance(tiny_model_dir, read_regions(regions), params).summary
+    # typed where no gate evaluation reached: the second half of the held-out regions
+    gate = typing_acceptance(tiny_model_dir, read_regions(regions), params)
+    assert len(gate.sessions) < len(typing_regions) // 2
+    base = typing_acceptance(tiny_model_dir, unseen_regions(read_regions(regions)), params).summary
+    assert base.requests == params.evaluate.n_requests
     assert story["suggest_rate"]["base"][0] == pytest.approx(base.suggest_rate)
     assert story["suggest_rate"]["final"][0] == 1.0  # the babbler always shows something
     for name, numbers in story.items():
