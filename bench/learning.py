@@ -84,9 +84,8 @@ def unseen_sessions(model_dir, seed: int, args, sessions: list) -> dict:
     """{"unseen": the model typed by seed's users through the second half of the held-out regions}, once
     `sessions` (the same model through the first requests, as every cycle's evaluation typed them) show
     that no evaluation reached that half."""
-    from tasks.acceptance import typing_acceptance
+    from tasks.acceptance import typing_acceptance, unseen_regions
     from tasks.config import load_params
-    from tasks.editor import unseen_regions
 
     params, regions = _final_params(seed, args)
     half, cycles_n = len(regions) // 2, load_params(args.params, args.set).evaluate.n_requests

@@ -283,9 +283,9 @@ def print_story(base_dir: Path, final_dir: Path, state: Path, params: Params) ->
     Typed through held-out regions no gate evaluation reached: the gate chose the champion on the others."""
     from rich.table import Table
 
-    from tasks.acceptance import noise_floor, typing_acceptance
+    from tasks.acceptance import noise_floor, typing_acceptance, unseen_regions
     from tasks.console import console, print_table
-    from tasks.editor import read_regions, regions_path, unseen_regions
+    from tasks.editor import read_regions, regions_path
     from tasks.intervals import difference, interval, metric_fns
 
     regions = unseen_regions(read_regions(regions_path(params.paths.data_dir, "test")))

@@ -125,14 +125,6 @@ def read_regions(path: Path) -> list[Region]:
     return [Region(**row) for row in pq.read_table(path).to_pylist()]
 
 
-def unseen_regions(regions: Sequence[Region]) -> list[Region]:
-    """The second half of the held-out regions. Every evaluation the gate decides on types from the first
-    region and stops at evaluate.n_requests (~85 of 600 regions at 1000 requests), so a model the gate chose
-    is measured here on requests it was not chosen on: on the gate's own requests its numbers are optimistic
-    (the winner's curse). bench/learning.py checks that the evaluations stayed below the half."""
-    return list(regions[len(regions) // 2 :])
-
-
 def regions_path(data_dir: str | Path, split: str) -> Path:
     """Where the `fim` stage writes the typing regions of a split."""
     return Path(data_dir) / "fim" / f"typing_{split}.parquet"

@@ -177,8 +177,8 @@ def test_the_demo_story_pairs_base_and_final_on_the_same_held_out_typing(
 ):
     """`make demo` ends with base vs final champion (flows/online_loop.print_story); the change is paired."""
     from flows.online_loop import print_story
-    from tasks.acceptance import typing_acceptance
-    from tasks.editor import read_regions, regions_path, unseen_regions
+    from tasks.acceptance import typing_acceptance, unseen_regions
+    from tasks.editor import read_regions, regions_path
 
     params = tiny_params(tmp_path, evaluate={"n_requests": 64, "max_new_tokens": 4})
     regions = write_regions(typing_regions, regions_path(params.paths.data_dir, "test"), params.traffic)
