@@ -77,18 +77,24 @@ def final_sessions(model_dir, seed: int, args) -> dict:
 
     params, regions = _final_params(seed, args)
     sessions = [list(s) for s in typing_acceptance(model_dir, regions, params).sessions]
-    return {"sessions": sessions, **unseen_sessions(model_dir, seed, args, sessions), "model": str(model_dir)}
+    unseen = _unseen(model_dir, params, regions, sessions, args)
+    return {"sessions": sessions, "unseen": unseen, "model": str(model_dir)}
 
 
 def unseen_sessions(model_dir, seed: int, args, sessions: list) -> dict:
     """{"unseen": the model typed by seed's users through the second half of the held-out regions}, once
     `sessions` (the same model through the first requests, as every cycle's evaluation typed them) show
     that no evaluation reached that half."""
+    params, regions = _final_params(seed, args)
+    return {"unseen": _unseen(model_dir, params, regions, sessions, args)}
+
+
+def _unseen(model_dir, params, regions: list, sessions: list, args) -> list:
     from tasks.acceptance import typing_acceptance, unseen_regions
     from tasks.config import load_params
 
-    params, regions = _final_params(seed, args)
-    half, cycles_n = len(regions) // 2, load_params(args.params, args.set).evaluate.n_requests
+    unseen = unseen_regions(regions)
+    half, cycles_n = len(regions) - len(unseen), load_params(args.params, args.set).evaluate.n_requests
     # started regions <= regions with a turn + one batch; scaled up where the cycles' evaluations asked more
     reach = len(sessions) * max(1.0, cycles_n / params.evaluate.n_requests) + params.evaluate.batch_size
     if reach >= half:
@@ -97,8 +103,7 @@ def unseen_sessions(model_dir, seed: int, args, sessions: list) -> dict:
             f"them out of every evaluation; raise traffic.eval_regions (now {params.traffic.eval_regions}) and "
             "rebuild the data (`tabrl data`)"
         )
-    run = typing_acceptance(model_dir, unseen_regions(regions), params)
-    return {"unseen": [list(s) for s in run.sessions]}
+    return [list(s) for s in typing_acceptance(model_dir, unseen, params).sessions]
 
 
 def _final_params(seed: int, args):
@@ -286,8 +291,11 @@ def main(argv: list[str] | None = None) -> int:
             seeded = load_params(args.params, [*args.set, *final_set(args), f"simulator.seed={seed}"])
             result = evaluate_model(seeded.model.base_dir, test, regions, seeded)
             sessions = [list(s) for s in result.typing.sessions]
-            final = {"sessions": sessions, **unseen_sessions(seeded.model.base_dir, seed, args, sessions)}
-            bases[seed] = (_pick(result.metrics), final | {"model": str(seeded.model.base_dir)})
+            unseen = _unseen(seeded.model.base_dir, seeded, regions, sessions, args)
+            bases[seed] = (
+                _pick(result.metrics),
+                {"sessions": sessions, "unseen": unseen, "model": str(seeded.model.base_dir)},
+            )
         return bases[seed]
 
     def loop_params(setting: str, seed: int):
@@ -300,8 +308,6 @@ def main(argv: list[str] | None = None) -> int:
         """Where a stored (setting, seed) run's final model is (runs stored before it was recorded)."""
         from flows.online_loop import champion_dir
 
-        if setting == "control":
-            return base_at(seed)[1]["model"]
         if setting == "grpo":
             raise SystemExit(f"grpo seed {seed}: stored without its final model's path; rerun it with --fresh")
         return str(champion_dir(loop_params(setting, seed)))
@@ -332,8 +338,11 @@ def main(argv: list[str] | None = None) -> int:
                 curve, final = saved["curve"], {k: saved[k] for k in ("sessions", "unseen", "model") if k in saved}
                 print(f"{setting} seed {seed}: stored result reused ({stored})", flush=True)
                 if "unseen" not in final:  # stored before the unseen requests were typed: type them now, keep them
-                    final["model"] = final.get("model") or final_model(setting, seed)
-                    final |= unseen_sessions(final["model"], seed, args, final["sessions"])
+                    if setting == "control":
+                        final = base_at(seed)[1]
+                    else:
+                        final["model"] = final.get("model") or final_model(setting, seed)
+                        final |= unseen_sessions(final["model"], seed, args, final["sessions"])
                     saved |= final
             elif args.report_only:
                 print(f"{setting} seed {seed}: no stored result for these params; left out of the report", flush=True)
