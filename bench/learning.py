@@ -11,13 +11,14 @@ Traffic and evaluation are editor-like (tasks/editor.py): simulated users type r
 the model is asked at every pause. Online traffic types train files; every evaluation types
 held-out test files (evaluate.n_requests requests, greedy). After the last cycle the model each
 (setting, seed) ends with is typed through held-out regions no evaluation reached (the second half of
-the held-out regions: every cycle's evaluation types from the first one and stops at
+the held-out regions: every gate types a window of the first half, evaluate.gate_windows, and stops at
 evaluate.n_requests, ~85 regions of 600 at 1000 requests, which the bench checks) and its typing
 sessions are kept: every final metric gets a 95 % interval (bootstrap over seeds, then sessions,
 tasks/intervals.py) and each setting's difference from the control says whether it excludes 0.
-Unseen requests matter: the gate kept each candidate that scored best on the cycles' held-out
-requests, so on those requests a final model's numbers are optimistic (the winner's curse); the
-report gives them too, labelled, to show by how much. The differences are paired: seed k of every
+Unseen requests matter: the gate kept each candidate that scored best on its held-out requests, so on
+those requests a final model's numbers are optimistic (the winner's curse); the report gives them too
+(the first window, typed by cycle 1's gate and every gate when gate_windows is 1), labelled, to show by
+how much. The differences are paired: seed k of every
 setting types the same regions with the same users and noise draws, so seeds and sessions are
 resampled together and what the arms share cancels.
 
@@ -70,8 +71,9 @@ def _pick(metrics: dict) -> dict:
 
 
 def final_sessions(model_dir, seed: int, args) -> dict:
-    """The model typed by seed's users through the held-out requests every cycle's evaluation typed
-    ("sessions": the gate chose on these) and through regions no evaluation reached ("unseen"):
+    """The model typed by seed's users through the first held-out requests ("sessions": the gate's first
+    window, which every gate types when evaluate.gate_windows is 1) and through regions no evaluation
+    reached ("unseen"):
     per-session counts, and the final model's directory ("model")."""
     from tasks.acceptance import typing_acceptance
 
@@ -140,6 +142,7 @@ def run_online(setting, overrides: list[str], seed, args, base: dict) -> tuple[l
 
 
 def run_grpo(seed, args, base_dir, test, base: dict) -> tuple[list[dict], dict]:
+    from tasks.acceptance import gate_regions
     from tasks.config import load_params
     from tasks.corpus import read_samples
     from tasks.editor import read_regions, regions_path
@@ -152,7 +155,8 @@ def run_grpo(seed, args, base_dir, test, base: dict) -> tuple[list[dict], dict]:
     params = load_params(args.params, [*args.set, *GRPO, f"train.seed={seed}", f"simulator.seed={seed}"])
     prompts = read_samples(Path(params.paths.data_dir) / "fim" / "train.parquet")
     regions = read_regions(regions_path(params.paths.data_dir, "test"))
-    current, curve, last, mark = str(base_dir), [], base, None
+    windows = params.evaluate.gate_windows
+    current, curve, last, holder = str(base_dir), [], base, None
     for cycle in range(1, args.cycles + 1):
         start = ((cycle - 1) * params.train.grpo_prompts + seed * 997) % len(prompts)
         batch = (prompts * 2)[start : start + params.train.grpo_prompts]
@@ -168,10 +172,12 @@ def run_grpo(seed, args, base_dir, test, base: dict) -> tuple[list[dict], dict]:
             print(f"grpo seed {seed} cycle {cycle}: {err}", flush=True)
             curve.append(last)
             continue
-        result = compare(str(candidate), current, test, regions, params, mark)
+        window = gate_regions(regions, (cycle - 1) % windows, windows)  # as the online cycle's gates rotate
+        result = compare(str(candidate), current, test, window, params, holder)
         chosen = result.candidate if result.decision.passed else result.champion
-        if result.decision.passed:  # as the online cycle's registry tag: the lineage's best chars saved
-            current, mark = str(candidate), result.decision.numbers["mark_after/chars_saved"]
+        if result.decision.passed:  # as the online cycle's registry tag: who holds the lineage's chars-saved mark
+            holder = {"champion": current, "lineage": holder}.get(result.decision.mark_held_by)
+            current = str(candidate)
         last = _pick(chosen.metrics)
         curve.append(last)
     return curve, final_sessions(current, seed, args)

@@ -24,22 +24,21 @@ from prefect import flow, get_run_logger
 
 from flows.remote_training import TrainingLost, train_step
 from serving.store import CHALLENGER
+from tasks.acceptance import gate_regions
 from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
 from tasks.corpus import read_samples
 from tasks.deploy.registry import (
-    CHARS_MARK_EVAL_TAG,
-    CHARS_MARK_TAG,
-    chars_saved_mark,
+    CHARS_HOLDER_TAG,
+    chars_saved_holder,
     ensure_champion,
     get_alias_version,
     register_candidate,
     resolve_model_dir,
 )
 from tasks.deploy.rollout import rollout
-from tasks.deploy.tracking import end_cycle_run, name_cycle_run, start_cycle_run
+from tasks.deploy.tracking import GATE_WINDOW_TAG, end_cycle_run, name_cycle_run, next_gate_window, start_cycle_run
 from tasks.editor import read_regions, regions_path
 from tasks.evaluate.evaluate import compare_task
-from tasks.evaluate.gate import eval_fingerprint
 from tasks.ingest.task import commit_ingest_task, ingest_task
 from tasks.reward.task import reward_task
 from tasks.train.ppo import TrainingDiverged
@@ -109,11 +108,13 @@ def online_rl_cycle(
                     log.info(f"update ended early: {trained.stopped_early}")
                     mlflow.set_tag("tabrl.train_stopped_early", trained.stopped_early[:5000])
                 test = read_samples(Path(params.paths.data_dir) / "fim" / "test.parquet")[: params.evaluate.n_samples]
-                regions_file = regions_path(params.paths.data_dir, "test")
-                regions = read_regions(regions_file)
-                fingerprint = eval_fingerprint(params, regions_file)
-                mark = chars_saved_mark(champion, params, fingerprint)
-                comparison = compare_task(str(candidate_dir), str(champion_dir), test, regions, params, mark)
+                windows = params.evaluate.gate_windows
+                window = next_gate_window(params, windows)
+                mlflow.set_tag(GATE_WINDOW_TAG, str(window))
+                regions = gate_regions(read_regions(regions_path(params.paths.data_dir, "test")), window, windows)
+                holder = chars_saved_holder(champion, params)
+                mark_dir = str(resolve_model_dir(holder.uri, params)) if holder else None
+                comparison = compare_task(str(candidate_dir), str(champion_dir), test, regions, params, mark_dir)
                 champion_metrics = {
                     k.replace("eval/", "eval/champion/", 1): v for k, v in comparison.champion.metrics.items()
                 }
@@ -122,10 +123,8 @@ def online_rl_cycle(
                     report.status, report.reason = "gate_failed", "; ".join(comparison.decision.reasons)
                     log.info(f"candidate not deployed: {report.reason}")
                 else:
-                    carried = {
-                        CHARS_MARK_TAG: repr(comparison.decision.numbers["mark_after/chars_saved"]),
-                        CHARS_MARK_EVAL_TAG: fingerprint,
-                    }
+                    held_by = {"champion": champion, "lineage": holder}.get(comparison.decision.mark_held_by)
+                    carried = {CHARS_HOLDER_TAG: str(held_by.version)} if held_by else {}
                     version = register_candidate(
                         candidate_dir, params, run_id, tags=carried, gate=comparison.decision.numbers
                     )

@@ -93,11 +93,24 @@ def session_stats(turns: Sequence[Turn], typed: dict[str, int]) -> list[tuple[in
 
 
 def unseen_regions(regions: Sequence[Region]) -> list[Region]:
-    """The second half of the held-out regions. Every evaluation the gate decides on types from the first
-    region and stops at evaluate.n_requests (~85 of 600 regions at 1000 requests), so a model the gate chose
-    is measured here on requests it was not chosen on: on the gate's own requests its numbers are optimistic
-    (the winner's curse). bench/learning.py checks that the evaluations stayed below the half."""
+    """The second half of the held-out regions. Every evaluation the gate decides on types the first half
+    (`gate_regions`) and stops at evaluate.n_requests (~85 of 600 regions at 1000 requests), so a model the
+    gate chose is measured here on requests it was not chosen on: on the gate's own requests its numbers are
+    optimistic (the winner's curse). bench/learning.py checks that an evaluation fits in the half."""
     return list(regions[len(regions) // 2 :])
+
+
+def gate_regions(regions: Sequence[Region], window: int, windows: int) -> list[Region]:
+    """The held-out regions a gate types: the first half of them (the second is `unseen_regions`), cut into
+    `windows` equal windows, from the start of window `window` on round the half (an evaluation that needs
+    more requests than a window holds goes on into the next, never into the unseen half). Consecutive gates
+    take consecutive windows (evaluate.gate_windows), so a champion is not compared again on the requests
+    it was chosen on."""
+    if not 0 <= window < windows:
+        raise ValueError(f"gate window {window} is not one of the {windows} windows (0 to {windows - 1})")
+    half = list(regions[: len(regions) // 2])
+    start = window * len(half) // windows
+    return half[start:] + half[:start]
 
 
 def type_regions(

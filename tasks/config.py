@@ -338,6 +338,12 @@ class EvaluateParams(Section):
     moved (no reward hacking by showing less). Relative, since the level depends on the code (0.2: about the
     absolute 0.005 it replaced at the standard library's ~0.022-0.025; 1 or more: never refuses on it). params.yaml
     sets 0.05, the A/B decision's deploy.chars_tolerance (bench/RESULTS.md, "The 5 % tolerance again")."""
+    gate_windows: int = Field(3, ge=1)
+    """Windows the gate's half of the held-out regions is cut into (`tasks.acceptance.gate_regions`): each gate
+    types the window after the last gate's, so candidate and champion are compared on requests the champion
+    was not chosen on. 1: every gate types the same requests, where a champion's lucky score there is the
+    bar every later candidate must clear (the winner's curse; bench/RESULTS.md, "On requests the gate never
+    saw"). 3 windows of 100 regions hold 1000 requests of the standard library's held-out files."""
     n_samples: int = Field(200, ge=1)
     """Held-out FIM test samples scored per evaluation."""
     max_new_tokens: int = Field(48, ge=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import mlflow
 import pytest
@@ -65,6 +66,42 @@ def test_tiny_model_against_itself_passes_no_gate_and_logs_to_mlflow(
     local = client.download_artifacts(mlflow_run.info.run_id, "eval/samples.json", str(tmp_path))
     table = json.loads(open(local).read())
     assert len(table["data"]) == 16 and "judge_score" in table["columns"] and "model" in table["columns"]
+
+
+def test_the_lineage_mark_is_typed_through_the_gates_own_requests(
+    tiny_model_dir, fim_samples, typing_regions, tmp_path
+):
+    """The ancestor holding the lineage's characters-saved mark types the same requests as candidate and
+    champion: its score there, not one carried over from other requests, is the mark."""
+    from tasks.acceptance import typing_acceptance
+
+    shipped = Path(__file__).resolve().parents[1] / "models" / "tabrl-tiny"  # right now and then: it saves some
+    params = tiny_params(tmp_path, evaluate={"n_samples": 4, "n_requests": 200, "max_new_tokens": 8})
+    plain = compare(tiny_model_dir, tiny_model_dir, fim_samples, typing_regions, params)
+    marked = compare(tiny_model_dir, tiny_model_dir, fim_samples, typing_regions, params, mark_dir=shipped)
+    holder = typing_acceptance(shipped, typing_regions, params).summary.chars_saved
+    champ = marked.champion.metrics["eval/typing/chars_saved"]
+    assert holder > champ  # the shipped base is right where the test-size model is not
+    assert plain.decision.numbers["mark/chars_saved"] == champ and plain.decision.mark_held_by == "candidate"
+    assert marked.decision.numbers["mark/chars_saved"] == pytest.approx(holder)
+    assert marked.decision.mark_held_by == "lineage"  # the candidate saves less: the mark stays with the holder
+    assert any(f"the lineage's best {holder:.4f}" in r for r in marked.decision.reasons), marked.decision.reasons
+
+
+def test_gates_take_turns_over_windows_of_the_first_half_never_the_unseen_half(typing_regions):
+    from tasks.acceptance import gate_regions, unseen_regions
+
+    half = typing_regions[: len(typing_regions) // 2]
+    unseen = {r.region_id for r in unseen_regions(typing_regions)}
+    starts = [gate_regions(typing_regions, w, 3)[0] for w in range(3)]
+    assert [r.region_id for r in starts] == [half[0].region_id, half[4].region_id, half[8].region_id]
+    for w in range(3):
+        window = gate_regions(typing_regions, w, 3)
+        assert sorted(r.region_id for r in window) == sorted(r.region_id for r in half)  # round the half
+        assert not unseen & {r.region_id for r in window}
+    assert gate_regions(typing_regions, 0, 1) == half  # one window: every gate types the same requests
+    with pytest.raises(ValueError, match="gate window 3 is not one of the 3 windows"):
+        gate_regions(typing_regions, 3, 3)
 
 
 def test_llm_judged_self_comparison_is_cached_and_not_better(

@@ -146,7 +146,10 @@ def test_drops_within_the_tolerance_cannot_add_up_over_cycles():
     assert decision.numbers["mark/chars_saved"] == pytest.approx(0.100)
     kept = gate(metrics(0.15, 6.0, chars=0.097), champion, params, chars_mark=0.100)
     assert kept.passed and kept.numbers["mark_after/chars_saved"] == pytest.approx(0.100)  # the mark carries on
+    assert kept.mark_held_by == "lineage"  # with the ancestor that set it
     better = gate(metrics(0.15, 6.0, chars=0.104), champion, params, chars_mark=0.100)
     assert better.passed and better.numbers["mark_after/chars_saved"] == pytest.approx(0.104)  # and rises
-    below_champion = gate(metrics(0.15, 6.0, chars=0.097), champion, params, chars_mark=0.09)
+    assert better.mark_held_by == "candidate"
+    below_champion = gate(metrics(0.15, 6.0, chars=0.095), champion, params, chars_mark=0.09)
     assert below_champion.numbers["mark/chars_saved"] == pytest.approx(0.096)  # never below the champion's own
+    assert below_champion.passed and below_champion.mark_held_by == "champion"  # which it now holds

@@ -23,9 +23,9 @@ from serving.simulate import run_simulation
 from serving.store import CHALLENGER, CHAMPION, Arm, init_schema, make_engine, read_arms, replace_arms
 from tasks.corpus import write_samples
 from tasks.deploy.promote import rollback
-from tasks.deploy.registry import chars_saved_mark, ensure_champion, get_alias_version, resolve_model_dir
+from tasks.deploy.registry import chars_saved_holder, ensure_champion, get_alias_version, resolve_model_dir
+from tasks.deploy.tracking import next_gate_window
 from tasks.editor import regions_path, write_regions
-from tasks.evaluate.gate import eval_fingerprint
 from tasks.simulated_users import make_users
 from tests.conftest import tiny_params
 from tests.serving_util import serve_app
@@ -135,19 +135,17 @@ def test_cycle_registers_and_rolls_out_a_challenger(
     registered = client.get_model_version(version.name, str(version.version))
     description = registered.description
     m = report.metrics
-    # the promoted version carries its lineage's best characters saved for the next gate (the base had none)
-    best = max(m["eval/typing/chars_saved"], m["eval/champion/typing/chars_saved"])
-    assert float(registered.tags["tabrl.chars_saved_mark"]) == pytest.approx(best)
-    held_out = regions_path(params.paths.data_dir, "test")  # as the flow reads them
-    fingerprint = eval_fingerprint(params, held_out)
-    assert registered.tags["tabrl.chars_saved_mark_eval"] == fingerprint
-    assert chars_saved_mark(version, params, fingerprint) == pytest.approx(best)
-    assert chars_saved_mark(champion, params, fingerprint) is None  # the base carries no mark
-    # measured under other simulated users, the mark says nothing about the next evaluation
-    other = params.model_copy(update={"simulator": params.simulator.model_copy(update={"seed": 99})})
-    assert (
-        chars_saved_mark(version, params, eval_fingerprint(other, regions_path(params.paths.data_dir, "test"))) is None
-    )
+    # the promoted version names the lineage's characters-saved holder the next gate types too: itself if it
+    # saved at least what the base did (no tag), else the base
+    if m["eval/typing/chars_saved"] >= m["eval/champion/typing/chars_saved"]:
+        assert "tabrl.chars_saved_holder" not in registered.tags and chars_saved_holder(version, params) is None
+    else:
+        assert registered.tags["tabrl.chars_saved_holder"] == str(champion.version)
+        assert chars_saved_holder(version, params).version == champion.version
+    assert chars_saved_holder(champion, params) is None  # the base holds its own
+    # the gate typed the first window of the held-out half; the next gate takes the next one
+    assert run.data.tags["tabrl.gate_window"] == "0" and params.evaluate.gate_windows == 3
+    assert next_gate_window(params, 3) == 1
     gate_row = (
         f"| reward_per_request | {m['eval/typing/reward_per_request']:.4g} "
         f"| {m['eval/champion/typing/reward_per_request']:.4g} |"
@@ -181,6 +179,7 @@ def test_cycle_registers_and_rolls_out_a_challenger(
     assert get_alias_version(params, CHALLENGER).label == version.label
     assert {a.name: a.model_version for a in read_arms(engine)} == {n: a.model_version for n, a in arms.items()}
     assert mlflow.get_run(diverged.run_id).data.tags["tabrl.cycle_status"] == "diverged"
+    assert next_gate_window(params, 3) == 1  # no gate ran in cycles 2 and 3: the next one still takes window 1
 
     # Rolled back by hand: the A/B decision joins the story on the cycle run's name and the version page.
     rollback(engine, params)

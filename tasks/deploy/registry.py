@@ -167,20 +167,21 @@ def _ensure_registered_model(client: MlflowClient, name: str) -> bool:
     return False
 
 
-CHARS_MARK_TAG = "tabrl.chars_saved_mark"
-"""Version tag: the highest held-out characters saved its lineage reached at the gates it passed."""
-CHARS_MARK_EVAL_TAG = "tabrl.chars_saved_mark_eval"
-"""Version tag: the evaluation the mark was measured under (`tasks.evaluate.gate.eval_fingerprint`)."""
+CHARS_HOLDER_TAG = "tabrl.chars_saved_holder"
+"""Version tag: the version of its lineage that saved the most characters in the gates along it, when that
+is an ancestor (absent: the version itself). Each gate types that version through its own requests too,
+for the lineage's characters-saved mark: a score carried over as a number, measured on other requests or
+chosen on these, would be no mark."""
 
 
-def chars_saved_mark(version: ModelVersion, params: Params, fingerprint: str) -> float | None:
-    """The version's `tabrl.chars_saved_mark` if it was measured under this evaluation fingerprint; else None
-    (the base, a version registered by hand, or a mark from other held-out data or simulated users)."""
-    tags = tracking_client(params).get_model_version(version.name, str(version.version)).tags
-    raw = tags.get(CHARS_MARK_TAG)
-    if raw is None or tags.get(CHARS_MARK_EVAL_TAG) != fingerprint:
+def chars_saved_holder(version: ModelVersion, params: Params) -> ModelVersion | None:
+    """The ancestor holding `version`'s lineage mark for characters saved (`CHARS_HOLDER_TAG`); None when the
+    version holds it itself (the base, a version registered by hand, one that set the mark)."""
+    client = tracking_client(params)
+    raw = client.get_model_version(version.name, str(version.version)).tags.get(CHARS_HOLDER_TAG)
+    if raw is None or int(raw) == version.version:
         return None
-    return float(raw)
+    return _version(client.get_model_version(version.name, raw))
 
 
 def _version(mv) -> ModelVersion:

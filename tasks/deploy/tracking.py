@@ -39,6 +39,7 @@ CYCLES_DESCRIPTION = (
     "(tabrl.snapshot_dvc_md5). Select runs and Compare to see how the cycles' metrics move."
 )
 CYCLE_TAG = "tabrl.cycle"  # the cycle's number, 1 for the first cycle run of the experiment
+GATE_WINDOW_TAG = "tabrl.gate_window"  # the window of held-out regions the cycle's gate typed (next_gate_window)
 MAX_RUN_NAME_LENGTH = 250
 
 
@@ -148,6 +149,23 @@ def _last_cycle_number(client: MlflowClient, experiment: str) -> int:
         [experiment], "tags.`tabrl.kind` = 'cycle'", order_by=["attributes.start_time DESC"], max_results=1
     )
     return int(runs[0].data.tags.get(CYCLE_TAG, "0")) if runs else 0
+
+
+def next_gate_window(params: Params, windows: int) -> int:
+    """The window of held-out regions the next gate types (`tasks.acceptance.gate_regions`): the one after the
+    last gated cycle's (its `tabrl.gate_window` tag), round the `windows`; 0 before the first gate. Counted
+    by gates, not cycles: skipped cycles do not make two gates in a row type the same window."""
+    client = tracking_client(params)
+    experiment = client.get_experiment_by_name(params.deploy.experiment)
+    if experiment is None:
+        return 0
+    runs = client.search_runs(
+        [experiment.experiment_id],
+        f"tags.`{GATE_WINDOW_TAG}` LIKE '%'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
+    return (int(runs[0].data.tags[GATE_WINDOW_TAG]) + 1) % windows if runs else 0
 
 
 def cycle_run_name(cycle: str, status: str, reason: str, version: str | None) -> str:

@@ -47,7 +47,7 @@ import mlflow
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.acceptance import TypingRun, complete_samples, type_regions
+from tasks.acceptance import TypingRun, complete_samples, type_regions, typing_acceptance
 from tasks.config import Params
 from tasks.editor import Region, TypingSummary
 from tasks.evaluate.gate import GateDecision, gate
@@ -215,11 +215,14 @@ def compare(
     samples: Sequence[dict],
     regions: Sequence[Region],
     params: Params,
-    chars_mark: float | None = None,
+    mark_dir: str | Path | None = None,
 ) -> Comparison:
-    """Candidate vs champion on the same samples, regions, decoding, simulated users and judge; then the gate
-    (chars_mark: the best characters saved of the champion's lineage, `tasks.evaluate.gate.gate`)."""
+    """Candidate vs champion on the same samples, regions, decoding, simulated users and judge; then the gate.
+
+    mark_dir: the ancestor holding the champion's lineage mark for characters saved (None: the champion
+    holds it); it types the same regions, and its characters saved are the gate's mark."""
     samples = held_out(samples, params)
+    chars_mark = typing_acceptance(mark_dir, regions, params).summary.chars_saved if mark_dir is not None else None
     made = [suggest(candidate_dir, samples, regions, params), suggest(champion_dir, samples, regions, params)]
     run, (cand_verdicts, champ_verdicts) = _judge_all(samples, made, params)
     candidate = score_suggestions(samples, made[0], cand_verdicts, run.judge, params)
@@ -288,7 +291,7 @@ def compare_task(
     samples: list[dict],
     regions: list[Region],
     params: Params,
-    chars_mark: float | None = None,
+    mark_dir: str | None = None,
 ) -> Comparison:
     """The cycle's evaluate step: `compare`, retried when the LLM judge was down."""
-    return compare(candidate_dir, champion_dir, samples, regions, params, chars_mark)
+    return compare(candidate_dir, champion_dir, samples, regions, params, mark_dir)

@@ -5,8 +5,9 @@ It passes only if, against the champion on the same held-out traffic and judge,
 * neither reward per request (editor traffic) nor judge mean drops by more than the tolerance
   (``gate_tolerance`` for reward, 10x that for the 0-10 judge mean), and
 * characters saved (editor traffic) do not drop by more than ``chars_saved_tolerance`` (relative) below
-  the champion's, nor below the best its lineage ever reached (``chars_mark``: the registered champion's
-  ``tabrl.chars_saved_mark`` tag, so drops within the tolerance cannot add up over cycles): a policy
+  the champion's, nor below its lineage's best (``chars_mark``: the characters saved, on the same requests,
+  of the ancestor that saved the most at the gates along the lineage, the registered champion's
+  ``tabrl.chars_saved_holder``; so drops within the tolerance cannot add up over cycles): a policy
   that raises its accept rate by showing less while saving users fewer characters is reward
   hacking (GitHub found accept rate alone favours short, simple suggestions). Relative, because the
   level depends on the code: the tiny base saves ~2 % of the characters of held-out standard-library
@@ -22,13 +23,10 @@ It passes only if, against the champion on the same held-out traffic and judge,
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from tasks.config import EvaluateParams, Params
+from tasks.config import EvaluateParams
 
 REWARD, JUDGE, SCORED = "eval/typing/reward_per_request", "eval/judge_mean", "eval/judge_scored"
 CHARS = "eval/typing/chars_saved"
@@ -40,6 +38,9 @@ class GateDecision:
     passed: bool
     reasons: list[str]
     numbers: dict[str, float] = field(default_factory=dict)
+    mark_held_by: str = "champion"
+    """Who holds the lineage's characters-saved mark if the candidate is promoted: "candidate", "champion" or
+    "lineage" (the ancestor that held it before)."""
 
 
 def gate(
@@ -50,9 +51,9 @@ def gate(
 ) -> GateDecision:
     """Decide from two metric dicts (``EvalResult.metrics``) whether the candidate may go to users.
 
-    chars_mark: the highest characters saved the champion's lineage reached on the same held-out traffic
-    (None: the champion's own). ``numbers["mark_after/chars_saved"]`` is the mark a promoted candidate
-    carries on."""
+    chars_mark: the characters saved on the same held-out traffic by the ancestor holding the champion's
+    lineage mark (None: the champion holds it). ``numbers["mark_after/chars_saved"]`` and ``mark_held_by``
+    say the mark a promoted candidate carries on, and whose it is."""
     numbers: dict[str, float] = {}
     reasons: list[str] = []
     no_drop, improved = True, False
@@ -120,19 +121,5 @@ def gate(
         reasons.append("neither reward per request nor judge mean improves by the margin (equal is not better)")
     passed = no_drop and improved and evidence > 0
     reasons.append("PASS: the candidate may be deployed" if passed else "FAIL: the champion stays")
-    return GateDecision(passed, reasons, numbers)
-
-
-def eval_fingerprint(params: Params, regions_file: str | Path) -> str:
-    """What held-out characters saved depend on: the held-out regions file, how they are typed (traffic,
-    simulated users) and generated (requests, length, batch). A lineage's chars-saved mark is compared
-    only under the same fingerprint: measured on other data or users it says nothing."""
-    h = hashlib.sha256(Path(regions_file).read_bytes())
-    ev = params.evaluate
-    conditions = {
-        "evaluate": [ev.n_requests, ev.max_new_tokens, ev.batch_size, ev.sim_users],
-        "simulator": params.simulator.model_dump(mode="json"),
-        "traffic": params.traffic.model_dump(mode="json"),
-    }
-    h.update(json.dumps(conditions, sort_keys=True).encode())
-    return h.hexdigest()[:16]
+    held_by = "candidate" if cand >= mark else "champion" if mark == champ else "lineage"
+    return GateDecision(passed, reasons, numbers, held_by)
