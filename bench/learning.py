@@ -85,7 +85,7 @@ def final_sessions(model_dir, seed: int, args) -> dict:
 
 def unseen_sessions(model_dir, seed: int, args, sessions: list) -> dict:
     """{"unseen": the model typed by seed's users through the second half of the held-out regions}, once
-    `sessions` (the same model through the first requests, as every cycle's evaluation typed them) show
+    `sessions` (the same model through the first requests, the gate's first window) show
     that no evaluation reached that half."""
     params, regions = _final_params(seed, args)
     return {"unseen": _unseen(model_dir, params, regions, sessions, args)}
@@ -505,8 +505,8 @@ def report(curves, finals, base, args, reward, seconds) -> None:
         "reached (value [95 % interval], bootstrap over seeds and typing sessions):"
     )
     seen_title = (
-        "The same models on the held-out requests every cycle's evaluation typed, where the gate chose them "
-        "(optimistic: the winner's curse):"
+        "The same models on the gate's first held-out window (typed by cycle 1's gate, and by every gate when "
+        "evaluate.gate_windows is 1), where gates chose them (optimistic: the winner's curse):"
     )
     console.print(unseen_title)
     console.print("\n".join(lines), highlight=False)
