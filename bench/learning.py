@@ -172,11 +172,12 @@ def run_grpo(seed, args, base_dir, test, base: dict) -> tuple[list[dict], dict]:
             print(f"grpo seed {seed} cycle {cycle}: {err}", flush=True)
             curve.append(last)
             continue
-        window = gate_regions(regions, (cycle - 1) % windows, windows)  # as the online cycle's gates rotate
+        # rotates by cycle number (the online cycle counts gates: there a cycle with no candidate keeps its window)
+        window = gate_regions(regions, (cycle - 1) % windows, windows)
         result = compare(str(candidate), current, test, window, params, holder)
         chosen = result.candidate if result.decision.passed else result.champion
         if result.decision.passed:  # as the online cycle's registry tag: who holds the lineage's chars-saved mark
-            holder = {"champion": current, "lineage": holder}.get(result.decision.mark_held_by)
+            holder = result.decision.mark_holder_after(current, holder)
             current = str(candidate)
         last = _pick(chosen.metrics)
         curve.append(last)

@@ -123,7 +123,7 @@ def online_rl_cycle(
                     report.status, report.reason = "gate_failed", "; ".join(comparison.decision.reasons)
                     log.info(f"candidate not deployed: {report.reason}")
                 else:
-                    held_by = {"champion": champion, "lineage": holder}.get(comparison.decision.mark_held_by)
+                    held_by = comparison.decision.mark_holder_after(champion, holder)
                     carried = {CHARS_HOLDER_TAG: str(held_by.version)} if held_by else {}
                     version = register_candidate(
                         candidate_dir, params, run_id, tags=carried, gate=comparison.decision.numbers

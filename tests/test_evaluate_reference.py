@@ -153,3 +153,5 @@ def test_drops_within_the_tolerance_cannot_add_up_over_cycles():
     below_champion = gate(metrics(0.15, 6.0, chars=0.095), champion, params, chars_mark=0.09)
     assert below_champion.numbers["mark/chars_saved"] == pytest.approx(0.096)  # never below the champion's own
     assert below_champion.passed and below_champion.mark_held_by == "champion"  # which it now holds
+    holders = [d.mark_holder_after("champion v2", "ancestor v1") for d in (kept, better, below_champion)]
+    assert holders == ["ancestor v1", None, "champion v2"]  # what a promoted candidate's registry tag names

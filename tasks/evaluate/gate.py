@@ -25,8 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from tasks.config import EvaluateParams
+
+T = TypeVar("T")
 
 REWARD, JUDGE, SCORED = "eval/typing/reward_per_request", "eval/judge_mean", "eval/judge_scored"
 CHARS = "eval/typing/chars_saved"
@@ -41,6 +44,11 @@ class GateDecision:
     mark_held_by: str = "champion"
     """Who holds the lineage's characters-saved mark if the candidate is promoted: "candidate", "champion" or
     "lineage" (the ancestor that held it before)."""
+
+    def mark_holder_after(self, champion: T, lineage: T | None) -> T | None:
+        """The holder a promoted candidate names (`mark_held_by`, given the champion and the lineage's holder as
+        the caller knows them: a registry version, a directory); None when the candidate holds it itself."""
+        return {"champion": champion, "lineage": lineage}.get(self.mark_held_by)
 
 
 def gate(
