@@ -27,12 +27,14 @@ Settings, all from the same base model, greedy decoding, simulated users, refere
   rlinf     RLinf's online setting: accepted 1, rejected 0, raw advantage
   grpo      offline GRPO (lr 1e-4, see GRPO): G = train.group_size samples per FIM train prompt,
             scored by the simulated user's rule, normalised within the group, same loss; no traffic
-  control   no training: the base model (the same at every cycle)
+  control   no training: the base model, typed at each cycle through that cycle's gate window
   NAME      an online setting of your own: --variant NAME:section.key=value,section.key=value
 Online settings run the real gateway, log store and flows (flows/online_loop.py); each gated
 candidate is promoted at once, so the next cycle's traffic comes from the newest model. Writes
 bench/out/learning/results.json, results.md and curves.png (mean per cycle, band = spread over
-seeds; the final cycle with its bootstrap interval); prints the per-cycle and final tables.
+seeds; the final cycle with its bootstrap interval); prints the per-cycle and final tables. A cycle's
+numbers are its gate's, on its window of held-out regions (the "window" column; windows differ in
+difficulty), so the control is typed through the same window at each cycle.
 Each finished (setting, seed) is stored under OUT/runs/ and reused by a later invocation with the
 same params and loop size, so a long run can be stopped and resumed (--fresh reruns everything).
 """
@@ -138,7 +140,30 @@ def run_online(setting, overrides: list[str], seed, args, base: dict) -> tuple[l
     for row in rows:
         last = _pick(row.serving_eval) if row.serving_eval else last  # a skipped or diverged cycle keeps the model
         curve.append(last)
-    return curve, final_sessions(champion_dir(params), seed, args)
+    return with_windows(curve, gate_windows(params)), final_sessions(champion_dir(params), seed, args)
+
+
+def gate_windows(params) -> dict[int, int]:
+    """{cycle: the held-out window its gate typed} of an online run, from its cycle runs' MLflow tags (a cycle
+    that trained no candidate has none)."""
+    from tasks.deploy.tracking import CYCLE_TAG, GATE_WINDOW_TAG, tracking_client
+
+    client = tracking_client(params)
+    experiment = client.get_experiment_by_name(params.deploy.experiment)
+    if experiment is None:
+        return {}
+    runs = client.search_runs([experiment.experiment_id], f"tags.`{GATE_WINDOW_TAG}` LIKE '%'", max_results=10_000)
+    return {int(r.data.tags[CYCLE_TAG]): int(r.data.tags[GATE_WINDOW_TAG]) for r in runs}
+
+
+def with_windows(curve: list[dict], windows: dict[int, int]) -> list[dict]:
+    """Each cycle's entry with the window its numbers were typed through ("window"): its gate's, or, where
+    the cycle gated nothing and its model stayed, the window of the entry it repeats (0, the base's, first)."""
+    out, window = [], 0
+    for cycle, entry in enumerate(curve, start=1):
+        window = windows.get(cycle, window)
+        out.append(entry | {"window": window})
+    return out
 
 
 def run_grpo(seed, args, base_dir, test, base: dict) -> tuple[list[dict], dict]:
@@ -156,7 +181,7 @@ def run_grpo(seed, args, base_dir, test, base: dict) -> tuple[list[dict], dict]:
     prompts = read_samples(Path(params.paths.data_dir) / "fim" / "train.parquet")
     regions = read_regions(regions_path(params.paths.data_dir, "test"))
     windows = params.evaluate.gate_windows
-    current, curve, last, holder = str(base_dir), [], base, None
+    current, curve, last, holder = str(base_dir), [], base | {"window": 0}, None
     for cycle in range(1, args.cycles + 1):
         start = ((cycle - 1) * params.train.grpo_prompts + seed * 997) % len(prompts)
         batch = (prompts * 2)[start : start + params.train.grpo_prompts]
@@ -173,13 +198,13 @@ def run_grpo(seed, args, base_dir, test, base: dict) -> tuple[list[dict], dict]:
             curve.append(last)
             continue
         # rotates by cycle number (the online cycle counts gates: there a cycle with no candidate keeps its window)
-        window = gate_regions(regions, (cycle - 1) % windows, windows)
-        result = compare(str(candidate), current, test, window, params, holder)
+        window = (cycle - 1) % windows
+        result = compare(str(candidate), current, test, gate_regions(regions, window, windows), params, holder)
         chosen = result.candidate if result.decision.passed else result.champion
         if result.decision.passed:  # as the online cycle's registry tag: who holds the lineage's chars-saved mark
             holder = result.decision.mark_holder_after(current, holder)
             current = str(candidate)
-        last = _pick(chosen.metrics)
+        last = _pick(chosen.metrics) | {"window": window}
         curve.append(last)
     return curve, final_sessions(current, seed, args)
 
@@ -235,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         "--final-requests",
         type=int,
         help="held-out requests of the final evaluation of each (setting, seed) and of the base/control "
-        "(default: evaluate.n_requests, as every cycle's evaluation)",
+        "(default: evaluate.n_requests, as every cycle's evaluation); stored runs keep their models and are "
+        "typed again at the new size",
     )
     parser.add_argument(
         "--model",
@@ -289,21 +315,34 @@ def main(argv: list[str] | None = None) -> int:
     test = read_samples(Path(params.paths.data_dir) / "fim" / "test.parquet")[: params.evaluate.n_samples]
     regions = read_regions(regions_path(params.paths.data_dir, "test"))
     started = time.time()
-    bases: dict[int, tuple[dict, dict]] = {}
+    bases: dict[int, dict] = {}
+    base_windows: dict[tuple[int, int], dict] = {}
 
-    def base_at(seed: int) -> tuple[dict, dict]:
-        """The base model scored by seed's simulated users (each setting's seed draws its own users), and its
-        final sessions (as final_sessions gives them): the control's."""
+    def base_final(seed: int) -> dict:
+        """The base model's final sessions, as final_sessions gives them (seed's users): the control's."""
         if seed not in bases:
             seeded = load_params(args.params, [*args.set, *final_set(args), f"simulator.seed={seed}"])
-            result = evaluate_model(seeded.model.base_dir, test, regions, seeded)
-            sessions = [list(s) for s in result.typing.sessions]
-            unseen = _unseen(seeded.model.base_dir, seeded, regions, sessions, args)
-            bases[seed] = (
-                _pick(result.metrics),
-                {"sessions": sessions, "unseen": unseen, "model": str(seeded.model.base_dir)},
-            )
+            bases[seed] = final_sessions(seeded.model.base_dir, seed, args)
         return bases[seed]
+
+    def base_window(seed: int, window: int) -> dict:
+        """The base model typed by seed's users through gate window `window`, as a cycle's gate types it
+        (window 0 is cycle 0 of every curve)."""
+        from tasks.acceptance import gate_regions
+
+        if (seed, window) not in base_windows:
+            seeded = load_params(args.params, [*args.set, f"simulator.seed={seed}"])
+            typed = evaluate_model(
+                seeded.model.base_dir, test, gate_regions(regions, window, seeded.evaluate.gate_windows), seeded
+            )
+            base_windows[seed, window] = _pick(typed.metrics)
+        return base_windows[seed, window]
+
+    def control_curve(seed: int) -> list[dict]:
+        """The base at every cycle, typed through the cycle's gate window (every gate running: cycle c types
+        window (c - 1) mod evaluate.gate_windows), so each control point is on its online points' requests."""
+        windows = params.evaluate.gate_windows
+        return [base_window(seed, c % windows) | {"window": c % windows} for c in range(args.cycles)]
 
     def loop_params(setting: str, seed: int):
         from flows.online_loop import loop_overrides
@@ -327,10 +366,11 @@ def main(argv: list[str] | None = None) -> int:
             return curve[: args.final_cycle], final
         if setting == "grpo":
             raise SystemExit("--final-cycle: online settings and the control only (grpo keeps no registry)")
-        cached = saved.setdefault("at", {}).get(str(args.final_cycle))
+        at = str(args.final_cycle) + (f"@{args.final_requests}" if args.final_requests else "")
+        cached = saved.setdefault("at", {}).get(at)
         if cached is None:
             model = champion_after(loop_params(setting, seed), args.final_cycle, params.model.base_dir)
-            cached = saved["at"][str(args.final_cycle)] = final_sessions(model, seed, args)
+            cached = saved["at"][at] = final_sessions(model, seed, args)
         return curve[: args.final_cycle], cached
 
     key = run_key(params, args)
@@ -344,9 +384,17 @@ def main(argv: list[str] | None = None) -> int:
             if saved is not None and saved["key"] == setting_key:  # resumed: finished by an earlier invocation
                 curve, final = saved["curve"], {k: saved[k] for k in ("sessions", "unseen", "model") if k in saved}
                 print(f"{setting} seed {seed}: stored result reused ({stored})", flush=True)
-                if "unseen" not in final:  # stored before the unseen requests were typed: type them now, keep them
+                if setting == "control":  # stored before the control was typed through every window: type it now
+                    curve = saved["curve"] = control_curve(seed)
+                elif setting != "grpo" and any("window" not in e for e in curve if e):  # stored before windows
+                    curve = saved["curve"] = with_windows(curve, gate_windows(loop_params(setting, seed)))
+                if saved.get("final_requests") != args.final_requests:  # typed at another size: type them again
+                    model = final.get("model") or final_model(setting, seed)
+                    final = base_final(seed) if setting == "control" else final_sessions(model, seed, args)
+                    saved |= final | {"final_requests": args.final_requests}
+                elif "unseen" not in final:  # stored before the unseen requests were typed: type them now, keep them
                     if setting == "control":
-                        final = base_at(seed)[1]
+                        final = base_final(seed)
                     else:
                         final["model"] = final.get("model") or final_model(setting, seed)
                         final |= unseen_sessions(final["model"], seed, args, final["sessions"])
@@ -356,20 +404,21 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             else:
                 if setting == "control":
-                    curve, final = [base_at(seed)[0]] * args.cycles, base_at(seed)[1]
+                    curve, final = control_curve(seed), base_final(seed)
                 elif setting == "grpo":
-                    curve, final = run_grpo(seed, args, params.model.base_dir, test, base_at(seed)[0])
+                    curve, final = run_grpo(seed, args, params.model.base_dir, test, base_window(seed, 0))
                 else:
-                    curve, final = run_online(setting, online[setting], seed, args, base_at(seed)[0])
+                    curve, final = run_online(setting, online[setting], seed, args, base_window(seed, 0))
                 stored.parent.mkdir(parents=True, exist_ok=True)
                 saved = {"setting": setting, "seed": seed, "key": setting_key, "curve": curve} | final
+                saved["final_requests"] = args.final_requests
             curve, final = at_cycle(setting, seed, saved, curve, final)
             stored.write_text(json.dumps(saved))
             curves.setdefault(setting, []).append(curve)
             finals.setdefault(setting, []).append(final)
             print(json.dumps({"setting": setting, "seed": seed, "curve": curve}), flush=True)
     # cycle 0 of every curve: the base model scored by the same seeds' users (as the control is)
-    base = {k: statistics.mean(base_at(seed)[0][k] for seed in range(args.seeds)) for k in KEYS}
+    base = {k: statistics.mean(base_window(seed, 0)[k] for seed in range(args.seeds)) for k in KEYS}
     for entry in [base, *(e for seeds in curves.values() for curve in seeds for e in curve if e)]:
         entry["reward_per_request"] = product_reward(entry, params.reward)
     report(curves, finals, base, args, params.reward, time.time() - started)
@@ -404,7 +453,9 @@ def product_reward(entry: dict, reward) -> float:
 
 
 def run_key(params, args) -> str:
-    """What a stored (setting, seed) result depends on: the params (less where files go) and the loop's size."""
+    """What a stored (setting, seed) result depends on: the params (less where files go) and the loop's size.
+    Not the final evaluation's size: a stored run's final models are typed again when --final-requests
+    changes (None holds its place, where the keys of runs stored before had it)."""
     import hashlib
 
     body = params.model_dump(mode="json")
@@ -413,7 +464,7 @@ def run_key(params, args) -> str:
     body["model"]["base_dir"] = hashlib.sha256(
         (Path(params.model.base_dir) / "model.safetensors").read_bytes()
     ).hexdigest()
-    body["loop"] = [args.cycles, args.requests, args.users, str(args.corpus), args.final_requests, "editor traffic"]
+    body["loop"] = [args.cycles, args.requests, args.users, str(args.corpus), None, "editor traffic"]
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -492,12 +543,13 @@ def report(curves, finals, base, args, reward, seconds) -> None:
     )
     table.add_column("setting")
     table.add_column("cycle", justify="right")
+    table.add_column("window", justify="right")
     for key in KEYS:
         table.add_column(key, justify="right")
     for setting, seeds in curves.items():
         for cycle in range(args.final_cycle):
             cells = [_mean_spread([s[cycle][k] if s[cycle] else None for s in seeds]) for k in KEYS]
-            table.add_row(setting, str(cycle + 1), *cells)
+            table.add_row(setting, str(cycle + 1), _windows([s[cycle] for s in seeds]), *cells)
     print_table(table)
     lines, final = final_table({k: [f["unseen"] for f in v] for k, v in finals.items()}, reward)
     seen_lines, seen = final_table({k: [f["sessions"] for f in v] for k, v in finals.items()}, reward)
@@ -507,7 +559,9 @@ def report(curves, finals, base, args, reward, seconds) -> None:
     )
     seen_title = (
         "The same models on the gate's first held-out window (typed by cycle 1's gate, and by every gate when "
-        "evaluate.gate_windows is 1), where gates chose them (optimistic: the winner's curse):"
+        "evaluate.gate_windows is 1), where gates chose them (optimistic: the winner's curse)"
+        + (" and on into the next windows (--final-requests)" if args.final_requests else "")
+        + ":"
     )
     console.print(unseen_title)
     console.print("\n".join(lines), highlight=False)
@@ -537,15 +591,22 @@ def report(curves, finals, base, args, reward, seconds) -> None:
 def _markdown(curves, base) -> str:
     """The per-cycle table as Markdown (mean ± spread over seeds), for bench/RESULTS.md."""
     lines = [
-        "| setting | seeds | cycle | " + " | ".join(KEYS) + " |",
-        "| --- | ---: | ---: |" + " ---: |" * len(KEYS),
-        "| base | - | 0 | " + " | ".join(f"{base[k]:.3f}" for k in KEYS) + " |",
+        "| setting | seeds | cycle | window | " + " | ".join(KEYS) + " |",
+        "| --- | ---: | ---: | ---: |" + " ---: |" * len(KEYS),
+        "| base | - | 0 | 0 | " + " | ".join(f"{base[k]:.3f}" for k in KEYS) + " |",
     ]
     for setting, seeds in curves.items():
         for cycle in range(len(seeds[0])):
             cells = [_mean_spread([s[cycle][k] if s[cycle] else None for s in seeds]) for k in KEYS]
-            lines.append(f"| {setting} | {len(seeds)} | {cycle + 1} | " + " | ".join(cells) + " |")
+            window = _windows([s[cycle] for s in seeds])
+            lines.append(f"| {setting} | {len(seeds)} | {cycle + 1} | {window} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _windows(entries: list[dict]) -> str:
+    """The gate windows the seeds' entries of one cycle were typed through: `1`, or `0/1` where seeds differ
+    (a cycle that gated nothing repeats its model's last numbers, on that gate's window)."""
+    return "/".join(str(w) for w in sorted({e.get("window") for e in entries if e and "window" in e})) or "-"
 
 
 def _plot(curves, final, base, path: Path) -> None:
@@ -577,7 +638,7 @@ def _plot(curves, final, base, path: Path) -> None:
                     capsize=3,
                 )
         ax.set_title(key)
-        ax.set_xlabel("cycle (0 = base; square = final on unseen requests, 95 % CI)")
+        ax.set_xlabel("cycle (its gate's window; 0 = base; square = final on unseen requests, 95 % CI)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
