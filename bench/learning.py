@@ -638,9 +638,12 @@ def _plot(curves, final, base, path: Path) -> None:
                     capsize=3,
                 )
         ax.set_title(key)
-        ax.set_xlabel("cycle (its gate's window; 0 = base; square = final on unseen requests, 95 % CI)")
+        ax.set_xlabel("cycle (0 = base; square = final, unseen requests, 95 % CI)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    fig.suptitle(
+        "each cycle typed through its gate's window of held-out regions; the control through the same", fontsize=9
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
