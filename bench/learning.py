@@ -384,13 +384,17 @@ def main(argv: list[str] | None = None) -> int:
             if saved is not None and saved["key"] == setting_key:  # resumed: finished by an earlier invocation
                 curve, final = saved["curve"], {k: saved[k] for k in ("sessions", "unseen", "model") if k in saved}
                 print(f"{setting} seed {seed}: stored result reused ({stored})", flush=True)
-                if setting == "control":  # stored before the control was typed through every window: type it now
-                    curve = saved["curve"] = control_curve(seed)
-                elif setting != "grpo" and any("window" not in e for e in curve if e):  # stored before windows
-                    curve = saved["curve"] = with_windows(curve, gate_windows(loop_params(setting, seed)))
+                if setting != "grpo" and any("window" not in e for e in curve if e):  # stored before windows
+                    curve = saved["curve"] = (
+                        control_curve(seed)  # was the base on window 0 at every cycle: type each window now
+                        if setting == "control"
+                        else with_windows(curve, gate_windows(loop_params(setting, seed)))
+                    )
                 if saved.get("final_requests") != args.final_requests:  # typed at another size: type them again
-                    model = final.get("model") or final_model(setting, seed)
-                    final = base_final(seed) if setting == "control" else final_sessions(model, seed, args)
+                    if setting == "control":
+                        final = base_final(seed)
+                    else:
+                        final = final_sessions(final.get("model") or final_model(setting, seed), seed, args)
                     saved |= final | {"final_requests": args.final_requests}
                 elif "unseen" not in final:  # stored before the unseen requests were typed: type them now, keep them
                     if setting == "control":
@@ -410,8 +414,8 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     curve, final = run_online(setting, online[setting], seed, args, base_window(seed, 0))
                 stored.parent.mkdir(parents=True, exist_ok=True)
-                saved = {"setting": setting, "seed": seed, "key": setting_key, "curve": curve} | final
-                saved["final_requests"] = args.final_requests
+                saved = {"setting": setting, "seed": seed, "key": setting_key, "curve": curve}
+                saved |= final | {"final_requests": args.final_requests}
             curve, final = at_cycle(setting, seed, saved, curve, final)
             stored.write_text(json.dumps(saved))
             curves.setdefault(setting, []).append(curve)
