@@ -12,9 +12,10 @@ the model is asked at every pause. Online traffic types train files; every evalu
 held-out test files (evaluate.n_requests requests, greedy). After the last cycle the model each
 (setting, seed) ends with is typed through held-out regions no evaluation reached (the second half of
 the held-out regions: every gate types a window of the first half, evaluate.gate_windows, and stops at
-evaluate.n_requests, ~85 regions of 600 at 1000 requests, which the bench checks) and its typing
-sessions are kept: every final metric gets a 95 % interval (bootstrap over seeds, then sessions,
-tasks/intervals.py) and each setting's difference from the control says whether it excludes 0.
+evaluate.n_requests, ~85 regions of 600 at 1000 requests, which the bench checks), 3000 requests of it
+(--final-requests), and its typing sessions are kept: every final metric gets a 95 % interval
+(bootstrap over seeds, then sessions, tasks/intervals.py) and each setting's difference from the
+control says whether it excludes 0.
 Unseen requests matter: the gate kept each candidate that scored best on its held-out requests, so on
 those requests a final model's numbers are optimistic (the winner's curse); the report gives them too
 (the first window, typed by cycle 1's gate and every gate when gate_windows is 1), labelled, to show by
@@ -63,6 +64,11 @@ ONLINE = {
 # Group-normalised advantages are about 1 in size, 2-4x the raw Cursor rewards: a third of the lr keeps
 # the step comparable (at the defaults' lr 3e-4 the first GRPO update jumped to approx-KL 3.8 in one step).
 GRPO = ["train.algorithm=grpo", "train.lr=1e-4"]
+# The final evaluation on unseen requests: 1000 requests reach ~89 regions per seed, and whether a model saves
+# anything varies far more between regions than between models; at 3000 (~250 regions) one seed's accept/shown
+# and characters-saved intervals excluded 0 where at 1000 they spanned it (bench/RESULTS.md, "Twice the weight
+# on the typed line"). ~1 min more per model on 2 cores.
+FINAL_REQUESTS, FINAL_REGIONS = 3000, 250
 TYPING = ("suggest_rate", "accept_rate", "right_rate", "chars_saved", "reward_per_request")
 KEYS = (*TYPING, "judge_mean")
 
@@ -259,9 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--final-requests",
         type=int,
-        help="held-out requests of the final evaluation of each (setting, seed) and of the base/control "
-        "(default: evaluate.n_requests, as every cycle's evaluation); stored runs keep their models and are "
-        "typed again at the new size",
+        help=f"held-out requests of the final evaluation of each (setting, seed) and of the base/control "
+        f"(default: {FINAL_REQUESTS}, about {FINAL_REGIONS} of the unseen half's 300 regions at the default "
+        "traffic.eval_regions; --quick: evaluate.n_requests, as every cycle's evaluation); stored runs keep their "
+        "models and are typed again at the new size",
     )
     parser.add_argument(
         "--model",
@@ -286,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.settings, args.seeds, args.cycles, args.requests = ["defaults", "control"], 1, 3, 240
+    elif args.final_requests is None:
+        args.final_requests = FINAL_REQUESTS
     args.final_cycle = args.final_cycle or args.cycles
     if not 1 <= args.final_cycle <= args.cycles:
         parser.error(f"--final-cycle {args.final_cycle}: expected 1 to --cycles ({args.cycles})")
@@ -425,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     base = {k: statistics.mean(base_window(seed, 0)[k] for seed in range(args.seeds)) for k in KEYS}
     for entry in [base, *(e for seeds in curves.values() for curve in seeds for e in curve if e)]:
         entry["reward_per_request"] = product_reward(entry, params.reward)
-    report(curves, finals, base, args, params.reward, time.time() - started)
+    report(curves, finals, base, args, params, time.time() - started)
 
 
 def champion_after(params, cycle: int, base_dir) -> str:
@@ -535,7 +544,7 @@ def final_table(finals: dict[str, list[list]], reward) -> tuple[list[str], dict]
     return lines, numbers
 
 
-def report(curves, finals, base, args, reward, seconds) -> None:
+def report(curves, finals, base, args, params, seconds) -> None:
     from rich.table import Table
 
     from tasks.console import console, print_table
@@ -555,8 +564,8 @@ def report(curves, finals, base, args, reward, seconds) -> None:
             cells = [_mean_spread([s[cycle][k] if s[cycle] else None for s in seeds]) for k in KEYS]
             table.add_row(setting, str(cycle + 1), _windows([s[cycle] for s in seeds]), *cells)
     print_table(table)
-    lines, final = final_table({k: [f["unseen"] for f in v] for k, v in finals.items()}, reward)
-    seen_lines, seen = final_table({k: [f["sessions"] for f in v] for k, v in finals.items()}, reward)
+    lines, final = final_table({k: [f["unseen"] for f in v] for k, v in finals.items()}, params.reward)
+    seen_lines, seen = final_table({k: [f["sessions"] for f in v] for k, v in finals.items()}, params.reward)
     unseen_title = (
         f"After {args.final_cycle} cycles, the final model of each seed typed through held-out regions no evaluation "
         "reached (value [95 % interval], bootstrap over seeds and typing sessions):"
@@ -564,7 +573,11 @@ def report(curves, finals, base, args, reward, seconds) -> None:
     seen_title = (
         "The same models on the gate's first held-out window (typed by cycle 1's gate, and by every gate when "
         "evaluate.gate_windows is 1), where gates chose them (optimistic: the winner's curse)"
-        + (" and on into the next windows (--final-requests)" if args.final_requests else "")
+        + (
+            " and on into the next windows (--final-requests)"
+            if (args.final_requests or 0) > params.evaluate.n_requests
+            else ""
+        )
         + ":"
     )
     console.print(unseen_title)
