@@ -33,7 +33,8 @@ Settings, all from the same base model, greedy decoding, simulated users, refere
 Online settings run the real gateway, log store and flows (flows/online_loop.py); each gated
 candidate is promoted at once, so the next cycle's traffic comes from the newest model. Writes
 bench/out/learning/results.json, results.md and curves.png (mean per cycle, band = spread over
-seeds; the final cycle with its bootstrap interval); prints the per-cycle and final tables. A cycle's
+seeds; the final cycle with its bootstrap interval; below, each setting minus the control, seed by seed
+on the same window, with the final difference's paired interval); prints the per-cycle and final tables. A cycle's
 numbers are its gate's, on its window of held-out regions (the "window" column; windows differ in
 difficulty), so the control is typed through the same window at each cycle.
 Each finished (setting, seed) is stored under OUT/runs/ and reused by a later invocation with the
@@ -627,43 +628,66 @@ def _windows(entries: list[dict]) -> str:
 
 
 def _plot(curves, final, base, path: Path) -> None:
-    """Mean per cycle with the seeds' spread as a band; at the last cycle, the bootstrap 95 % interval."""
+    """Top row: mean per cycle with the seeds' spread as a band; at the last cycle, the bootstrap 95 % interval on
+    unseen requests. Bottom row (with a control): each setting minus the control, seed by seed on the same window
+    (what the windows' difficulty does to both cancels), and the paired interval of the final difference."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     keys = ("accept_rate", "right_rate", "suggest_rate", "chars_saved")
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.6 * len(keys), 4))
-    for ax, key in zip(axes, keys, strict=True):
+    control = curves.get("control")
+    lifts = {k: v for k, v in curves.items() if k != "control"} if control else {}
+    rows = 2 if lifts else 1
+    fig, axes = plt.subplots(rows, len(keys), figsize=(4.6 * len(keys), 4 * rows), squeeze=False)
+    colors = {setting: f"C{i}" for i, setting in enumerate(curves)}
+    for ax, key in zip(axes[0], keys, strict=True):
         for i, (setting, seeds) in enumerate(curves.items()):
+            per_cycle = [[base[key]]] + [[s[c][key] for s in seeds if s[c]] for c in range(len(seeds[0]))]
+            _band(ax, per_cycle, setting, colors[setting], final.get(setting, {}).get(key), i)
+        _axes(ax, key, "cycle (0 = base; square = final, unseen requests, 95 % CI)")
+    for ax, key in zip(axes[1] if lifts else [], keys, strict=True):
+        for i, (setting, seeds) in enumerate(lifts.items()):
+            pairs = list(zip(seeds, control, strict=False))  # seed k with seed k
             n = len(seeds[0])
-            per_cycle = [[base[key]]] + [[s[c][key] for s in seeds if s[c]] for c in range(n)]
-            means = [statistics.mean(v) if v else float("nan") for v in per_cycle]
-            lows = [min(v) if v else float("nan") for v in per_cycle]
-            highs = [max(v) if v else float("nan") for v in per_cycle]
-            line = ax.plot(range(n + 1), means, "o-", label=setting)[0]
-            ax.fill_between(range(n + 1), lows, highs, color=line.get_color(), alpha=0.15)
-            if setting in final:
-                value, low, high = final[setting][key]
-                ax.errorbar(
-                    [n + 0.15 + 0.1 * i],
-                    [value],
-                    yerr=[[value - low], [high - value]],
-                    fmt="s",
-                    color=line.get_color(),
-                    capsize=3,
-                )
-        ax.set_title(key)
-        ax.set_xlabel("cycle (0 = base; square = final, unseen requests, 95 % CI)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+            per_cycle = [[0.0]] + [[s[c][key] - b[c][key] for s, b in pairs if s[c] and b[c]] for c in range(n)]
+            _band(ax, per_cycle, setting, colors[setting], final.get(f"{setting} - control", {}).get(key), i)
+        ax.axhline(0.0, color="grey", lw=0.8)
+        _axes(ax, f"{key} minus control", "cycle (square = final, unseen requests, paired 95 % CI)")
     fig.suptitle(
         "each cycle typed through its gate's window of held-out regions; the control through the same", fontsize=9
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _band(ax, per_cycle: list[list[float]], label: str, color: str, final: list | None, i: int) -> None:
+    """Mean per cycle, the seeds' spread as a band, and the final interval as a square with error bars."""
+    means = [statistics.mean(v) if v else float("nan") for v in per_cycle]
+    lows = [min(v) if v else float("nan") for v in per_cycle]
+    highs = [max(v) if v else float("nan") for v in per_cycle]
+    x = range(len(per_cycle))
+    ax.plot(x, means, "o-", label=label, color=color)
+    ax.fill_between(x, lows, highs, color=color, alpha=0.15)
+    if final is not None:
+        value, low, high = final[:3]
+        ax.errorbar(
+            [len(per_cycle) - 1 + 0.15 + 0.1 * i],
+            [value],
+            yerr=[[value - low], [high - value]],
+            fmt="s",
+            color=color,
+            capsize=3,
+        )
+
+
+def _axes(ax, title: str, xlabel: str) -> None:
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
 
 
 if __name__ == "__main__":
