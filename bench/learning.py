@@ -66,9 +66,9 @@ ONLINE = {
 # the step comparable (at the defaults' lr 3e-4 the first GRPO update jumped to approx-KL 3.8 in one step).
 GRPO = ["train.algorithm=grpo", "train.lr=1e-4"]
 # The final evaluation on unseen requests: 1000 requests reach ~89 regions per seed, and whether a model saves
-# anything varies far more between regions than between models; at 3000 (~250 regions) one seed's accept/shown
-# and characters-saved intervals excluded 0 where at 1000 they spanned it (bench/RESULTS.md, "Twice the weight
-# on the typed line"). ~1 min more per model on 2 cores.
+# anything varies far more between regions than between models; at 3000 (~250 regions) the same 3 seeds' models
+# had accept/shown and characters-saved intervals above 0 where at 1000 they spanned it (bench/RESULTS.md, "Three
+# times the unseen requests"). ~1 min more per model on 2 cores.
 FINAL_REQUESTS, FINAL_REGIONS = 3000, 250
 TYPING = ("suggest_rate", "accept_rate", "right_rate", "chars_saved", "reward_per_request")
 KEYS = (*TYPING, "judge_mean")
@@ -647,7 +647,7 @@ def _plot(curves, final, base, path: Path) -> None:
             per_cycle = [[base[key]]] + [[s[c][key] for s in seeds if s[c]] for c in range(len(seeds[0]))]
             _band(ax, per_cycle, setting, colors[setting], final.get(setting, {}).get(key), i)
         _axes(ax, key, "cycle (0 = base; square = final, unseen requests, 95 % CI)")
-    for ax, key in zip(axes[1] if lifts else [], keys, strict=True):
+    for ax, key in zip(axes[1], keys, strict=True) if lifts else []:
         for i, (setting, seeds) in enumerate(lifts.items()):
             pairs = list(zip(seeds, control, strict=False))  # seed k with seed k
             n = len(seeds[0])
