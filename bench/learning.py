@@ -331,8 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     def base_final(seed: int) -> dict:
         """The base model's final sessions, as final_sessions gives them (seed's users): the control's."""
         if seed not in bases:
-            seeded = load_params(args.params, [*args.set, *final_set(args), f"simulator.seed={seed}"])
-            bases[seed] = final_sessions(seeded.model.base_dir, seed, args)
+            bases[seed] = final_sessions(params.model.base_dir, seed, args)
         return bases[seed]
 
     def base_window(seed: int, window: int) -> dict:
