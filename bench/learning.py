@@ -153,14 +153,9 @@ def run_online(setting, overrides: list[str], seed, args, base: dict) -> tuple[l
 def gate_windows(params) -> dict[int, int]:
     """{cycle: the held-out window its gate typed} of an online run, from its cycle runs' MLflow tags (a cycle
     that trained no candidate has none)."""
-    from tasks.deploy.tracking import CYCLE_TAG, GATE_WINDOW_TAG, tracking_client
+    from tasks.deploy.tracking import CYCLE_TAG, GATE_WINDOW_TAG, gated_cycle_runs
 
-    client = tracking_client(params)
-    experiment = client.get_experiment_by_name(params.deploy.experiment)
-    if experiment is None:
-        return {}
-    runs = client.search_runs([experiment.experiment_id], f"tags.`{GATE_WINDOW_TAG}` LIKE '%'", max_results=10_000)
-    return {int(r.data.tags[CYCLE_TAG]): int(r.data.tags[GATE_WINDOW_TAG]) for r in runs}
+    return {int(r.data.tags[CYCLE_TAG]): int(r.data.tags[GATE_WINDOW_TAG]) for r in gated_cycle_runs(params)}
 
 
 def with_windows(curve: list[dict], windows: dict[int, int]) -> list[dict]:

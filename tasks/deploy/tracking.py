@@ -151,20 +151,26 @@ def _last_cycle_number(client: MlflowClient, experiment: str) -> int:
     return int(runs[0].data.tags.get(CYCLE_TAG, "0")) if runs else 0
 
 
+def gated_cycle_runs(params: Params, max_results: int = 10_000) -> list:
+    """The cycle runs whose gate typed a window of held-out regions (their `tabrl.gate_window` tag), newest
+    first; none before the experiment exists."""
+    client = tracking_client(params)
+    experiment = client.get_experiment_by_name(params.deploy.experiment)
+    if experiment is None:
+        return []
+    return client.search_runs(
+        [experiment.experiment_id],
+        f"tags.`{GATE_WINDOW_TAG}` LIKE '%'",
+        order_by=["attributes.start_time DESC"],
+        max_results=max_results,
+    )
+
+
 def next_gate_window(params: Params, windows: int) -> int:
     """The window of held-out regions the next gate types (`tasks.acceptance.gate_regions`): the one after the
     last gated cycle's (its `tabrl.gate_window` tag), round the `windows`; 0 before the first gate. Counted
     by gates, not cycles: skipped cycles do not make two gates in a row type the same window."""
-    client = tracking_client(params)
-    experiment = client.get_experiment_by_name(params.deploy.experiment)
-    if experiment is None:
-        return 0
-    runs = client.search_runs(
-        [experiment.experiment_id],
-        f"tags.`{GATE_WINDOW_TAG}` LIKE '%'",
-        order_by=["attributes.start_time DESC"],
-        max_results=1,
-    )
+    runs = gated_cycle_runs(params, max_results=1)
     return (int(runs[0].data.tags[GATE_WINDOW_TAG]) + 1) % windows if runs else 0
 
 
