@@ -4,6 +4,8 @@ Every knob of tabrl lives in ``params.yaml`` (DVC tracks it as the params of eve
 described here, once, by the docstring under its field. Values are overridden one key at a time:
 
 * CLI: ``tabrl ... --set train.lr=1e-5`` (the value is parsed as YAML: numbers, booleans, lists);
+* an overlay file: ``tabrl ... --set @params.real-model.yaml`` (sections of params.yaml's shape, applied
+  where it stands among the other ``--set``s);
 * environment: ``TABRL_TRAIN__LR=1e-5`` (section and key joined by a double underscore);
   ``TABRL_DATABASE_URL`` is a short alias for ``paths.database_url``.
 
@@ -294,6 +296,19 @@ class TrainParams(Section):
     """A cycle skips training when its snapshot has fewer usable rows."""
     seed: int = 0
     """Seed of shuffling and dropout."""
+    adapter: Literal["none", "lora"] = "none"
+    """What a trained version is: `none`, a full checkpoint (tabrl-tiny and the demo); `lora`, a PEFT LoRA adapter
+    on the champion's base (MBs in the registry, every arm of a base on one vLLM server; the real-model overlay
+    params.real-model.yaml sets it). A next version continues the champion's adapter on the same base."""
+    lora_rank: int = Field(16, ge=1)
+    """r of the LoRA adapters (serving.vllm_max_lora_rank must be at least this)."""
+    lora_alpha: float = Field(32.0, gt=0)
+    """LoRA alpha: the update is scaled by alpha / r."""
+    lora_targets: tuple[str, ...] = ("all-linear",)
+    """Modules that get adapters: `all-linear` (every linear layer but the LM head, as "LoRA Without Regret"
+    recommends for RL), or module names such as q_proj, v_proj."""
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input during training (0: the update sees what serving computes)."""
     num_nodes: int = Field(1, ge=1)
     """Hosts of one DeepSpeed job (GPUs only; the launcher's `--num_nodes`), each running train.nproc ranks;
     more than 1 needs train.hostfile."""
@@ -387,6 +402,10 @@ class DeployParams(Section):
     """MLflow experiment of the cycle runs (one run per cycle; compare them in the MLflow UI)."""
     decisions_experiment: str = "tabrl-ab-decisions"
     """MLflow experiment of the A/B decision records (one run per decision, kept apart from the cycles)."""
+    retired_retention_hours: float = Field(72.0, ge=0)
+    """Local copies of versions no arm serves and no alias names (trained candidates under paths.models_dir,
+    downloaded versions in the model cache) are deleted this long after they were last written; the registry
+    keeps every version's artifact. 0: as soon as they retire."""
 
     @model_validator(mode="after")
     def _sample_bounds(self) -> DeployParams:
@@ -447,6 +466,26 @@ class ServingParams(Section):
     distribution training uses. On CPU add --dtype float32 --enforce-eager."""
     vllm_start_timeout_s: float = Field(420.0, gt=0)
     """A new vLLM server must answer /health within this many seconds, else the rollout is undone."""
+    vllm_max_loras: int = Field(4, ge=3)
+    """Adapters one vLLM server runs at once (its --max-loras): the champion's, the challenger's, the candidate the
+    gate evaluates and the lineage's characters-saved holder (so at least 3)."""
+    vllm_max_lora_rank: int = Field(16, ge=1)
+    """Largest adapter rank a vLLM server accepts (its --max-lora-rank; buffers are preallocated for
+    max_loras x this rank). train.lora_rank must not exceed it."""
+    vllm_url: str | None = None
+    """The base's vLLM server when someone else runs it (on a GPU host, started with --enable-lora and
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, reachable from here); null: tabrl starts one per base on this host."""
+    window_chars: int = Field(2000, ge=64)
+    """Longest prefix a prompt keeps before the cursor (characters). A longer one is cut at an anchor line
+    (`tasks.generate.window_prefix`) so successive requests of a typing session share the prompt's start and
+    vLLM reuses its KV cache; the gateway, the evaluation and training cut the same way."""
+    window_step_chars: int = Field(1000, ge=16)
+    """Mean distance between the anchor lines a long prefix may be cut at (characters): the window moves on
+    by about this much at a time. Half of window_chars or less."""
+    adapter_serving: Literal["lora", "merged"] = "lora"
+    """How a vLLM arm serves an adapter version: `lora`, loaded at runtime into its base's one server (no new
+    process; the default); `merged`, merged into a full checkpoint and served by a server of its own
+    (blue/green), for hardware where LoRA kernels are slow (vLLM's CPU build)."""
     rate_limit_per_key_per_minute: int = Field(600, ge=1)
     """Requests per API key per minute before 429 (besides the per-user limit; a user may hold several keys)."""
     max_body_bytes: int = Field(1_048_576, ge=1024)
@@ -458,6 +497,15 @@ class ServingParams(Section):
     """Redis holding the rate-limit windows that gateway replicas share (e.g. `redis://127.0.0.1:6379/0`), so
     the per-user and per-key limits hold in total across replicas; None keeps them in the process (one
     gateway). `tabrl serve --workers N` with N > 1 needs it."""
+
+    @model_validator(mode="after")
+    def _window(self) -> ServingParams:
+        if 2 * self.window_step_chars > self.window_chars:
+            raise ValueError(
+                f"window_step_chars ({self.window_step_chars}) must be at most half of window_chars "
+                f"({self.window_chars}): the part of the window before its next anchor must be typed already"
+            )
+        return self
 
     @model_validator(mode="after")
     def _explore(self) -> ServingParams:
@@ -564,6 +612,16 @@ class Params(Section):
     paths: PathsParams = PathsParams()
 
     @model_validator(mode="after")
+    def _adapter_rank(self) -> Params:
+        if self.train.adapter == "lora" and self.train.lora_rank > self.serving.vllm_max_lora_rank:
+            raise ValueError(
+                f"train.lora_rank ({self.train.lora_rank}) exceeds serving.vllm_max_lora_rank "
+                f"({self.serving.vllm_max_lora_rank}): vLLM would refuse every adapter; raise the server's limit "
+                "or lower the rank"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _shared_tracking_store(self) -> Params:
         uri = self.paths.mlflow_tracking_uri
         if self.cluster.train_on == "pool" and not uri.startswith(("http://", "https://")):
@@ -610,6 +668,42 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+def overlay_overrides(path: str | os.PathLike[str]) -> list[tuple[str, Any]]:
+    """The keys of an overlay file (sections of params.yaml's shape, e.g. params.real-model.yaml) as overrides:
+    `--set @params.real-model.yaml` applies all of them where it stands among the other `--set`s."""
+    file = Path(path)
+    if not file.is_file():
+        raise ParamsError(f"overlay {file} not found (`--set @FILE` names a YAML file of params sections)")
+    try:
+        loaded = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ParamsError(f"overlay {file} is not valid YAML: {err}") from err
+    if not isinstance(loaded, dict):
+        raise ParamsError(f"overlay {file} must hold a mapping of sections, got {type(loaded).__name__}")
+    return list(_flatten_sections(loaded))
+
+
+def _flatten_sections(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Dotted keys down to the fields of sections (sections nest: evaluate.judge); a field whose value is a
+    mapping (fim.span_weights) stays whole, as a `--set` of that key would give it."""
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping) and _is_section(dotted):
+            yield from _flatten_sections(value, dotted + ".")
+        else:
+            yield dotted, value
+
+
+def _is_section(dotted: str) -> bool:
+    model: Any = Params
+    for part in dotted.split("."):
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return False
+        model = field.annotation
+    return isinstance(model, type) and issubclass(model, Section)
+
+
 def env_overrides(environ: Mapping[str, str]) -> list[tuple[str, Any]]:
     """`TABRL_TRAIN__LR=1e-5` -> ("train.lr", 1e-05); aliases such as TABRL_DATABASE_URL too."""
     found = []
@@ -649,7 +743,8 @@ def load_params(
             raise ParamsError(f"{file} must hold a mapping of sections, got {type(loaded).__name__}")
         tree = loaded
     pairs = env_overrides(os.environ if environ is None else environ)
-    pairs += [parse_override(text) for text in overrides]
+    for text in overrides:
+        pairs += overlay_overrides(text[1:]) if text.startswith("@") else [parse_override(text)]
     for dotted, value in pairs:
         _set_dotted(tree, dotted, value)
     try:

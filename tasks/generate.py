@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from tasks.adapters import base_dir_of, is_adapter
 from tasks.config import ServingParams
 from tasks.fim import FimTemplate, infer_template, parse_completion, read_template
 
@@ -89,9 +90,9 @@ def cut_unsure(gen: Generation, keep: int, raw: str, stops: Sequence[str]) -> Ge
 
 
 def check_model_dir(path: str | Path) -> Path:
-    """path, if it holds a checkpoint (config.json); else ModelLoadError naming it. Loads nothing."""
+    """path, if it holds a checkpoint (config.json) or a LoRA adapter; else ModelLoadError naming it. Loads nothing."""
     path = Path(path)
-    if not (path / "config.json").is_file():
+    if not (path / "config.json").is_file() and not is_adapter(path):
         raise ModelLoadError(
             f"{path} is not a model directory (no config.json); build it with `make demo` or `dvc repro base`"
         )
@@ -104,13 +105,29 @@ class LoadedModel(NamedTuple):
     template: FimTemplate
 
 
-def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """(model, tokenizer, FIM template) from a local checkpoint directory; never downloads."""
+def load_model(
+    path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32, base_dir: str | Path | None = None
+) -> LoadedModel:
+    """(model, tokenizer, FIM template) from a local checkpoint directory, or from a LoRA adapter version on its
+    base (base_dir, default: the path the adapter records; checked to be its base), merged into the base's
+    weights in memory: one model to run, at the speed of the base. Never downloads."""
+    if is_adapter(path):
+        return _load_merged(Path(path), base_dir_of(path, base_dir), device, dtype)
     path = check_model_dir(path)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
     model.to(device).eval()
     return LoadedModel(model, tokenizer, model_template(path, tokenizer))
+
+
+def _load_merged(adapter: Path, base: Path, device: str, dtype: torch.dtype) -> LoadedModel:
+    from peft import PeftModel
+
+    tokenizer = AutoTokenizer.from_pretrained(base, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(base, local_files_only=True, dtype=dtype)
+    model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    model.to(device).eval()
+    return LoadedModel(model, tokenizer, model_template(adapter, tokenizer))
 
 
 def model_template(path: str | Path, tokenizer: PreTrainedTokenizerBase | None = None) -> FimTemplate:

@@ -41,7 +41,7 @@ from tasks.deploy.registry import ensure_champion, get_alias_version, register_c
 from tasks.deploy.tracking import start_cycle_run
 from tasks.evaluate.evaluate import compare
 from tasks.evaluate.judge import JudgeUnavailable
-from tasks.train.ppo import RESULT_FILE
+from tasks.train.policy import RESULT_FILE
 from tests.conftest import tiny_params
 from tests.harden_util import start_backend
 from tests.serving_util import serve_app

@@ -21,7 +21,8 @@ from tasks.train.batching import Example, SnapshotError, build_examples, pack, p
 from tasks.train.engines import CompletionPolicy, first_token_logp, row_log_softmax, token_logp
 from tasks.train.launch import launch_train
 from tasks.train.loss import ppo_loss
-from tasks.train.ppo import RESULT_FILE, TrainingDiverged, inputs_digest, train
+from tasks.train.policy import RESULT_FILE
+from tasks.train.ppo import TrainingDiverged, inputs_digest, train
 from tests.conftest import tiny_params
 
 MAX_NEW = 8

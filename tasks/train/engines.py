@@ -133,8 +133,11 @@ class TorchEngine:
         self.opt.zero_grad(set_to_none=True)
         return norm
 
-    def fp32_state_dict(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().float().cpu() for n, p in self.policy.lm.named_parameters()}
+    def fp32_state_dict(self, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+        """The weights to save, fp32 on the CPU: all, or those named (an adapter's)."""
+        return {
+            n: p.detach().float().cpu() for n, p in self.policy.lm.named_parameters() if names is None or n in names
+        }
 
 
 class DeepSpeedEngine:
@@ -175,11 +178,16 @@ class DeepSpeedEngine:
         norm = self.module.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
-    def fp32_state_dict(self) -> dict[str, torch.Tensor]:
+    def fp32_state_dict(self, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+        """The fp32 master weights to save: all, or those named (an adapter's, the only ones the optimiser holds)."""
         from deepspeed.utils import safe_get_full_fp32_param
 
-        # collective under ZeRO-3: every rank calls it for every parameter
-        return {n: safe_get_full_fp32_param(p).detach().float().cpu() for n, p in self.policy.lm.named_parameters()}
+        # collective under ZeRO-3: every rank calls it for every parameter it asks for
+        return {
+            n: safe_get_full_fp32_param(p).detach().float().cpu()
+            for n, p in self.policy.lm.named_parameters()
+            if names is None or n in names
+        }
 
 
 def choose_engine(tp: TrainParams, device: torch.device) -> type[TorchEngine] | type[DeepSpeedEngine]:

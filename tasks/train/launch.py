@@ -26,9 +26,11 @@ import torch
 import yaml
 from prefect import task
 
+from tasks.adapters import AdapterBaseError, is_adapter
 from tasks.config import Params
 from tasks.procs import free_port
-from tasks.train.ppo import RESULT_FILE, SnapshotError, TrainingDiverged, TrainResult, inputs_digest, train
+from tasks.train.policy import RESULT_FILE, StartError
+from tasks.train.ppo import SnapshotError, TrainingDiverged, TrainResult, inputs_digest, train
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,13 +44,19 @@ def read_result(out_dir: str | Path) -> TrainResult:
 
 
 def launch_train(
-    snapshot: str | Path, from_dir: str | Path, out_dir: str | Path, params: Params, mlflow_run_id: str | None = None
+    snapshot: str | Path,
+    from_dir: str | Path,
+    out_dir: str | Path,
+    params: Params,
+    mlflow_run_id: str | None = None,
+    base_dir: str | Path | None = None,
 ) -> TrainResult:
-    """Train from_dir on snapshot into out_dir (an HF checkpoint); per-step metrics go to mlflow_run_id
-    (default: the active MLflow run, if any). Raises TrainingDiverged / SnapshotError / TrainError."""
+    """Train from_dir on snapshot into out_dir (an HF checkpoint, or an adapter with train.adapter = lora);
+    per-step metrics go to mlflow_run_id (default: the active MLflow run, if any). base_dir: the base of an
+    adapter from_dir (default: the path the adapter records). Raises TrainingDiverged / SnapshotError / TrainError."""
     snapshot, from_dir, out = Path(snapshot), Path(from_dir), Path(out_dir)
-    if not (from_dir / "config.json").is_file():
-        raise TrainError(f"--from {from_dir} is not a model directory (no config.json)")
+    if not (from_dir / "config.json").is_file() and not is_adapter(from_dir):
+        raise TrainError(f"--from {from_dir} is neither a model directory (no config.json) nor a LoRA adapter")
     if not snapshot.is_file():
         raise SnapshotError(f"snapshot {snapshot} not found")
     digest = inputs_digest(snapshot, from_dir, params)
@@ -69,7 +77,7 @@ def launch_train(
             f"train.num_nodes = {tp.num_nodes} needs GPUs (DeepSpeed's multi-node launcher); this host has none"
         )
     if tp.nproc == 1 and not gpus and tp.engine != "deepspeed":
-        return train(snapshot, from_dir, out, params, mlflow_run_id)
+        return train(snapshot, from_dir, out, params, mlflow_run_id, base_dir)
     with tempfile.TemporaryDirectory(prefix="tabrl-train-") as tmp:
         resolved = Path(tmp) / "params.yaml"
         resolved.write_text(yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False))
@@ -85,6 +93,8 @@ def launch_train(
         ]
         if mlflow_run_id:
             job += ["--mlflow-run-id", mlflow_run_id]
+        if base_dir is not None:
+            job += ["--base", str(Path(base_dir).resolve())]
         _run(launcher_command(tp.nproc, gpus, tp.num_nodes, tp.hostfile) + job)
     return read_result(out)
 
@@ -123,7 +133,7 @@ def _run(cmd: list[str]) -> None:
     if rc == 0:
         return
     for line in tail:
-        for kind in (TrainingDiverged, SnapshotError):
+        for kind in (TrainingDiverged, SnapshotError, StartError, AdapterBaseError):
             marker = f"error: {kind.__name__}: "
             if marker in line:
                 raise kind(line.split(marker, 1)[1])
@@ -132,11 +142,18 @@ def _run(cmd: list[str]) -> None:
 
 def _retry_unless_guard(task, task_run, state) -> bool:
     """Retry crashes (a killed rank, a lost node), never a guard or bad data: those fail the same way again."""
-    return not isinstance(state.result(raise_on_failure=False), (TrainingDiverged, SnapshotError))
+    return not isinstance(
+        state.result(raise_on_failure=False), (TrainingDiverged, SnapshotError, StartError, AdapterBaseError)
+    )
 
 
 @task(name="train", retries=1, retry_delay_seconds=10, retry_condition_fn=_retry_unless_guard)
 def train_task(
-    snapshot: str, from_dir: str, out_dir: str, params: Params, mlflow_run_id: str | None = None
+    snapshot: str,
+    from_dir: str,
+    out_dir: str,
+    params: Params,
+    mlflow_run_id: str | None = None,
+    base_dir: str | None = None,
 ) -> TrainResult:
-    return launch_train(snapshot, from_dir, out_dir, params, mlflow_run_id)
+    return launch_train(snapshot, from_dir, out_dir, params, mlflow_run_id, base_dir)

@@ -35,7 +35,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -46,9 +45,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from tasks.adapters import AdapterBaseError, file_sha256
 from tasks.config import Params, TrainParams, load_params
-from tasks.fim import FimTemplate, save_template
-from tasks.generate import model_template, prompt_limit, split_stops, stops_of
+from tasks.generate import prompt_limit, split_stops, stops_of
 from tasks.train.batching import (
     Example,
     Packed,
@@ -74,6 +73,7 @@ from tasks.train.engines import (
     top_logp,
 )
 from tasks.train.loss import abstain_loss, ppo_loss, truncated_is_weight
+from tasks.train.policy import StartError, load_start, save_start, trainable_names
 
 METRICS = (
     "train/loss",
@@ -91,9 +91,6 @@ METRICS = (
 """Per-step metric names logged to MLflow (one list, namespaced)."""
 
 
-RESULT_FILE = "train_result.json"
-
-
 class TrainingDiverged(RuntimeError):
     """A guard fired (non-finite loss, approx-KL over the limit); no checkpoint was written."""
 
@@ -103,6 +100,7 @@ class TrainResult:
     out_dir: str
     algorithm: str
     engine: str  # "torch" (single process / DDP) | "deepspeed"
+    weights: str  # "full" (a checkpoint) | "lora" (an adapter on base_dir)
     world_size: int
     rows: int  # rows in the snapshot
     rows_used: int  # rows with completion tokens (they carry gradient)
@@ -113,6 +111,7 @@ class TrainResult:
     final: dict[str, float] = field(default_factory=dict)  # last step's train/... metrics
     inputs_sha256: str = ""  # snapshot + starting checkpoint + train params: same inputs, same result
     stopped_early: str = ""  # why the update stopped before its last step (train.target_kl), "" when it ran to the end
+    base_dir: str = ""  # the base checkpoint of an adapter ("" for a full checkpoint)
 
 
 @dataclass
@@ -192,11 +191,13 @@ def prox_logps(
 
 
 def inputs_digest(snapshot: Path, from_dir: Path, params: Params) -> str:
+    """What a finished job's result depends on: the snapshot, the starting weights (an adapter's files name its
+    base's identity), the train params and the settings the examples are built with."""
     h = hashlib.sha256()
     h.update(snapshot.read_bytes())
-    for name in sorted(p.name for p in from_dir.iterdir() if p.is_file()):
-        h.update(name.encode())
-        h.update((from_dir / name).read_bytes())
+    for file in sorted(p for p in from_dir.iterdir() if p.is_file()):
+        h.update(file.name.encode())
+        h.update(file_sha256(file).encode())
     h.update(json.dumps(params.train.model_dump(mode="json"), sort_keys=True).encode())
     h.update(str(params.serving.max_tokens).encode())
     if params.train.abstain_weight > 0:  # the abstain term's advantage reads the reward of showing nothing
@@ -206,16 +207,16 @@ def inputs_digest(snapshot: Path, from_dir: Path, params: Params) -> str:
     return h.hexdigest()
 
 
-def _tmp_dir(out: Path) -> Path:
-    return out.with_name(f".{out.name}.tmp")
-
-
 def train(
-    snapshot: str | Path, from_dir: str | Path, out_dir: str | Path, params: Params, mlflow_run_id: str | None = None
+    snapshot: str | Path,
+    from_dir: str | Path,
+    out_dir: str | Path,
+    params: Params,
+    mlflow_run_id: str | None = None,
+    base_dir: str | Path | None = None,
 ) -> TrainResult:
-    """Run the job on this process (rank/world from the environment when launched by torchrun/deepspeed)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    """Run the job on this process (rank/world from the environment when launched by torchrun/deepspeed).
+    base_dir: where the base of an adapter from_dir is (default: the path the adapter records)."""
     snapshot, from_dir, out = Path(snapshot), Path(from_dir), Path(out_dir)
     tp = params.train
     started = time.time()
@@ -234,12 +235,9 @@ def train(
         torch.cuda.set_device(device)
     torch.manual_seed(tp.seed)
 
-    tokenizer = AutoTokenizer.from_pretrained(from_dir, local_files_only=True)
-    template = model_template(from_dir, tokenizer)
     attn = "flash_attention_2" if device.type == "cuda" and has_flash_attn() else "sdpa"
-    lm = AutoModelForCausalLM.from_pretrained(
-        from_dir, local_files_only=True, dtype=torch.float32, attn_implementation=attn
-    )
+    start = load_start(from_dir, base_dir, tp, attn)
+    lm, tokenizer, template = start.lm, start.tokenizer, start.template
     rows = read_snapshot(snapshot)
     abstaining = tp.abstain_weight > 0
     examples = build_examples(
@@ -368,11 +366,12 @@ def train(
     seconds = time.time() - started
     tokens_all = all_reduce([float(tokens_seen)], device, world)[0]
     loop_seconds = max(time.time() - loop_started, 1e-9)
-    state = engine.fp32_state_dict()
+    state = engine.fp32_state_dict(trainable_names(start))
     result = TrainResult(
         out_dir=str(out),
         algorithm=tp.algorithm,
         engine=engine.name,
+        weights=start.name,
         world_size=world,
         rows=len(rows),
         rows_used=len(examples),
@@ -383,9 +382,10 @@ def train(
         final=final,
         inputs_sha256=inputs_digest(snapshot, from_dir, params),
         stopped_early=stopped_early,
+        base_dir=str(start.base_dir or ""),
     )
     if rank == 0:
-        save_checkpoint(lm, tokenizer, template, state, out, result)
+        save_start(start, state, out, asdict(result))
     if world > 1:
         dist.barrier()
     return result
@@ -403,26 +403,6 @@ def _token_inputs(examples, idx, prox, is_cap, device):
     beh_t = torch.tensor(behaviour, dtype=torch.float32, device=device)  # (N,)
     weight = torch.where(torch.isnan(beh_t), torch.ones_like(old_t), truncated_is_weight(old_t, beh_t, is_cap))
     return old_t, weight, torch.tensor(adv, dtype=torch.float32, device=device)
-
-
-def save_checkpoint(
-    lm, tokenizer, template: FimTemplate, state: dict[str, torch.Tensor], out: Path, result: TrainResult
-) -> None:
-    """fp32 weights + tokenizer + FIM template + train_result.json into a temp dir, renamed into place
-    (atomic on one filesystem)."""
-    tmp = _tmp_dir(out)
-    shutil.rmtree(tmp, ignore_errors=True)
-    lm.save_pretrained(tmp, state_dict=state)
-    tokenizer.save_pretrained(tmp)
-    save_template(tmp, template)
-    # fp32 on disk whatever the compute dtype: lr ~1e-6 updates vanish in bf16 weights
-    config = json.loads((tmp / "config.json").read_text())
-    config["dtype"] = "float32"
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (tmp / RESULT_FILE).write_text(json.dumps(asdict(result), indent=2) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
 
 
 def _mlflow_client(run_id: str | None):
@@ -446,6 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--snapshot", required=True)
     parser.add_argument("--from", dest="from_dir", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--base", default=None, help="the base checkpoint of an adapter --from (default: its record)")
     parser.add_argument("--params", default="params.yaml", help="params.yaml (env and --set overrides apply)")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--resolved-params", default=None, help="a resolved params file from launch_train (used as is)")
@@ -457,8 +438,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         params = load_params(args.params, args.overrides)
     try:
-        train(args.snapshot, args.from_dir, args.out, params, args.mlflow_run_id)
-    except (TrainingDiverged, SnapshotError) as err:
+        train(args.snapshot, args.from_dir, args.out, params, args.mlflow_run_id, args.base)
+    except (TrainingDiverged, SnapshotError, StartError, AdapterBaseError) as err:
         print(f"error: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
         return 3
     return 0
