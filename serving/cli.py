@@ -125,11 +125,12 @@ def keys_opt_out_cmd(
     console.print(f"{user}: {'opted in' if undo else 'opted out'}")
 
 
-ARM_FIELDS = {"name", "uri", "backend", "share", "version"}
+ARM_FIELDS = {"name", "uri", "backend", "share", "version", "model", "adapter"}
 
 
 def parse_arm_spec(spec: str):
-    """`name=champion,uri=models/x,share=0.5[,backend=embedded][,version=v1]` -> Arm."""
+    """`name=champion,uri=models/x,share=0.5[,backend=embedded][,version=v1][,model=NAME][,adapter=DIR]` -> Arm
+    (model: the name asked of the server, e.g. a vLLM adapter's; adapter: a LoRA adapter on uri's base)."""
     from serving.store import Arm
 
     fields = {}
@@ -146,7 +147,15 @@ def parse_arm_spec(spec: str):
     except ValueError:
         raise ValueError(f"arm spec {spec!r}: share {fields['share']!r} is not a number") from None
     uri = fields["uri"]
-    return Arm(fields["name"], fields.get("version") or Path(uri).name, uri, fields.get("backend", "embedded"), share)
+    return Arm(
+        fields["name"],
+        fields.get("version") or Path(fields.get("adapter") or uri).name,
+        uri,
+        fields.get("backend", "embedded"),
+        share,
+        fields.get("model"),
+        fields.get("adapter"),
+    )
 
 
 def arms_cmd(
@@ -154,13 +163,16 @@ def arms_cmd(
         list[str] | None,
         typer.Option(
             "--arm",
-            help="Replace the arms: name=N,uri=DIR|URL,share=S[,backend=embedded|vllm][,version=V] (repeat per arm).",
+            help="Replace the arms: name=N,uri=DIR|URL,share=S[,backend=embedded|vllm][,version=V][,model=NAME]"
+            "[,adapter=DIR] (repeat per arm; adapter: a LoRA adapter served on uri's base).",
         ),
     ] = None,
     from_json: Annotated[
         Path | None,
         typer.Option(
-            "--json", help="Replace the arms from a JSON list of {name, model_version, model_uri, backend, share}."
+            "--json",
+            help="Replace the arms from a JSON list of {name, model_version, model_uri, backend, share[, served_model]"
+            "[, adapter]}.",
         ),
     ] = None,
     params: ParamsOpt = DEFAULT_PARAMS_FILE,
@@ -184,10 +196,12 @@ def arms_cmd(
     except (ArmError, ValueError, TypeError) as err:
         _fail(str(err))
     table = Table(title="A/B arms")
-    for col in ("name", "share", "backend", "model_version", "model_uri"):
+    for col in ("name", "share", "backend", "model_version", "model_uri", "served as", "adapter"):
         table.add_column(col)
     for a in read_arms(engine):
-        table.add_row(a.name, f"{a.share:g}", a.backend, a.model_version, a.model_uri)
+        table.add_row(
+            a.name, f"{a.share:g}", a.backend, a.model_version, a.model_uri, a.served_model or "-", a.adapter or "-"
+        )
     print_table(table)
 
 

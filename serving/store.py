@@ -1,7 +1,9 @@
 """The log store: every shown suggestion, every outcome, the A/B arms (SQLAlchemy Core).
 
 SQLite (WAL, synchronous=FULL) by default, PostgreSQL through ``TABRL_DATABASE_URL``; one schema
-for both, created on start and stamped with ``SCHEMA_VERSION`` in ``schema_version``.
+for both, created on start and stamped with ``SCHEMA_VERSION`` in ``schema_version``. A store made by
+an older tabrl is migrated in place on start (``MIGRATIONS``: columns added, nothing rewritten), so
+old stores keep working; a store from a newer tabrl is refused.
 A completion row is committed before its response is sent, so an acknowledged suggestion is
 never lost when the gateway dies.
 """
@@ -9,7 +11,7 @@ never lost when the gateway dies.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,7 +20,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 metadata = sa.MetaData()
 
@@ -72,10 +74,14 @@ arms = sa.Table(
     metadata,
     sa.Column("name", sa.String(64), primary_key=True),
     sa.Column("model_version", sa.String(256), nullable=False),
-    sa.Column("model_uri", sa.Text, nullable=False),  # local checkpoint dir, or vLLM base URL
+    sa.Column("model_uri", sa.Text, nullable=False),  # local checkpoint dir (the base of an adapter), or vLLM base URL
     sa.Column("backend", sa.String(32), nullable=False),
     sa.Column("share", sa.Float, nullable=False),
     sa.Column("updated_at", sa.Float, nullable=False),
+    # schema 2: the model name the arm asks its server for (a vLLM adapter's load name; NULL: the server's one
+    # model) and the adapter directory it serves on model_uri's base (NULL: a full checkpoint)
+    sa.Column("served_model", sa.String(256), nullable=True),
+    sa.Column("adapter", sa.Text, nullable=True),
 )
 
 api_keys = sa.Table(
@@ -167,17 +173,41 @@ def open_store(url: str) -> Iterator[Engine]:
         engine.dispose()
 
 
+MIGRATIONS: dict[int, tuple[tuple[str, str], ...]] = {
+    2: (("arms", "served_model"), ("arms", "adapter")),
+}
+"""Version -> the (table, column) pairs it added: nullable columns, so an older store is brought up to date by
+adding them, and its rows keep their meaning (NULL: what the older tabrl did)."""
+
+
 def init_schema(engine: Engine) -> None:
-    """Create missing tables and stamp the schema version; refuse a store from a newer tabrl."""
+    """Create missing tables, migrate an older store, stamp the schema version; refuse a store from a newer tabrl."""
     metadata.create_all(engine)
     with engine.begin() as conn:
         found = conn.execute(sa.select(sa.func.max(schema_version.c.version))).scalar()
-        if found is None:
-            conn.execute(schema_version.insert().values(version=SCHEMA_VERSION, applied_at=time.time()))
-        elif found > SCHEMA_VERSION:
+        if found is not None and found > SCHEMA_VERSION:
             raise RuntimeError(
                 f"log store schema version {found} is newer than this tabrl's {SCHEMA_VERSION}; upgrade tabrl"
             )
+        for version in range((found or SCHEMA_VERSION) + 1, SCHEMA_VERSION + 1):
+            _add_columns(conn, MIGRATIONS[version])
+            conn.execute(schema_version.insert().values(version=version, applied_at=time.time()))
+        if found is None:  # a new store, or the tables of a start that died before stamping: bring them up to date
+            _add_columns(conn, [pair for pairs in MIGRATIONS.values() for pair in pairs])
+            conn.execute(schema_version.insert().values(version=SCHEMA_VERSION, applied_at=time.time()))
+
+
+def _add_columns(conn: Connection, pairs: Sequence[tuple[str, str]]) -> None:
+    """ALTER TABLE ... ADD COLUMN for each (table, column) of the metadata that the database lacks."""
+    existing: dict[str, set[str]] = {}
+    for table, column in pairs:
+        if table not in existing:
+            existing[table] = {c["name"] for c in sa.inspect(conn).get_columns(table)}
+        if column in existing[table]:
+            continue
+        col = metadata.tables[table].c[column]
+        kind = col.type.compile(dialect=conn.dialect)
+        conn.execute(sa.text(f"ALTER TABLE {table} ADD COLUMN {column} {kind}"))
 
 
 class ArmError(ValueError):
@@ -194,9 +224,11 @@ CHALLENGER = "challenger"
 class Arm:
     name: str
     model_version: str  # what is logged with every completion (e.g. "tabrl-completion/3")
-    model_uri: str  # local checkpoint directory (embedded) or vLLM base URL (vllm)
+    model_uri: str  # local checkpoint directory (embedded; an adapter's base) or vLLM base URL (vllm)
     backend: str  # "embedded" | "vllm"
     share: float  # traffic share; the shares of all arms sum to 1
+    served_model: str | None = None  # the name asked for: an adapter's load name; None: the server's one model
+    adapter: str | None = None  # the LoRA adapter directory served on model_uri's base; None: a full checkpoint
 
 
 def validate_arms(new_arms: list[Arm]) -> None:
@@ -221,7 +253,10 @@ def read_arms(conn_or_engine: Connection | Engine) -> list[Arm]:
     """The live arms, by name."""
     with _connect(conn_or_engine) as conn:
         rows = conn.execute(sa.select(arms).order_by(arms.c.name)).mappings().all()
-    return [Arm(r["name"], r["model_version"], r["model_uri"], r["backend"], r["share"]) for r in rows]
+    return [
+        Arm(r["name"], r["model_version"], r["model_uri"], r["backend"], r["share"], r["served_model"], r["adapter"])
+        for r in rows
+    ]
 
 
 def replace_arms(conn_or_engine: Connection | Engine, new_arms: list[Arm]) -> None:
