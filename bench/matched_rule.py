@@ -81,6 +81,7 @@ def match_seed(lm, seed: int, learnt: list, control: list, params, args) -> dict
     from tasks.acceptance import type_regions
     from tasks.config import load_params
     from tasks.editor import read_regions, regions_path
+    from tasks.inference import InProcess
 
     default = params.serving.min_logprob
     if default is None:
@@ -89,7 +90,7 @@ def match_seed(lm, seed: int, learnt: list, control: list, params, args) -> dict
 
     def run_at(threshold: float) -> dict:
         at = load_params(args.params, [*args.set, f"simulator.seed={seed}", f"serving.min_logprob={threshold}"])
-        run = type_regions(lm, regions, at, desc=f"seed {seed}: base at min_logprob {threshold:+.4f}")
+        run = type_regions(InProcess(lm), regions, at, desc=f"seed {seed}: base at min_logprob {threshold:+.4f}")
         sessions = [list(s) for s in run.sessions]
         return {"threshold": threshold, "sessions": sessions, **_summary(sessions, params.reward)}
 

@@ -141,6 +141,7 @@ def typing(args: argparse.Namespace) -> int:
     from tasks.console import console
     from tasks.editor import read_regions, regions_path
     from tasks.generate import load_model
+    from tasks.inference import InProcess
     from tasks.intervals import difference, metric_fns
 
     base = load_params(args.params, args.set)
@@ -154,7 +155,7 @@ def typing(args: argparse.Namespace) -> int:
         params = load_params(
             args.params, [*args.set, f"serving.min_logprob={rule}", f"evaluate.n_requests={args.requests}"]
         )
-        run = type_regions(lm, regions, params, desc=f"type, min_logprob {rule}")
+        run = type_regions(InProcess(lm), regions, params, desc=f"type, min_logprob {rule}")
         whole = whole or [run.sessions]  # the first run: every suggestion shown whole
         vs = {m: difference([run.sessions], whole, metrics[m], paired=True) for m in ("accept_rate", "chars_saved")}
         rows.append(

@@ -29,6 +29,7 @@ from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
 from tasks.corpus import read_samples
 from tasks.deploy.registry import (
     CHARS_HOLDER_TAG,
+    base_version,
     chars_saved_holder,
     ensure_champion,
     get_alias_version,
@@ -78,6 +79,8 @@ def online_rl_cycle(
         return report
     champion = ensure_champion(params.model.base_dir, params)
     champion_dir = resolve_model_dir(champion.uri, params)
+    base = base_version(champion, params)  # the full version an adapter champion runs on (else the champion)
+    base_dir = resolve_model_dir(base.uri, params)
     run_id = start_cycle_run(params)
     report = CycleReport("skipped", "", run_id)
     mlflow.set_tracking_uri(params.paths.mlflow_tracking_uri)  # the stages log into the active run
@@ -94,7 +97,9 @@ def online_rl_cycle(
                 ingested.snapshot, params.reward, ingested.snapshot.with_suffix(".rewarded.parquet"), ingested.arms
             )
             try:
-                trained, candidate_dir = train_step(rewarded.path, champion, champion_dir, params, run_id)
+                trained, candidate_dir = train_step(
+                    rewarded.path, champion, champion_dir, base, base_dir, params, run_id
+                )
             except TrainingDiverged as err:  # a guard stopped the update: nothing to evaluate, the champion stays
                 commit_ingest_task(params, pending)
                 report.status, report.reason = "diverged", f"training stopped by a guard: {err}"
@@ -114,7 +119,9 @@ def online_rl_cycle(
                 regions = gate_regions(read_regions(regions_path(params.paths.data_dir, "test")), window, windows)
                 holder = chars_saved_holder(champion, params)
                 mark_dir = str(resolve_model_dir(holder.uri, params)) if holder else None
-                comparison = compare_task(str(candidate_dir), str(champion_dir), test, regions, params, mark_dir)
+                comparison = compare_task(
+                    str(candidate_dir), str(champion_dir), test, regions, params, mark_dir, str(base_dir)
+                )
                 champion_metrics = {
                     k.replace("eval/", "eval/champion/", 1): v for k, v in comparison.champion.metrics.items()
                 }
@@ -126,9 +133,9 @@ def online_rl_cycle(
                     held_by = comparison.decision.mark_holder_after(champion, holder)
                     carried = {CHARS_HOLDER_TAG: str(held_by.version)} if held_by else {}
                     version = register_candidate(
-                        candidate_dir, params, run_id, tags=carried, gate=comparison.decision.numbers
+                        candidate_dir, params, run_id, tags=carried, gate=comparison.decision.numbers, base=base
                     )
-                    rollout(version, str(resolve_model_dir(version.uri, params)), params)
+                    rollout(version, str(resolve_model_dir(version.uri, params)), params, str(base_dir))
                     report.status, report.version = "deployed", version.label
                     report.reason = "; ".join(comparison.decision.reasons)
                     log.info(f"{version.label} is the challenger at {params.deploy.challenger_share:.0%} of traffic")

@@ -45,20 +45,31 @@ class TrainingLost(RuntimeError):
 
 
 def train_step(
-    rewarded: Path, champion: ModelVersion, champion_dir: Path, params: Params, run_id: str
+    rewarded: Path,
+    champion: ModelVersion,
+    champion_dir: Path,
+    base: ModelVersion,
+    base_dir: Path,
+    params: Params,
+    run_id: str,
 ) -> tuple[TrainResult, Path]:
     """Train the champion on the rewarded snapshot here (``cluster.train_on: process``) or on the gpu pool
-    (``pool``); returns the result and the candidate's local checkpoint directory.
+    (``pool``); returns the result and the candidate's local checkpoint (or adapter) directory. base, base_dir:
+    the full version an adapter champion runs on (the champion itself when it is a full checkpoint).
 
     Raises TrainingDiverged (a guard stopped the update) and, on the pool, TrainingLost."""
     if params.cluster.train_on == "pool":
-        return train_on_pool(rewarded, champion.uri, params, run_id)
+        return train_on_pool(rewarded, champion.uri, params, run_id, base.uri if base != champion else None)
     candidate_dir = Path(params.paths.models_dir) / "candidates" / run_id
-    return train_task(str(rewarded), str(champion_dir), str(candidate_dir), params), candidate_dir
+    adapter_base = str(base_dir) if base != champion else None
+    return train_task(str(rewarded), str(champion_dir), str(candidate_dir), params, None, adapter_base), candidate_dir
 
 
-def train_on_pool(rewarded: Path, from_uri: str, params: Params, run_id: str) -> tuple[TrainResult, Path]:
-    """Run the training deployment for this cycle's MLflow run, wait for it, and download its candidate."""
+def train_on_pool(
+    rewarded: Path, from_uri: str, params: Params, run_id: str, base_uri: str | None = None
+) -> tuple[TrainResult, Path]:
+    """Run the training deployment for this cycle's MLflow run, wait for it, and download its candidate.
+    base_uri: the base version of an adapter from_uri (the GPU host downloads it too)."""
     cp = params.cluster
     client = tracking_client(params)
     client.log_artifact(run_id, str(rewarded), SNAPSHOT_ARTIFACT)
@@ -69,6 +80,7 @@ def train_on_pool(rewarded: Path, from_uri: str, params: Params, run_id: str) ->
             "snapshot_uri": f"runs:/{run_id}/{SNAPSHOT_ARTIFACT}/{rewarded.name}",
             "from_uri": from_uri,
             "params": params.model_dump(mode="json"),
+            "base_uri": base_uri,
         },
         timeout=cp.train_timeout_s,
         poll_interval=cp.train_poll_s,
@@ -92,7 +104,7 @@ def train_on_pool(rewarded: Path, from_uri: str, params: Params, run_id: str) ->
 
 
 def train_from_references(
-    run_id: str, snapshot_uri: str, from_uri: str, params: Params, work_dir: Path
+    run_id: str, snapshot_uri: str, from_uri: str, params: Params, work_dir: Path, base_uri: str | None = None
 ) -> TrainResult | None:
     """The training flow's work on a GPU host: pull the snapshot and the starting checkpoint from MLflow,
     train in a scratch directory under work_dir, log the candidate as the run's `model` artifact and tag
@@ -104,6 +116,7 @@ def train_from_references(
     mlflow.set_tracking_uri(here.paths.mlflow_tracking_uri)  # the update's per-step metrics go to the cycle's run
     client = tracking_client(here)
     from_dir = resolve_model_dir(from_uri, here)
+    base_dir = str(resolve_model_dir(base_uri, here)) if base_uri else None  # an adapter's base, by its version
     work_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="tabrl-train-", dir=work_dir) as tmp:
         snapshot = mlflow.artifacts.download_artifacts(
@@ -111,7 +124,7 @@ def train_from_references(
         )
         candidate = Path(tmp) / "candidate"
         try:
-            result = train_task(snapshot, str(from_dir), str(candidate), here, mlflow_run_id=run_id)
+            result = train_task(snapshot, str(from_dir), str(candidate), here, mlflow_run_id=run_id, base_dir=base_dir)
         except TrainingDiverged as err:
             client.set_tag(run_id, OUTCOME_TAG, "diverged")
             client.set_tag(run_id, REASON_TAG, str(err)[:5000])

@@ -20,10 +20,12 @@ from tasks.config import Params
 
 
 @flow(name=TRAIN_FLOW, log_prints=True)
-def train_candidate(run_id: str, snapshot_uri: str, from_uri: str, params: dict[str, Any]) -> str:
+def train_candidate(
+    run_id: str, snapshot_uri: str, from_uri: str, params: dict[str, Any], base_uri: str | None = None
+) -> str:
     """Train the checkpoint at from_uri on the rewarded snapshot at snapshot_uri for the cycle's MLflow
     run_id; params is the cycle's resolved tree. Returns the outcome: `trained` or `diverged`."""
-    result = train_from_references(run_id, snapshot_uri, from_uri, Params.model_validate(params), Path.cwd())
+    result = train_from_references(run_id, snapshot_uri, from_uri, Params.model_validate(params), Path.cwd(), base_uri)
     outcome = "trained" if result is not None else "diverged"
     print(f"{outcome}: MLflow run {run_id}")
     return outcome

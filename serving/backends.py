@@ -16,9 +16,10 @@ Both say which FIM template their model speaks (``template``): the gateway rende
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -26,19 +27,19 @@ from typing import Protocol
 import httpx
 
 from serving.store import Arm
-from tasks.fim import FimFormatError, FimTemplate, parse_completion, template_for_model_name
+from tasks.adapters import AdapterBaseError, check_base
+from tasks.fim import FimFormatError, FimTemplate, template_for_model_name
 from tasks.generate import (
     Generation,
     LoadedModel,
     ModelLoadError,
     ShowRule,
-    cut_unsure,
     generate,
     load_model,
     model_template,
 )
+from tasks.vllm import VLLM_MAX_STOP, VllmError, base_of, generation_from_vllm, load_adapter
 
-VLLM_MAX_STOP = 4
 # transformers' from_pretrained is not thread-safe: it builds the model under process-wide "empty
 # weights" patches, so two arms loading at once in two worker threads can leave one with meta
 # tensors ("Cannot copy out of meta tensor"). Loads take turns; generation stays per arm.
@@ -47,6 +48,10 @@ _LOAD_LOCK = threading.Lock()
 
 class BackendError(RuntimeError):
     """A backend that could not produce a completion; the message says why."""
+
+
+class UnknownModel(BackendError):
+    """The vLLM server does not know the arm's adapter name (it restarted): load the adapter again."""
 
 
 @dataclass(frozen=True)
@@ -68,51 +73,139 @@ class Backend(Protocol):
     async def aclose(self) -> None: ...
 
 
-class EmbeddedBackend:
-    """A local Hugging Face checkpoint, loaded on first use, generating one request at a time."""
+class _EmbeddedBase:
+    """One checkpoint loaded in this process, shared by every arm served on it: the base itself (an arm with no
+    adapter) and each arm's LoRA adapter, loaded under the arm's name into one PEFT model (no second copy of the
+    base). Generation takes turns: one lock per base."""
 
-    def __init__(self, model_dir: str | Path):
-        self.model_dir = Path(model_dir)
-        self._lock = threading.Lock()  # one generation at a time: the model is not re-entrant
+    def __init__(self, model_dir: Path):
+        self.model_dir = model_dir
+        self.lock = threading.Lock()
+        self.users = 0  # backends holding it
         self._lm: LoadedModel | None = None
+        self._peft = None  # the PeftModel once the first adapter is loaded
+        self._adapters: dict[str, Path] = {}
 
-    def _load(self) -> LoadedModel:
+    def loaded(self) -> LoadedModel:
         if self._lm is None:
             try:
                 with _LOAD_LOCK:
                     self._lm = load_model(self.model_dir)
-            except (ModelLoadError, FimFormatError, OSError) as err:
+            except (ModelLoadError, FimFormatError, AdapterBaseError, OSError) as err:
                 raise BackendError(f"cannot load model {self.model_dir}: {err}") from err
         return self._lm
 
+    def with_adapter(self, name: str, path: Path) -> LoadedModel:
+        """The model to generate with for the adapter `name` (loaded from path on first use, its base checked);
+        call with the lock held."""
+        lm = self.loaded()
+        if name not in self._adapters:
+            try:
+                check_base(path, self.model_dir, "serve")
+                with _LOAD_LOCK:
+                    if self._peft is None:
+                        from peft import PeftModel
+
+                        self._peft = PeftModel.from_pretrained(lm.model, path, adapter_name=name)
+                    else:
+                        self._peft.load_adapter(path, adapter_name=name)
+            except (AdapterBaseError, OSError, ValueError) as err:
+                raise BackendError(f"cannot load adapter {path} on {self.model_dir}: {err}") from err
+            self._peft.eval()
+            self._adapters[name] = path
+        self._peft.set_adapter(name)
+        return LoadedModel(self._peft, lm.tokenizer, lm.template)
+
+    def base_only(self) -> contextlib.AbstractContextManager[LoadedModel]:
+        """The base without any adapter (call with the lock held)."""
+        lm = self.loaded()
+        if self._peft is None:
+            return contextlib.nullcontext(lm)
+        return _disabled(self._peft, lm)
+
+    def drop_adapter(self, name: str) -> None:
+        with self.lock:
+            if self._peft is not None and name in self._adapters:
+                self._peft.delete_adapter(name)
+                del self._adapters[name]
+
+
+@contextlib.contextmanager
+def _disabled(peft, lm: LoadedModel):
+    with peft.disable_adapter():
+        yield LoadedModel(peft, lm.tokenizer, lm.template)
+
+
+_BASES: dict[str, _EmbeddedBase] = {}
+_BASES_LOCK = threading.Lock()
+
+
+def _shared_base(model_dir: Path) -> _EmbeddedBase:
+    key = os.path.realpath(model_dir)
+    with _BASES_LOCK:
+        base = _BASES.setdefault(key, _EmbeddedBase(model_dir))
+        base.users += 1
+        return base
+
+
+def _release_base(base: _EmbeddedBase) -> None:
+    with _BASES_LOCK:
+        base.users -= 1
+        if base.users <= 0:
+            _BASES.pop(os.path.realpath(base.model_dir), None)
+
+
+class EmbeddedBackend:
+    """A local Hugging Face checkpoint, or a LoRA adapter on one, generating one request at a time per checkpoint.
+    Every arm on the same checkpoint shares one loaded copy of it (adapters are loaded into it by name)."""
+
+    def __init__(self, model_dir: str | Path, adapter: str | Path | None = None, name: str | None = None):
+        self.model_dir = Path(model_dir)
+        self.adapter = Path(adapter) if adapter is not None else None
+        self.name = name or (str(self.adapter) if self.adapter is not None else None)
+        self._base = _shared_base(self.model_dir)
+
     def _template(self) -> FimTemplate:
-        with self._lock:
-            return self._load().template
+        with self._base.lock:
+            return self._base.loaded().template
 
     async def template(self) -> FimTemplate:
-        if self._lm is not None:  # the hot path: no thread hop, no wait on a generation holding the lock
-            return self._lm.template
+        lm = self._base._lm
+        if lm is not None:  # the hot path: no thread hop, no wait on a generation holding the lock
+            return lm.template
         return await asyncio.to_thread(self._template)
 
     def _complete(self, prompt: str, s: Sampling) -> Generation:
-        with self._lock:
-            lm = self._load()
-            return generate(*lm, [prompt], s.max_tokens, s.temperature, s.top_p, stop=s.stop, rule=s.rule)[0]
+        with self._base.lock:
+            if self.adapter is not None and self.name is not None:
+                return self._generate(self._base.with_adapter(self.name, self.adapter), prompt, s)
+            with self._base.base_only() as lm:
+                return self._generate(lm, prompt, s)
+
+    @staticmethod
+    def _generate(lm: LoadedModel, prompt: str, s: Sampling) -> Generation:
+        return generate(*lm, [prompt], s.max_tokens, s.temperature, s.top_p, stop=s.stop, rule=s.rule)[0]
 
     async def complete(self, prompt: str, sampling: Sampling) -> Generation:
         return await asyncio.to_thread(self._complete, prompt, sampling)
 
     async def aclose(self) -> None:
-        self._lm = None
+        if self.adapter is not None and self.name is not None:
+            await asyncio.to_thread(self._base.drop_adapter, self.name)
+        _release_base(self._base)
 
 
 class VLLMBackend:
-    """An OpenAI-compatible vLLM server at base_url (with or without the trailing /v1)."""
+    """An OpenAI-compatible vLLM server at base_url (with or without the trailing /v1), asked for `model` (None: the
+    one model it lists). With `adapter`, model is a LoRA adapter's load name: when the server answers that it does
+    not know it (it restarted and lost its runtime adapters), the adapter is loaded again from that directory under
+    the same name, once, and the request retried: the arms table, not the server's memory, says what is served."""
 
-    def __init__(self, base_url: str, model: str | None = None, timeout_s: float = 30.0):
+    def __init__(self, base_url: str, model: str | None = None, timeout_s: float = 30.0, adapter: str | None = None):
         root = base_url.rstrip("/")
         self.base_url = root if root.endswith("/v1") else root + "/v1"
         self.model = model  # None: the one model the server lists, looked up on first use
+        self.adapter = adapter
         self._root: str | None = None  # where vLLM loaded it from (its /v1/models `root`)
         self._template: FimTemplate | None = None
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=min(5.0, timeout_s)))
@@ -152,6 +245,8 @@ class VLLMBackend:
             response = await self._client.request(method, self.base_url + path, json=json)
         except httpx.HTTPError as err:
             raise BackendError(f"vLLM at {self.base_url} unreachable: {type(err).__name__}: {err}") from err
+        if response.status_code == 404 and self.adapter is not None and "does not exist" in response.text:
+            raise UnknownModel(f"vLLM at {self.base_url} does not know {self.model!r}")
         if response.status_code != 200:
             raise BackendError(f"vLLM at {self.base_url}{path} answered {response.status_code}: {response.text[:300]}")
         return response.json()
@@ -160,7 +255,19 @@ class VLLMBackend:
         """The show rule is applied to the log-probs vLLM returns, those under logits / temperature
         (--logprobs-mode processed_logprobs): the rule's own when the request runs at the serving temperature."""
         started = time.perf_counter()
-        body = await self._request(
+        try:
+            body = await self._complete(prompt, sampling)
+        except UnknownModel:
+            await asyncio.to_thread(self._reload_adapter)
+            body = await self._complete(prompt, sampling)
+        latency_ms = (time.perf_counter() - started) * 1000.0
+        try:
+            return generation_from_vllm(body, sampling.stop, latency_ms, sampling.rule)
+        except VllmError as err:
+            raise BackendError(str(err)) from err
+
+    async def _complete(self, prompt: str, sampling: Sampling) -> dict:
+        return await self._request(
             "POST",
             "/completions",
             {
@@ -176,50 +283,27 @@ class VLLMBackend:
                 "skip_special_tokens": False,
             },
         )
-        latency_ms = (time.perf_counter() - started) * 1000.0
-        return generation_from_vllm(body, sampling.stop, latency_ms, sampling.rule)
+
+    def _reload_adapter(self) -> None:
+        """Load the arm's adapter into a server that lost it (restarted), after checking the server's base is its."""
+        server = self.base_url.removesuffix("/v1")
+        try:
+            root = base_of(server)
+            if Path(root, "config.json").is_file():  # the server's base is a directory this host sees: check it
+                check_base(self.adapter, root, "serve")
+            load_adapter(server, str(self.model), str(self.adapter))
+        except (VllmError, AdapterBaseError) as err:
+            raise BackendError(
+                f"adapter {self.model!r} is not on {server} and could not be loaded again: {err}"
+            ) from err
 
     async def aclose(self) -> None:
         await self._client.aclose()
 
 
-def generation_from_vllm(
-    body: dict, stop: Sequence[str], latency_ms: float, rule: ShowRule | None = None
-) -> Generation:
-    """Map one vLLM /v1/completions choice onto a Generation (token ids + behaviour log-probs), cut by rule.
-    A cut's text is the kept tokens' strings (vLLM's `logprobs.tokens`); when they do not spell the start of
-    the answer (a character split across tokens), nothing is shown: the model was unsure there anyway."""
-    try:
-        choice = body["choices"][0]
-        token_ids = choice.get("token_ids")
-        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
-        tokens = (choice.get("logprobs") or {}).get("tokens")
-        raw = choice["text"]
-    except (KeyError, IndexError, TypeError) as err:
-        raise BackendError(f"vLLM answer lacks {err}: {str(body)[:300]}") from err
-    if token_ids is None or logprobs is None or len(token_ids) != len(logprobs):
-        raise BackendError("vLLM answer lacks token ids or log-probs (needs a vLLM with return_token_ids)")
-    gen = Generation(
-        text=parse_completion(raw, tuple(stop)),
-        token_ids=[int(t) for t in token_ids],
-        logprobs=[float(lp) for lp in logprobs],
-        raw_text=raw,
-        latency_ms=latency_ms,
-        finish_reason="length" if choice.get("finish_reason") == "length" else "stop",
-    )
-    unsure = None if rule is None else rule.first_unsure(gen.logprobs, gen.finish_reason == "stop")
-    if unsure is None:
-        return gen
-    if tokens is None or len(tokens) != len(token_ids):
-        raise BackendError("vLLM answer lacks the token strings (logprobs.tokens) a cut at an unsure token needs")
-    kept = "".join(tokens[:unsure])
-    if not raw.startswith(kept):  # a character split across the kept tokens: show nothing
-        unsure, kept = 0, ""
-    return cut_unsure(gen, unsure, kept, stop)
-
-
 def make_backend(arm: Arm, timeout_s: float) -> Backend:
-    """The backend an arm names: its model_uri is a checkpoint dir (embedded) or a vLLM base URL."""
+    """The backend an arm names: its model_uri is a checkpoint dir (embedded; an adapter's base) or a vLLM base URL,
+    asked for the arm's served model (a LoRA adapter's load name) when it names one."""
     if arm.backend == "vllm":
-        return VLLMBackend(arm.model_uri, timeout_s=timeout_s)
-    return EmbeddedBackend(arm.model_uri)
+        return VLLMBackend(arm.model_uri, model=arm.served_model, timeout_s=timeout_s, adapter=arm.adapter)
+    return EmbeddedBackend(arm.model_uri, arm.adapter, arm.served_model)

@@ -99,8 +99,9 @@ class Router:
         self._arms: list[Arm] = []
         self._read_at = float("-inf")
         self._lock = asyncio.Lock()
-        # One backend per (backend, model_uri): a share change keeps the loaded model, a new model_uri loads anew.
-        self._backends: dict[tuple[str, str], Backend] = {}
+        # One backend per served model (backend, model_uri, served name, adapter): a share change keeps the loaded
+        # model, a new version loads anew; embedded arms on one checkpoint share its weights (serving/backends.py).
+        self._backends: dict[tuple[str, str, str | None, str | None], Backend] = {}
 
     async def arms(self) -> list[Arm]:
         if time.monotonic() - self._read_at >= self.ttl_s:
@@ -161,13 +162,13 @@ class Router:
             ) from err
 
     def backend(self, arm: Arm) -> Backend:
-        key = (arm.backend, arm.model_uri)
+        key = _served(arm)
         if key not in self._backends:
             self._backends[key] = self.backend_factory(arm, self.backend_timeout_s)
         return self._backends[key]
 
     async def _drop_stale_backends(self) -> None:
-        live = {(a.backend, a.model_uri) for a in self._arms}
+        live = {_served(a) for a in self._arms}
         for key in [k for k in self._backends if k not in live]:
             await self._backends.pop(key).aclose()
 
@@ -175,3 +176,8 @@ class Router:
         for backend in self._backends.values():
             await backend.aclose()
         self._backends.clear()
+
+
+def _served(arm: Arm) -> tuple[str, str, str | None, str | None]:
+    """What an arm's backend serves; arms that share it share one backend."""
+    return (arm.backend, arm.model_uri, arm.served_model, arm.adapter)

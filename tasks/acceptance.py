@@ -1,10 +1,14 @@
-"""Held-out simulated acceptance of one model, in process: the numbers `make demo` prints first.
+"""Held-out simulated acceptance of one model: the numbers `make demo` prints first.
 
 Two kinds of held-out traffic, both from test files only:
   * editor traffic (``tasks/editor.py``): simulated users type regions of test files and the model
     is asked at every pause, greedy and batched across sessions (``type_regions``); the headline.
   * span FIM samples (rest of line, a line, a few lines) replayed to simulated users
     (``complete_samples``), kept for the judge and the RLinf / code-fim-v2 comparison.
+
+The model is asked through an engine (``tasks/inference.py``): in this process, or vLLM when
+serving.backend is vllm; prompts are rendered as the gateway renders them (the prefix cut to
+serving.window_chars at an anchor line: ``render_request``).
 
 ``headroom`` asks what a checkpoint could earn at all, on the model-free request set (every pause
 of the held-out regions, no Tab taken): greedy right rate, right rate when sampled at the serving
@@ -22,9 +26,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from tasks.config import Params, SimulatorParams
+from tasks.config import Params, ServingParams, SimulatorParams
 from tasks.editor import Region, Turn, TypingSummary, pause_requests, run_sessions, summarise_turns
-from tasks.generate import LoadedModel, generate, load_model, show_rule
+from tasks.fim import FimTemplate
+from tasks.generate import LoadedModel, load_model, show_rule, window_prefix
+from tasks.inference import Engine, InProcess, open_engine
 from tasks.simulated_users import SimUser, Summary, is_right, make_users, replay, right_if_cut, summarise
 
 
@@ -44,30 +50,36 @@ class TypingRun:
     sessions: list[tuple[int, int, int, int, int, int]]  # per session: requests, shown, accepted, right, saved, typed
 
 
+def render_request(template: FimTemplate, request: dict, serving: ServingParams) -> str:
+    """The prompt a model sees for a request (prefix, suffix), rendered as the gateway renders it: the prefix
+    cut to serving.window_chars at an anchor line (``tasks.generate.window_prefix``)."""
+    prefix = window_prefix(request["prefix"], serving.window_chars, serving.window_step_chars)
+    return template.render(prefix, request["suffix"])
+
+
 def complete_samples(
-    lm: LoadedModel,
+    engine: Engine,
     samples: Sequence[dict],
-    max_new_tokens: int,
-    batch_size: int,
+    params: Params,
     temperature: float = 0.0,
     seed: int = 0,
     desc: str = "generate",
 ) -> list[str]:
-    """Suggestions for FIM samples, batched, with a progress bar."""
+    """Suggestions for FIM samples, evaluate.batch_size at a time, with a progress bar."""
     suggestions: list[str] = []
-    for start in tqdm(range(0, len(samples), batch_size), desc=desc, unit="batch"):
-        chunk = samples[start : start + batch_size]
-        prompts = [lm.template.render(s["prefix"], s["suffix"]) for s in chunk]
-        gens = generate(*lm, prompts, max_new_tokens, temperature=temperature, seed=seed + start)
+    size = params.evaluate.batch_size
+    for start in tqdm(range(0, len(samples), size), desc=desc, unit="batch"):
+        prompts = [render_request(engine.template, s, params.serving) for s in samples[start : start + size]]
+        gens = engine.complete(prompts, params.evaluate.max_new_tokens, temperature=temperature, seed=seed + start)
         suggestions.extend(g.text for g in gens)
     return suggestions
 
 
 def acceptance(model_dir: str | Path, samples: Sequence[dict], params: Params, n_users: int = 16) -> AcceptanceResult:
     """Span FIM samples replayed to simulated users (greedy)."""
-    lm = load_model(model_dir)
     samples = list(samples)[: params.evaluate.n_samples]
-    suggestions = complete_samples(lm, samples, params.evaluate.max_new_tokens, params.evaluate.batch_size)
+    with open_engine(model_dir, params) as engine:
+        suggestions = complete_samples(engine, samples, params)
     users = make_users(n_users, params.simulator)
     outcomes = replay(samples, suggestions, users, params.simulator.seed)
     return AcceptanceResult(summarise(outcomes, suggestions), suggestions, outcomes)
@@ -114,7 +126,7 @@ def gate_regions(regions: Sequence[Region], window: int, windows: int) -> list[R
 
 
 def type_regions(
-    lm: LoadedModel,
+    engine: Engine,
     regions: Sequence[Region],
     params: Params,
     users: Sequence[SimUser] | None = None,
@@ -128,9 +140,8 @@ def type_regions(
     rule = show_rule(params.serving)
 
     def suggest(requests: list[dict]) -> list[str]:
-        prompts = [lm.template.render(r["prefix"], r["suffix"]) for r in requests]
-        gens = generate(
-            *lm,
+        prompts = [render_request(engine.template, r, params.serving) for r in requests]
+        gens = engine.complete(
             prompts,
             params.evaluate.max_new_tokens,
             temperature=temperature,
@@ -153,8 +164,12 @@ def type_regions(
     return TypingRun(summarise_turns(turns, typed), turns, session_stats(turns, typed))
 
 
-def typing_acceptance(model_dir: str | Path, regions: Sequence[Region], params: Params) -> TypingRun:
-    return type_regions(load_model(model_dir), regions, params, desc=f"type with {Path(model_dir).name}")
+def typing_acceptance(
+    model_dir: str | Path, regions: Sequence[Region], params: Params, base_dir: str | Path | None = None
+) -> TypingRun:
+    """model_dir (a checkpoint, or an adapter on base_dir) typed through the regions."""
+    with open_engine(model_dir, params, base_dir) as engine:
+        return type_regions(engine, regions, params, desc=f"type with {Path(model_dir).name}")
 
 
 def noise_floor(simulator: SimulatorParams) -> float:
@@ -182,7 +197,7 @@ class Headroom:
         return dict(vars(self))
 
 
-def middle_loss(lm: LoadedModel, requests: Sequence[dict]) -> float:
+def middle_loss(lm: LoadedModel, requests: Sequence[dict], serving: ServingParams) -> float:
     """Mean cross-entropy (nats per token) of each request's true continuation, then the end token,
     after its FIM prompt: the tokens as generation would have to produce them (prompt and continuation
     tokenised apart), in the model's own template, so any checkpoint can be scored."""
@@ -192,7 +207,7 @@ def middle_loss(lm: LoadedModel, requests: Sequence[dict]) -> float:
     total, count = 0.0, 0
     with torch.no_grad():
         for request in requests:
-            prompt = lm.tokenizer(lm.template.render(request["prefix"], request["suffix"]), add_special_tokens=False)
+            prompt = lm.tokenizer(render_request(lm.template, request, serving), add_special_tokens=False)
             middle = lm.tokenizer(request["middle"], add_special_tokens=False)["input_ids"] + [end]
             ids = torch.tensor([prompt["input_ids"] + middle])
             logits = lm.model(input_ids=ids).logits[0, -len(middle) - 1 : -1]
@@ -209,25 +224,24 @@ def headroom(
     k: int = 8,
     min_accept_chars: int = 4,
 ) -> Headroom:
-    """Right rates of a checkpoint on the first n_requests model-free held-out requests (noise-free rule)."""
-    lm = load_model(model_dir)
+    """Right rates of a checkpoint on the first n_requests model-free held-out requests (noise-free rule); the
+    completions come from the engine serving.backend names, the continuation's loss from the model in process."""
     requests = list(itertools.islice((q for r in regions for q in pause_requests(r, params.traffic)), n_requests))
     if not requests:
         raise ValueError("the regions produced no request")
     truths = [q["middle"] for q in requests]
-    greedy = complete_samples(
-        lm, requests, params.evaluate.max_new_tokens, params.evaluate.batch_size, desc="headroom: greedy"
-    )
-    repeated = [q for q in requests for _ in range(k)]
-    sampled = complete_samples(
-        lm,
-        repeated,
-        params.evaluate.max_new_tokens,
-        params.evaluate.batch_size,
-        temperature=params.serving.temperature,
-        seed=params.simulator.seed,
-        desc=f"headroom: {k} samples at T={params.serving.temperature}",
-    )
+    with open_engine(model_dir, params) as engine:
+        greedy = complete_samples(engine, requests, params, desc="headroom: greedy")
+        repeated = [q for q in requests for _ in range(k)]
+        sampled = complete_samples(
+            engine,
+            repeated,
+            params,
+            temperature=params.serving.temperature,
+            seed=params.simulator.seed,
+            desc=f"headroom: {k} samples at T={params.serving.temperature}",
+        )
+        lm = engine.lm if isinstance(engine, InProcess) else load_model(model_dir)
     right = lambda text, truth: bool(text.strip()) and is_right(text, truth, min_accept_chars)  # noqa: E731
     greedy_right = [right(g, t) for g, t in zip(greedy, truths, strict=True)]
     sample_right = [[right(sampled[i * k + j], t) for j in range(k)] for i, t in enumerate(truths)]
@@ -245,5 +259,5 @@ def headroom(
         temperature=params.serving.temperature,
         noise_floor=noise_floor(params.simulator),
         min_accept_chars=min_accept_chars,
-        middle_loss=middle_loss(lm, requests),
+        middle_loss=middle_loss(lm, requests, params.serving),
     )

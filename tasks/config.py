@@ -469,7 +469,7 @@ class ServingParams(Section):
     vllm_max_loras: int = Field(4, ge=3)
     """Adapters one vLLM server runs at once (its --max-loras): the champion's, the challenger's, the candidate the
     gate evaluates and the lineage's characters-saved holder (so at least 3)."""
-    vllm_max_lora_rank: int = Field(16, ge=1)
+    vllm_max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = 16
     """Largest adapter rank a vLLM server accepts (its --max-lora-rank; buffers are preallocated for
     max_loras x this rank). train.lora_rank must not exceed it."""
     vllm_url: str | None = None

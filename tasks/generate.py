@@ -12,6 +12,8 @@ rule, on the same log-probs, in the gateway's embedded and vLLM arms and in the 
 
 from __future__ import annotations
 
+import hashlib
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from tasks.adapters import base_dir_of, is_adapter
 from tasks.config import ServingParams
-from tasks.fim import FimTemplate, infer_template, parse_completion, read_template
+from tasks.fim import FimTemplate, infer_template, parse_completion, read_template, save_template
 
 
 class ModelLoadError(ValueError):
@@ -130,6 +132,21 @@ def _load_merged(adapter: Path, base: Path, device: str, dtype: torch.dtype) -> 
     return LoadedModel(model, tokenizer, model_template(adapter, tokenizer))
 
 
+def save_merged(adapter_dir: str | Path, base_dir: str | Path | None, out: Path) -> Path:
+    """An adapter version merged into its base, saved as a full checkpoint at out (`tabrl export --merged`, and
+    vLLM arms with serving.adapter_serving: merged); kept, since merging again gives the same weights."""
+    if (out / "config.json").is_file():
+        return out
+    lm = load_model(adapter_dir, base_dir=base_dir)
+    tmp = out.with_name(out.name + ".merging")
+    shutil.rmtree(tmp, ignore_errors=True)
+    lm.model.save_pretrained(tmp)
+    lm.tokenizer.save_pretrained(tmp)
+    save_template(tmp, lm.template)
+    tmp.rename(out)
+    return out
+
+
 def model_template(path: str | Path, tokenizer: PreTrainedTokenizerBase | None = None) -> FimTemplate:
     """A checkpoint's FIM template: the one recorded with it, else inferred from its tokenizer's special tokens."""
     recorded = read_template(path)
@@ -154,6 +171,36 @@ def split_stops(tokenizer: PreTrainedTokenizerBase, stops: Sequence[str]) -> tup
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
     return ids, [s for s in stops if s and s not in vocab]
+
+
+def window_prefix(prefix: str, max_chars: int, step_chars: int) -> str:
+    """The end of prefix a prompt keeps: all of it when it fits in max_chars, else from an anchor line on.
+
+    A KV cache (vLLM's prefix caching) is reused only when successive prompts start with the same text, so
+    the cut must not slide with the cursor. Editors send prefixes that slide themselves (the last N characters
+    or lines before the cursor), so the anchor cannot be a fixed offset from the prefix's start; it is chosen
+    by the text (winnowing): of the line starts in the first step_chars characters of the window, the one whose
+    preceding line (complete, so typing never changes it) hashes lowest. It stays the cut while the user
+    types, until it leaves that stretch or a line with a lower hash enters it: about every step_chars / 2
+    characters typed, whatever the prefix's own start. With no line start in the stretch, the last max_chars
+    characters. Deterministic: the gateway, the evaluation and training (reading the prompts the gateway
+    logged) cut the same text the same way."""
+    if len(prefix) <= max_chars:
+        return prefix
+    lo = len(prefix) - max_chars
+    best, best_hash = -1, 2.0
+    start = prefix.find("\n", lo - 1) + 1
+    while 0 < start < min(lo + step_chars, len(prefix)):
+        line = prefix[prefix.rfind("\n", 0, start - 1) + 1 : start]  # the complete line before `start`
+        if (h := _unit_hash(line)) < best_hash:
+            best, best_hash = start, h
+        start = prefix.find("\n", start) + 1
+    return prefix[best:] if best >= 0 else prefix[lo:]
+
+
+def _unit_hash(text: str) -> float:
+    """A number in [0, 1) from the text (the same in every process and on every machine)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") / 2**64
 
 
 def fit_prompt(ids: list[int], limit: int, keep_first: bool = True) -> list[int]:

@@ -206,7 +206,7 @@ def test_middle_loss_scores_each_continuation_token_after_what_came_before(tiny_
                 logits = lm.model(input_ids=torch.tensor([ids])).logits[0, -1]
                 nats.append(-float(torch.log_softmax(logits, -1)[token]))
                 ids = ids + [token]
-    assert math.isclose(middle_loss(lm, requests), sum(nats) / len(nats), rel_tol=1e-4)
+    assert math.isclose(middle_loss(lm, requests, tiny_params().serving), sum(nats) / len(nats), rel_tol=1e-4)
 
 
 def test_the_demo_story_pairs_base_and_final_on_the_same_held_out_typing(

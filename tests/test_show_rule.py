@@ -11,13 +11,14 @@ import pytest
 import sqlalchemy as sa
 
 from serving.auth import add_key
-from serving.backends import BackendError, generation_from_vllm
 from serving.gateway import create_app
 from serving.store import Arm, completions, init_schema, make_engine, replace_arms
 from tasks.acceptance import type_regions
 from tasks.config import ServingParams
 from tasks.fim import parse_completion
 from tasks.generate import ShowRule, generate, load_model, show_rule, stops_of
+from tasks.inference import InProcess
+from tasks.vllm import VllmError, generation_from_vllm
 from tests.conftest import tiny_params
 from tests.serving_util import post_completions, serve_app
 
@@ -120,7 +121,7 @@ def test_a_vllm_cut_that_splits_a_character_shows_nothing_and_missing_strings_ar
     split = generation_from_vllm(body, ["<|endoftext|>"], 1.0, ShowRule(-1.0, 0.3))
     assert (split.text, split.token_ids) == ("", [])
     del body["choices"][0]["logprobs"]["tokens"]
-    with pytest.raises(BackendError, match=r"logprobs\.tokens"):
+    with pytest.raises(VllmError, match=r"logprobs\.tokens"):
         generation_from_vllm(body, ["<|endoftext|>"], 1.0, ShowRule(-1.0, 0.3))
 
 
@@ -164,9 +165,9 @@ def test_the_gateway_shows_and_logs_only_the_sure_part(tmp_path, fim_samples, lm
 
 
 def test_the_held_out_evaluation_applies_the_rule(typing_regions, lm):
-    whole = type_regions(lm, typing_regions, tiny_params(serving={"min_logprob": None}))
-    silent = type_regions(lm, typing_regions, tiny_params(serving={"min_logprob": 0.0}))
-    sure = type_regions(lm, typing_regions, tiny_params(serving={"min_logprob": -0.5}))
+    whole = type_regions(InProcess(lm), typing_regions, tiny_params(serving={"min_logprob": None}))
+    silent = type_regions(InProcess(lm), typing_regions, tiny_params(serving={"min_logprob": 0.0}))
+    sure = type_regions(InProcess(lm), typing_regions, tiny_params(serving={"min_logprob": -0.5}))
     assert whole.summary.shown > 0 and silent.summary.shown == 0
     assert sure.summary.shown < whole.summary.shown
 

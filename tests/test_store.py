@@ -57,8 +57,9 @@ def test_open_store_creates_the_tables_and_disposes_the_engine(tmp_path):
         assert [a.name for a in read_arms(engine)] == ["champion"]
 
 
-V1_ARMS = """CREATE TABLE arms (name VARCHAR(64) PRIMARY KEY, model_version VARCHAR(256) NOT NULL, model_uri TEXT NOT NULL,
-backend VARCHAR(32) NOT NULL, share FLOAT NOT NULL, updated_at FLOAT NOT NULL)"""
+V1_ARMS = """CREATE TABLE arms (name VARCHAR(64) PRIMARY KEY, model_version VARCHAR(256) NOT NULL,
+model_uri TEXT NOT NULL, backend VARCHAR(32) NOT NULL, share FLOAT NOT NULL, updated_at FLOAT NOT NULL)"""
+V1_STAMP = "CREATE TABLE schema_version (version INTEGER PRIMARY KEY, applied_at FLOAT NOT NULL)"
 
 
 def test_a_store_of_schema_1_is_migrated_in_place_and_keeps_its_arms(tmp_path):
@@ -66,7 +67,7 @@ def test_a_store_of_schema_1_is_migrated_in_place_and_keeps_its_arms(tmp_path):
         with engine.begin() as conn:  # what tabrl with schema 1 left: arms without served_model / adapter
             conn.execute(sa.text(V1_ARMS))
             conn.execute(sa.text("INSERT INTO arms VALUES ('champion', 'm/1', '/models/a', 'embedded', 1.0, 0.0)"))
-            conn.execute(sa.text("CREATE TABLE schema_version (version INTEGER PRIMARY KEY, applied_at FLOAT NOT NULL)"))
+            conn.execute(sa.text(V1_STAMP))
             conn.execute(sa.text("INSERT INTO schema_version VALUES (1, 0.0)"))
         init_schema(engine)
         init_schema(engine)  # idempotent once migrated

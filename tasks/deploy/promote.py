@@ -10,9 +10,11 @@ keep traffic safe:
   alias. When the alias delete fails, the arms are already safe and running rollback again finishes
   the job (a challenger alias without a challenger arm is still a challenger to roll back).
 
-Arms keep their backend and `model_uri`: promoting hands the challenger's arm (its loaded model, or
-its vLLM server) the champion's name at share 1.0; the arms no longer served are returned so the
-rollout can stop their vLLM processes.
+Arms keep their backend and `model_uri`: promoting hands the challenger's arm (its loaded model, its
+vLLM server, or its adapter on the base's server) the champion's name at share 1.0. What the arms no
+longer served held is retired at once (`rollout.retire`): a rolled-back challenger's adapter is
+unloaded, and so is a promoted champion's predecessor; a full-weight server of its own is stopped.
+An adapter is promoted only over a champion on the same base (its weights' sha256).
 """
 
 from __future__ import annotations
@@ -20,17 +22,21 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 from mlflow.entities import Metric
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from serving.store import CHALLENGER, CHAMPION, Arm, ArmError, read_arms, replace_arms
+from tasks.adapters import AdapterBaseError, check_base
 from tasks.config import Params
 from tasks.deploy.ab import ArmStats, Decision, arm_stats, decide
 from tasks.deploy.errors import DeployError
 from tasks.deploy.registry import ModelVersion, append_version_description, delete_alias, get_alias_version, set_alias
+from tasks.deploy.rollout import retire
 from tasks.deploy.tracking import as_flat_tags, experiment_id, tracking_client
+from tasks.vllm import VllmError, base_of
 
 DECISIONS_DESCRIPTION = (
     "tabrl A/B decisions: one run per look at the live test (promote, rollback or continue), with the "
@@ -49,7 +55,7 @@ class DeployChange:
     champion: ModelVersion | None  # the champion after the change
     challenger: ModelVersion | None  # the version that was under test
     arms: list[Arm]  # the live arms after the change
-    removed: list[Arm]  # arms no longer served (stop their vLLM servers)
+    removed: list[Arm]  # arms no longer served (what they held on vLLM servers is retired)
     record_run_id: str  # the MLflow decision record
 
 
@@ -67,6 +73,9 @@ def promote(engine: Engine, params: Params, decision: Decision | None = None) ->
             f"cannot promote: the challenger arm serves {arm.model_version} but the "
             f"{CHALLENGER!r} alias points at {version.label}; fix the alias or roll back"
         )
+    champion_arm = next((a for a in live if a.name == CHAMPION), None)
+    if champion_arm is not None:
+        _check_same_base(arm, champion_arm)
     decision = decision or _manual("promote", engine, params)
     before = get_alias_version(params, CHAMPION)
     set_alias(params, CHAMPION, version.version)
@@ -81,6 +90,7 @@ def promote(engine: Engine, params: Params, decision: Decision | None = None) ->
         raise
     record = log_decision(params, decision, champion=version, challenger=version, applied=True)
     removed = [a for a in live if a.name != CHALLENGER]
+    retire(removed, new_arms, params)
     return DeployChange("promote", version, version, new_arms, removed, record)
 
 
@@ -100,7 +110,28 @@ def rollback(engine: Engine, params: Params, decision: Decision | None = None) -
     champion = get_alias_version(params, CHAMPION)
     record = log_decision(params, decision, champion=champion, challenger=version, applied=True)
     removed = [a for a in live if a.name != CHAMPION]
+    retire(removed, new_arms, params)
     return DeployChange("rollback", champion, version, new_arms, removed, record)
+
+
+def arm_base(arm: Arm) -> str:
+    """The checkpoint an arm's model runs on: its directory (embedded), or the one its vLLM server was started
+    with. For an adapter arm, that is the adapter's base."""
+    return arm.model_uri if arm.backend == "embedded" else base_of(arm.model_uri)
+
+
+def _check_same_base(challenger: Arm, champion: Arm) -> None:
+    """Refuse to promote an adapter over a champion on another base: the next cycle would continue it on the
+    champion's base, where its weights mean something else."""
+    if challenger.adapter is None:
+        return
+    base = champion.model_uri
+    try:
+        base = arm_base(champion)
+        if (Path(base) / "config.json").is_file():  # a checkpoint this host sees: compare the weights
+            check_base(challenger.adapter, base, "promote")
+    except (AdapterBaseError, VllmError) as err:
+        raise DeployError(f"cannot promote {challenger.model_version} over the champion on {base}: {err}") from err
 
 
 def _challenger(live: list[Arm], params: Params, verb: str) -> tuple[Arm | None, ModelVersion | None]:

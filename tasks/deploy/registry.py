@@ -1,6 +1,9 @@
 """The MLflow model registry side of deploy: one registered model, its versions, aliases, local model dirs.
 
-* A candidate checkpoint (a Hugging Face directory) becomes a new version of ``deploy.registered_model``.
+* A candidate checkpoint (a Hugging Face directory, or a LoRA adapter on a registered base version:
+  ``tasks/adapters.py``) becomes a new version of ``deploy.registered_model``. An adapter version is
+  tagged with its base (``tabrl.base_version``, ``tabrl.base_sha256``), and one whose recorded base
+  is not that version's weights is refused.
   MLflow 3.17's ``register_model('runs:/..')`` refuses plain folders (it wants an MLmodel file), so the
   folder is logged once as its cycle run's ``model`` artifact and the version is created by reference
   to it with ``MlflowClient.create_model_version(source=<run artifact uri>/model)``. The version's
@@ -34,6 +37,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 
 from serving.store import CHAMPION
+from tasks.adapters import AdapterBaseError, check_base, is_adapter
 from tasks.config import Params
 from tasks.deploy.errors import DeployError
 from tasks.deploy.tracking import as_flat_tags, end_cycle_run, get_run, start_cycle_run, tracking_client
@@ -43,12 +47,18 @@ SNAPSHOT_TAGS = ("tabrl.snapshot", "tabrl.snapshot_sha256", "tabrl.snapshot_dvc_
 CACHE_DONE = ".tabrl-complete"  # written last into a downloaded model dir; a dir without it is partial
 
 
+WEIGHTS_TAG = "tabrl.weights"  # "full" | "lora"
+BASE_VERSION_TAG = "tabrl.base_version"  # an adapter's base: NAME/VERSION of a full version
+BASE_SHA_TAG = "tabrl.base_sha256"
+
+
 @dataclass(frozen=True)
 class ModelVersion:
     name: str
     version: int
-    source: str  # artifact URI of the checkpoint directory
+    source: str  # artifact URI of the checkpoint (or adapter) directory
     run_id: str | None  # the cycle run that produced it
+    base: str | None = None  # an adapter's base version, NAME/VERSION (None: a full checkpoint)
 
     @property
     def uri(self) -> str:
@@ -71,22 +81,25 @@ def register_candidate(
     tags: Mapping[str, str] | None = None,
     *,
     gate: Mapping[str, float] | None = None,
+    base: ModelVersion | None = None,
 ) -> ModelVersion:
-    """Log a checkpoint directory as the run's `model` artifact and register it as a new version.
+    """Log a checkpoint (or adapter) directory as the run's `model` artifact and register it as a new version.
 
     The one copy the registry keeps is this artifact; the version refers to it. Its description
     links the run, names the snapshot it was trained on and, given `gate` (the numbers of the gate it
-    passed, `GateDecision.numbers`), shows what the gate compared.
+    passed, `GateDecision.numbers`), shows what the gate compared. An adapter needs `base`, the full version
+    it was trained on (checked against the adapter's record of its base's weights), and is tagged with it.
     """
     model_dir = Path(model_dir)
-    if not (model_dir / "config.json").is_file():
-        raise DeployError(f"{model_dir} is not a Hugging Face checkpoint directory (no config.json)")
+    adapter_tags = _base_tags(model_dir, base, params) if is_adapter(model_dir) else {WEIGHTS_TAG: "full"}
+    if not is_adapter(model_dir) and not (model_dir / "config.json").is_file():
+        raise DeployError(f"{model_dir} is neither a Hugging Face checkpoint directory (no config.json) nor an adapter")
     client = tracking_client(params)
     run = get_run(client, run_id)
     client.log_artifacts(run_id, str(model_dir), MODEL_ARTIFACT)
     name = params.deploy.registered_model
     _ensure_registered_model(client, name)
-    version_tags = {"tabrl.cycle_run_id": run_id, **(tags or {})}
+    version_tags = {"tabrl.cycle_run_id": run_id, **adapter_tags, **(tags or {})}
     for key in SNAPSHOT_TAGS:
         if run.data.tags.get(key):
             version_tags[key] = run.data.tags[key]
@@ -185,7 +198,34 @@ def chars_saved_holder(version: ModelVersion, params: Params) -> ModelVersion | 
 
 
 def _version(mv) -> ModelVersion:
-    return ModelVersion(name=mv.name, version=int(mv.version), source=mv.source, run_id=mv.run_id or None)
+    return ModelVersion(
+        name=mv.name,
+        version=int(mv.version),
+        source=mv.source,
+        run_id=mv.run_id or None,
+        base=(mv.tags or {}).get(BASE_VERSION_TAG),
+    )
+
+
+def _base_tags(adapter_dir: Path, base: ModelVersion | None, params: Params) -> dict[str, str]:
+    """The tags of an adapter version: its base version, once the adapter is shown to be trained on its weights."""
+    if base is None:
+        raise DeployError(f"{adapter_dir} is a LoRA adapter: registering it needs the full version it was trained on")
+    if base.base is not None:
+        raise DeployError(f"{base.label} is itself an adapter; an adapter's base is a full checkpoint version")
+    try:
+        record = check_base(adapter_dir, resolve_model_dir(base.uri, params), "register")
+    except AdapterBaseError as err:
+        raise DeployError(f"refused to register {adapter_dir} on {base.label}: {err}") from err
+    return {WEIGHTS_TAG: "lora", BASE_VERSION_TAG: base.label, BASE_SHA_TAG: record.sha256}
+
+
+def base_version(version: ModelVersion, params: Params) -> ModelVersion:
+    """The full version a version runs on: its base (an adapter), or itself."""
+    if version.base is None:
+        return version
+    name, _, number = version.base.rpartition("/")
+    return _version(tracking_client(params).get_model_version(name, number))
 
 
 def set_alias(params: Params, alias: str, version: int) -> None:

@@ -93,20 +93,23 @@ def acceptance_cmd(
     params: ParamsOpt = DEFAULT_PARAMS_FILE,
     set_: SetOpt = None,
 ) -> None:
-    """Held-out simulated acceptance of a model: simulated users type held-out files (greedy, in process).
+    """Held-out simulated acceptance of a model: simulated users type held-out files (greedy; in process, or on
+    vLLM with serving.backend=vllm; a LoRA adapter version runs on the base it records).
 
     Prints suggestion rate, accept/shown (persona noise included), right/shown without noise, and
     characters saved, each with a 95 % bootstrap interval over typing sessions."""
     from tasks.acceptance import noise_floor, typing_acceptance
+    from tasks.adapters import AdapterBaseError
     from tasks.editor import read_regions
     from tasks.generate import ModelLoadError, check_model_dir, describe_rule, show_rule
     from tasks.intervals import interval, metric_fns
+    from tasks.vllm import VllmError
 
     p = params_or_exit(params, set_)
     console.print(describe_rule(show_rule(p.serving)), highlight=False)
     try:
         run = typing_acceptance(check_model_dir(model or p.model.base_dir), read_regions(regions), p)
-    except (FileNotFoundError, ModelLoadError) as err:
+    except (FileNotFoundError, ModelLoadError, AdapterBaseError, VllmError) as err:
         fail(str(err), 2)
     fns = metric_fns(p.reward)
     names = ("suggest_rate", "accept_rate", "right_rate", "chars_saved", "reward_per_request")

@@ -53,7 +53,7 @@ from tasks.editor import Region, TypingSummary
 from tasks.evaluate.gate import GateDecision, gate
 from tasks.evaluate.judge import JudgeRun, JudgeUnavailable, Verdict, judge
 from tasks.evaluate.reference import checks
-from tasks.generate import load_model
+from tasks.inference import open_engine
 from tasks.outcomes import reward_of, reward_per_request
 from tasks.simulated_users import make_users, replay, summarise
 
@@ -110,19 +110,20 @@ def held_out(samples: Sequence[dict], params: Params) -> list[dict]:
     return list(samples)[: params.evaluate.n_samples]
 
 
-def suggest(model_dir: str | Path, samples: Sequence[dict], regions: Sequence[Region], params: Params) -> Suggestions:
-    """Greedy batched completions of a model for the samples (timed) and its typing sessions."""
-    lm = load_model(model_dir)
-    started = time.perf_counter()
-    texts = complete_samples(
-        lm,
-        samples,
-        params.evaluate.max_new_tokens,
-        params.evaluate.batch_size,
-        desc=f"generate {Path(model_dir).name}",
-    )
-    elapsed_ms = (time.perf_counter() - started) * 1000.0
-    typing = type_regions(lm, regions, params, desc=f"type with {Path(model_dir).name}")
+def suggest(
+    model_dir: str | Path,
+    samples: Sequence[dict],
+    regions: Sequence[Region],
+    params: Params,
+    base_dir: str | Path | None = None,
+) -> Suggestions:
+    """Greedy batched completions of a model (a checkpoint, or an adapter on base_dir) for the samples (timed)
+    and its typing sessions, on the engine serving.backend names (in process, or vLLM)."""
+    with open_engine(model_dir, params, base_dir) as engine:
+        started = time.perf_counter()
+        texts = complete_samples(engine, samples, params, desc=f"generate {Path(model_dir).name}")
+        elapsed_ms = (time.perf_counter() - started) * 1000.0
+        typing = type_regions(engine, regions, params, desc=f"type with {Path(model_dir).name}")
     return Suggestions(str(model_dir), texts, elapsed_ms / max(len(samples), 1), typing)
 
 
@@ -197,11 +198,15 @@ def _judge_all(samples: Sequence[dict], made: Sequence[Suggestions], params: Par
 
 
 def evaluate_model(
-    model_dir: str | Path, samples: Sequence[dict], regions: Sequence[Region], params: Params
+    model_dir: str | Path,
+    samples: Sequence[dict],
+    regions: Sequence[Region],
+    params: Params,
+    base_dir: str | Path | None = None,
 ) -> EvalResult:
     """Metrics of one model on the held-out samples and regions; logged to the active MLflow run, if any."""
     samples = held_out(samples, params)
-    made = suggest(model_dir, samples, regions, params)
+    made = suggest(model_dir, samples, regions, params, base_dir)
     run, (verdicts,) = _judge_all(samples, [made], params)
     result = score_suggestions(samples, made, verdicts, run.judge, params)
     if mlflow.active_run() is not None:
@@ -216,14 +221,21 @@ def compare(
     regions: Sequence[Region],
     params: Params,
     mark_dir: str | Path | None = None,
+    base_dir: str | Path | None = None,
 ) -> Comparison:
     """Candidate vs champion on the same samples, regions, decoding, simulated users and judge; then the gate.
 
     mark_dir: the ancestor holding the champion's lineage mark for characters saved (None: the champion
-    holds it); it types the same regions, and its characters saved are the gate's mark."""
+    holds it); it types the same regions, and its characters saved are the gate's mark. base_dir: the base of
+    the adapters among them (a LoRA lineage)."""
     samples = held_out(samples, params)
-    chars_mark = typing_acceptance(mark_dir, regions, params).summary.chars_saved if mark_dir is not None else None
-    made = [suggest(candidate_dir, samples, regions, params), suggest(champion_dir, samples, regions, params)]
+    chars_mark = None
+    if mark_dir is not None:
+        chars_mark = typing_acceptance(mark_dir, regions, params, base_dir).summary.chars_saved
+    made = [
+        suggest(candidate_dir, samples, regions, params, base_dir),
+        suggest(champion_dir, samples, regions, params, base_dir),
+    ]
     run, (cand_verdicts, champ_verdicts) = _judge_all(samples, made, params)
     candidate = score_suggestions(samples, made[0], cand_verdicts, run.judge, params)
     champion = score_suggestions(samples, made[1], champ_verdicts, run.judge, params)
@@ -292,6 +304,7 @@ def compare_task(
     regions: list[Region],
     params: Params,
     mark_dir: str | None = None,
+    base_dir: str | None = None,
 ) -> Comparison:
     """The cycle's evaluate step: `compare`, retried when the LLM judge was down."""
-    return compare(candidate_dir, champion_dir, samples, regions, params, mark_dir)
+    return compare(candidate_dir, champion_dir, samples, regions, params, mark_dir, base_dir)

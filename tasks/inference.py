@@ -1,0 +1,175 @@
+"""Who completes the prompts of an evaluation: the model in this process, or the serving engine (vLLM).
+
+Typing sessions (the gate's evaluation, `tabrl acceptance`, `tabrl headroom`, the learning bench) ask
+a model for batches of completions. With serving.backend: embedded they run in process
+(``tasks.generate.generate``, the batch padded together). With serving.backend: vllm they go to the
+engine that serves the arms, every request of a batch in flight at once, so vLLM batches them
+continuously and reuses the KV cache of prompts that share their start (``window_prefix``):
+
+* a LoRA adapter version (serving.adapter_serving: lora) is loaded onto its base's one server
+  under a name never used before, typed, and unloaded (the server holds the live arms' adapters and
+  this one: serving.vllm_max_loras);
+* a full checkpoint (or a merged adapter) is typed by the server that already serves it on this
+  host, else by a server started for the evaluation and stopped after it (blue).
+
+    with open_engine(model_dir, params, base_dir) as engine:
+        gens = engine.complete(prompts, max_new_tokens=48)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import httpx
+
+from tasks.adapters import is_adapter
+from tasks.config import Params
+from tasks.fim import FimTemplate
+from tasks.generate import (
+    Generation,
+    LoadedModel,
+    ShowRule,
+    generate,
+    load_model,
+    model_template,
+    save_merged,
+    stops_of,
+)
+from tasks.vllm import (
+    VLLM_MAX_STOP,
+    VllmError,
+    adapter_name,
+    base_server,
+    generation_from_vllm,
+    load_adapter,
+    recorded_servers,
+    start_vllm,
+    stop_vllm,
+    unload_adapter,
+)
+
+
+class Engine(Protocol):
+    """Completes FIM prompts rendered in its model's template (``template``)."""
+
+    @property
+    def template(self) -> FimTemplate: ...
+
+    def complete(
+        self,
+        prompts: Sequence[str],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        seed: int = 0,
+        rule: ShowRule | None = None,
+    ) -> list[Generation]: ...
+
+
+@dataclass
+class InProcess:
+    """The model loaded here; a batch is generated together (left-padded)."""
+
+    lm: LoadedModel
+
+    @property
+    def template(self) -> FimTemplate:
+        return self.lm.template
+
+    def complete(self, prompts, max_new_tokens, temperature=0.0, seed=0, rule=None) -> list[Generation]:
+        return generate(*self.lm, prompts, max_new_tokens, temperature=temperature, seed=seed, rule=rule)
+
+
+@dataclass
+class VllmEngine:
+    """A model a vLLM server serves under `model`; every prompt of a batch is one request, all in flight."""
+
+    url: str
+    model: str
+    template: FimTemplate
+    stops: tuple[str, ...]
+    timeout_s: float = 120.0
+
+    def complete(self, prompts, max_new_tokens, temperature=0.0, seed=0, rule=None) -> list[Generation]:
+        return asyncio.run(self._complete(prompts, max_new_tokens, temperature, seed, rule))
+
+    async def _complete(self, prompts, max_new_tokens, temperature, seed, rule) -> list[Generation]:
+        limits = httpx.Limits(max_connections=max(len(prompts), 1))
+        async with httpx.AsyncClient(timeout=self.timeout_s, limits=limits) as client:
+            return list(
+                await asyncio.gather(
+                    *(self._one(client, p, max_new_tokens, temperature, seed + i, rule) for i, p in enumerate(prompts))
+                )
+            )
+
+    async def _one(self, client, prompt, max_new_tokens, temperature, seed, rule: ShowRule | None) -> Generation:
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_new_tokens,
+            "temperature": temperature,
+            "top_p": 1.0,
+            "seed": seed,
+            "stop": list(self.stops)[:VLLM_MAX_STOP],
+            "logprobs": 0,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        }
+        try:
+            response = await client.post(f"{self.url}/v1/completions", json=body)
+        except httpx.HTTPError as err:
+            raise VllmError(f"vLLM at {self.url} unreachable: {type(err).__name__}: {err}") from err
+        if response.status_code != 200:
+            raise VllmError(f"vLLM at {self.url} answered {response.status_code}: {response.text[:300]}")
+        return generation_from_vllm(response.json(), self.stops, 0.0, rule)
+
+
+@contextlib.contextmanager
+def open_engine(model_dir: str | Path, params: Params, base_dir: str | Path | None = None) -> Iterator[Engine]:
+    """The engine that completes prompts for model_dir (a checkpoint, or an adapter on base_dir) under params:
+    in process (serving.backend: embedded) or on vLLM (see the module docstring); anything it loaded or started
+    for the evaluation is unloaded or stopped when the block ends."""
+    model_dir = Path(model_dir)
+    if params.serving.backend == "embedded":
+        yield InProcess(load_model(model_dir, base_dir=base_dir))
+        return
+    template = model_template(model_dir)
+    stops = _stops(model_dir, base_dir, template)
+    if is_adapter(model_dir) and params.serving.adapter_serving == "lora":
+        server = base_server(base_dir or _record_path(model_dir), params)
+        name = adapter_name(f"eval/{model_dir.name}")
+        load_adapter(server.url, name, model_dir)
+        try:
+            yield VllmEngine(server.url, name, template, stops)
+        finally:
+            unload_adapter(server.url, name)
+        return
+    if is_adapter(model_dir):  # served merged: typed merged too
+        model_dir = save_merged(model_dir, base_dir, Path(params.paths.models_dir) / "merged" / model_dir.name)
+    wanted = os.path.realpath(model_dir)
+    running = next((s for s in recorded_servers(params) if os.path.realpath(s.model_dir) == wanted), None)
+    server = running or start_vllm(model_dir, params)
+    try:
+        yield VllmEngine(server.url, server.model_dir, template, stops)
+    finally:
+        if running is None and server.pid is not None:
+            stop_vllm(server.pid)
+
+
+def _record_path(adapter_dir: Path) -> str:
+    from tasks.adapters import read_base
+
+    return read_base(adapter_dir).path
+
+
+def _stops(model_dir: Path, base_dir: str | Path | None, template: FimTemplate) -> tuple[str, ...]:
+    """The stop strings in-process generation uses: the template's and the tokenizer's end of text."""
+    from transformers import AutoTokenizer
+
+    tokenizer_dir = (base_dir or _record_path(model_dir)) if is_adapter(model_dir) else model_dir
+    return stops_of(template, AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True))

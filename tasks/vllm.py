@@ -1,0 +1,291 @@
+"""vLLM servers for arms and evaluations: start one, find the one of a base, and manage its LoRA adapters.
+
+vLLM runs in its own environment (its pins conflict with prefect's), so a server is a process,
+`{serving.vllm_python} -m vllm.entrypoints.openai.api_server --model DIR ...`, reached over HTTP on
+loopback. Each one this host starts is recorded under `{paths.state_dir}/vllm/<port>.json` (pid, URL,
+model, whether LoRA is on) so a later cycle, in another process, finds or stops it.
+
+Two ways a version is served:
+
+* a LoRA adapter: the base's **one** server runs with `--enable-lora` (`--max-loras`,
+  `--max-lora-rank` from params) and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`; a version goes live by
+  `load_adapter` under a name never used before (vLLM keys its prefix cache by name: a reused name
+  can serve stale KV, vllm#42125), is asked once (`probe`), and is dropped by `unload_adapter`.
+  `base_server` finds the base's server (or `serving.vllm_url`, one someone else runs) or starts it.
+* a full checkpoint: a server of its own (`start_vllm`), blue/green: the new one is healthy before
+  traffic moves, the old one is stopped after.
+
+The runtime LoRA endpoints change what a server serves: bind vLLM to loopback or a private network
+only (SECURITY.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from tasks.config import Params
+from tasks.fim import parse_completion
+from tasks.generate import Generation, ShowRule, cut_unsure
+from tasks.procs import NotUp, free_port, wait_until_up
+
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+VLLM_MAX_STOP = 4  # vLLM takes at most 4 stop strings (OpenAI's limit); the full list is applied to the text
+ADMIN_TIMEOUT_S = 60.0  # loading an adapter reads its files and builds its weights on the server
+
+
+class VllmError(RuntimeError):
+    """A vLLM server that did not start, or refused or failed a request; the message carries vLLM's own words."""
+
+
+@dataclass(frozen=True)
+class VllmServer:
+    pid: int | None  # None: a server someone else runs (serving.vllm_url)
+    port: int | None
+    url: str  # server root, e.g. http://127.0.0.1:8123 (a vLLM arm's model_uri)
+    model_dir: str  # the checkpoint it serves (the base, for a LoRA server)
+    lora: bool = False  # started with --enable-lora: adapters load at runtime
+
+
+def _registry_dir(params: Params) -> Path:
+    return Path(params.paths.state_dir) / "vllm"
+
+
+def server_command(model_dir: str | Path, port: int, params: Params, lora: bool) -> list[str]:
+    s = params.serving
+    cmd = [
+        s.vllm_python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        str(model_dir),
+    ]
+    if lora:
+        cmd += ["--enable-lora", "--max-loras", str(s.vllm_max_loras), "--max-lora-rank", str(s.vllm_max_lora_rank)]
+    return cmd + list(s.vllm_args)
+
+
+def start_vllm(model_dir: str | Path, params: Params, lora: bool = False) -> VllmServer:
+    """Start a vLLM OpenAI server for model_dir (with runtime LoRA when lora) and return once /health answers."""
+    port = free_port()
+    log_dir = _registry_dir(params)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **(LORA_ENV if lora else {})}
+    with open(log_dir / f"{port}.log", "wb") as log:
+        proc = subprocess.Popen(
+            server_command(model_dir, port, params, lora),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+        )
+    server = VllmServer(proc.pid, port, f"http://127.0.0.1:{port}", str(model_dir), lora)
+    (log_dir / f"{port}.json").write_text(json.dumps(asdict(server)))
+    try:
+        wait_until_up(f"{server.url}/health", proc, params.serving.vllm_start_timeout_s, interval_s=1.0)
+    except NotUp as err:
+        stop_vllm(proc.pid)
+        (log_dir / f"{port}.json").unlink(missing_ok=True)
+        raise VllmError(f"vLLM for {model_dir}: {err}; see {log_dir / f'{port}.log'}") from err
+    return server
+
+
+def recorded_servers(params: Params) -> list[VllmServer]:
+    """The servers this host started (and recorded) whose process is still alive."""
+    found = []
+    for record in sorted(_registry_dir(params).glob("*.json")):
+        server = VllmServer(**json.loads(record.read_text()))
+        if server.pid is not None and _alive(server.pid):
+            found.append(server)
+        else:
+            record.unlink(missing_ok=True)  # a server that died: nothing to find or stop there
+    return found
+
+
+def base_server(base_dir: str | Path, params: Params) -> VllmServer:
+    """The base's one LoRA server: serving.vllm_url when someone else runs it, else the live one this host
+    recorded for base_dir, else a new one (health-checked before it is returned)."""
+    if params.serving.vllm_url:
+        return VllmServer(None, None, params.serving.vllm_url.rstrip("/"), str(base_dir), True)
+    wanted = os.path.realpath(base_dir)
+    for server in recorded_servers(params):
+        if server.lora and os.path.realpath(server.model_dir) == wanted and healthy(server.url):
+            return server
+    return start_vllm(base_dir, params, lora=True)
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=5.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def stop_vllm(pid: int, grace_s: float = 20.0) -> None:
+    """SIGTERM the server's process group, SIGKILL after grace_s."""
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return
+        time.sleep(0.2)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+
+
+def _alive(pid: int) -> bool:
+    try:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:  # our own child: reap it
+            return False
+    except ChildProcessError:
+        pass  # started by another process: only signal 0 can tell
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def stop_vllm_at(url: str, params: Params) -> bool:
+    """Stop the recorded server serving url; False when none is recorded (e.g. an external server)."""
+    for record in _registry_dir(params).glob("*.json"):
+        server = VllmServer(**json.loads(record.read_text()))
+        if server.url == url:
+            if server.pid is not None:
+                stop_vllm(server.pid)
+            record.unlink(missing_ok=True)
+            return True
+    return False
+
+
+# --- runtime LoRA adapters ------------------------------------------------------------------------
+
+
+def adapter_name(version_label: str) -> str:
+    """A load name never used before for a version (`tabrl-completion/5` -> `tabrl-completion-v5-1f2e3d4c`)."""
+    model, _, number = version_label.rpartition("/")
+    return f"{model or 'adapter'}-v{number or version_label}-{secrets.token_hex(4)}"
+
+
+def _post(url: str, path: str, body: dict, timeout_s: float) -> httpx.Response:
+    try:
+        return httpx.post(f"{url}{path}", json=body, timeout=timeout_s)
+    except httpx.HTTPError as err:
+        raise VllmError(f"vLLM at {url} unreachable for {path}: {type(err).__name__}: {err}") from err
+
+
+def _vllm_message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500]
+    error = body.get("error", body) if isinstance(body, dict) else body
+    return str(error.get("message", error) if isinstance(error, dict) else error)[:500]
+
+
+def load_adapter(url: str, name: str, path: str | Path, timeout_s: float = ADMIN_TIMEOUT_S) -> float:
+    """Load the adapter at path under name into the server at url; seconds it took. VllmError with vLLM's own
+    message when it refuses (a rank above --max-lora-rank, weights that do not fit its base, a name in use)."""
+    started = time.perf_counter()
+    response = _post(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, timeout_s)
+    if response.status_code != 200:
+        raise VllmError(
+            f"vLLM at {url} refused adapter {path} as {name!r} ({response.status_code}): {_vllm_message(response)}"
+        )
+    return time.perf_counter() - started
+
+
+def unload_adapter(url: str, name: str, timeout_s: float = ADMIN_TIMEOUT_S) -> bool:
+    """Drop an adapter from the server; False when the server did not hold it (already gone, or restarted)."""
+    response = _post(url, "/v1/unload_lora_adapter", {"lora_name": name}, timeout_s)
+    if response.status_code == 404:
+        return False
+    if response.status_code != 200:
+        raise VllmError(f"vLLM at {url} could not unload {name!r} ({response.status_code}): {_vllm_message(response)}")
+    return True
+
+
+def probe(url: str, name: str, timeout_s: float = ADMIN_TIMEOUT_S) -> None:
+    """One real completion from `name` at url (VllmError when it does not answer one): a version is asked
+    once before any user is routed to it."""
+    body = {"model": name, "prompt": "def ", "max_tokens": 1, "temperature": 0.0}
+    response = _post(url, "/v1/completions", body, timeout_s)
+    if response.status_code != 200 or not response.json().get("choices"):
+        raise VllmError(f"vLLM at {url} did not complete a probe as {name!r}: {_vllm_message(response)}")
+
+
+def served_models(url: str) -> dict[str, dict]:
+    """What the server at url serves now: model name -> its /v1/models card (adapters carry a `parent`)."""
+    try:
+        response = httpx.get(f"{url}/v1/models", timeout=10.0)
+    except httpx.HTTPError as err:
+        raise VllmError(f"vLLM at {url} unreachable: {type(err).__name__}: {err}") from err
+    if response.status_code != 200:
+        raise VllmError(f"vLLM at {url}/v1/models answered {response.status_code}: {_vllm_message(response)}")
+    return {card["id"]: card for card in response.json().get("data", [])}
+
+
+def base_of(url: str) -> str:
+    """The checkpoint directory the server at url was started with (its base model's `root`)."""
+    bases = [card for card in served_models(url).values() if not card.get("parent")]
+    if len(bases) != 1:
+        raise VllmError(f"vLLM at {url} serves {len(bases)} base models; expected one")
+    return str(bases[0].get("root") or bases[0]["id"])
+
+
+# --- completions ------------------------------------------------------------------------------------
+
+
+def generation_from_vllm(
+    body: dict, stop: Sequence[str], latency_ms: float, rule: ShowRule | None = None
+) -> Generation:
+    """Map one vLLM /v1/completions choice onto a Generation (token ids + behaviour log-probs), cut by rule.
+    A cut's text is the kept tokens' strings (vLLM's `logprobs.tokens`); when they do not spell the start of
+    the answer (a character split across tokens), nothing is shown: the model was unsure there anyway."""
+    try:
+        choice = body["choices"][0]
+        token_ids = choice.get("token_ids")
+        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+        tokens = (choice.get("logprobs") or {}).get("tokens")
+        raw = choice["text"]
+    except (KeyError, IndexError, TypeError) as err:
+        raise VllmError(f"vLLM answer lacks {err}: {str(body)[:300]}") from err
+    if token_ids is None or logprobs is None or len(token_ids) != len(logprobs):
+        raise VllmError("vLLM answer lacks token ids or log-probs (needs a vLLM with return_token_ids)")
+    gen = Generation(
+        text=parse_completion(raw, tuple(stop)),
+        token_ids=[int(t) for t in token_ids],
+        logprobs=[float(lp) for lp in logprobs],
+        raw_text=raw,
+        latency_ms=latency_ms,
+        finish_reason="length" if choice.get("finish_reason") == "length" else "stop",
+    )
+    unsure = None if rule is None else rule.first_unsure(gen.logprobs, gen.finish_reason == "stop")
+    if unsure is None:
+        return gen
+    if tokens is None or len(tokens) != len(token_ids):
+        raise VllmError("vLLM answer lacks the token strings (logprobs.tokens) a cut at an unsure token needs")
+    kept = "".join(tokens[:unsure])
+    if not raw.startswith(kept):  # a character split across the kept tokens: show nothing
+        unsure, kept = 0, ""
+    return cut_unsure(gen, unsure, kept, stop)
