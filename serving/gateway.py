@@ -434,7 +434,14 @@ class Gateway:
         self.s = s = params.serving
         self.engine, self.require_auth = engine, require_auth
         self.writer = LogWriter(engine, s.log_batch)
-        self.router = Router(engine, s.experiment_salt, s.config_ttl_s, s.backend_timeout_s, backend_factory)
+        self.router = Router(
+            engine,
+            s.experiment_salt,
+            s.config_ttl_s,
+            s.backend_timeout_s,
+            backend_factory,
+            (s.window_chars, s.window_step_chars),
+        )
         self.directory = Directory(engine, s.config_ttl_s)
         self.metrics = Metrics()
         self.explore_draws = random.Random(s.seed)  # which requests explore (serving.explore_fraction)

@@ -9,7 +9,9 @@ challenger falls back to it (the gateway logs and counts that).
 
 Each arm's model speaks its own FIM template: the request's prefix, suffix and context are rendered
 in it here, so two families can be A/B tested on the same traffic, and the prompt the arm's model
-saw is what the gateway logs.
+saw is what the gateway logs. A long prefix is first cut to serving.window_chars at an anchor line
+(``tasks.generate.window_prefix``), so successive requests of a typing session share their prompt's
+start and vLLM reuses its KV cache; the evaluation renders its prompts the same way.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import asyncio
 import hashlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sqlalchemy.engine import Engine
 
@@ -26,7 +28,7 @@ from serving.backends import Backend, BackendError, Sampling, make_backend
 from serving.errors import ApiError
 from serving.store import CHAMPION, Arm, read_arms
 from tasks.fim import FimPrompt, FimTemplate
-from tasks.generate import Generation, ShowRule
+from tasks.generate import Generation, ShowRule, window_prefix
 
 
 @dataclass(frozen=True)
@@ -90,8 +92,10 @@ class Router:
         ttl_s: float,
         backend_timeout_s: float,
         backend_factory: Callable[[Arm, float], Backend] = make_backend,
+        window: tuple[int, int] | None = None,
     ):
         self.engine = engine
+        self.window = window  # (serving.window_chars, serving.window_step_chars): the prefix cut; None: whole
         self.backend_factory = backend_factory
         self.salt = salt
         self.ttl_s = ttl_s
@@ -131,7 +135,10 @@ class Router:
         """(the prompt in the arm's template, its generation)."""
         backend = self.backend(arm)
         template = await backend.template()
-        prompt = template.rerender(request.fim, request.source)
+        fim = request.fim
+        if self.window is not None:  # the same anchored cut the evaluation and training see
+            fim = replace(fim, prefix=window_prefix(fim.prefix, *self.window))
+        prompt = template.rerender(fim, request.source)
         stop = tuple(stops_for(template, request))
         sampling = Sampling(request.max_tokens, request.temperature, request.top_p, stop, request.rule)
         gen = await backend.complete(prompt, sampling)
