@@ -158,7 +158,7 @@ def test_stdlib_stays_the_running_interpreters_and_a_missing_shipped_corpus_says
         split_files(load_params(None, environ={}).data)
 
 
-@pytest.mark.slow  # ~35 s on 2 cores: the fim stage samples 4000 spans and 4600 typing regions
+# 20-25 s on 2 busy cores (the fim stage: 4000 spans, 4600 typing regions): under the ~30 s that would make it `slow`.
 def test_a_fresh_clone_builds_the_corpus_and_fim_data_dvc_lock_records(tmp_path):
     """`dvc repro -f fim` (corpus, then fim) in a copy of the project must give the outputs' md5s in dvc.lock:
     otherwise `make data` leaves dvc.lock modified, and the held-out data is not what the numbers were measured on."""
