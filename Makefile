@@ -34,7 +34,7 @@ test: install  ## run the test suite
 	@echo ">> running pytest"
 	$(BIN)/python -m pytest
 
-data: install  ## corpus + FIM samples through DVC
+data: install  ## FIM samples from the shipped corpus through DVC
 	@echo ">> dvc repro fim (skipped when params and code are unchanged)"
 	$(BIN)/dvc repro fim
 
@@ -60,5 +60,5 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 bench-tools:  ## the HTTP load generators bench/gateway.py drives (hey, wrk: Debian packages)
 	@command -v hey >/dev/null && command -v wrk >/dev/null || $(SUDO) apt-get install -y hey wrk
 
-clean:  ## remove built data, candidate models and local state (not .venv, not the shipped base in models/tabrl-tiny)
-	rm -rf data/corpus data/fim models/tabrl-tiny.partial models/candidates state
+clean:  ## remove built data, candidate models and local state (not .venv, not the shipped corpus and base in git)
+	rm -rf data/fim models/tabrl-tiny.partial models/candidates state

@@ -27,6 +27,8 @@ from pydantic_core import ErrorDetails
 ENV_PREFIX = "TABRL_"
 ENV_ALIASES = {"TABRL_DATABASE_URL": "paths.database_url", "TABRL_MLFLOW_TRACKING_URI": "paths.mlflow_tracking_uri"}
 DEFAULT_PARAMS_FILE = Path("params.yaml")
+# The corpus committed to git: CPython 3.11.7's standard library as `tabrl corpus` read it, the base's training data.
+SHIPPED_CORPUS = "data/corpus/files.parquet"
 
 
 class ParamsError(ValueError):
@@ -38,9 +40,16 @@ class Section(BaseModel):
 
 
 class DataParams(Section):
-    source: str = "stdlib"
-    """Where the code comes from: `stdlib` (the running interpreter's standard library), a directory
-    of source files, or a JSONL/Parquet FIM data set (`prompt`+`solutions` or `prefix`/`suffix`/`middle`)."""
+    source: str = SHIPPED_CORPUS
+    """Where the code comes from. By default the corpus shipped in git, `data/corpus/files.parquet`
+    (CPython 3.11.7's standard library, 1,747 files; md5 in dvc.lock): what the shipped base was trained
+    on and the README's numbers were measured on, the same bytes on every machine. Any corpus file
+    `tabrl corpus` wrote (Parquet: path, split, text) works alike: its files are split again by
+    test_fraction and split_salt. `stdlib`: the running interpreter's standard library, an explicit
+    choice, since it differs between Python builds (Debian's 3.11.2 has 663 files). Or a directory of
+    source files, or a JSONL/Parquet FIM data set (`prompt`+`solutions` or `prefix`/`suffix`/`middle`).
+    The corpus stage writes any other source over data/corpus/files.parquet: `git checkout data/corpus`
+    brings the shipped one back."""
     extensions: tuple[str, ...] = (".py",)
     """File name endings read from a directory source."""
     max_file_bytes: int = Field(200_000, gt=0)

@@ -1,7 +1,12 @@
-"""FIM samples from real code: the interpreter's standard library, a directory, or a FIM data set.
+"""FIM samples from real code: the shipped corpus, the interpreter's standard library, a directory,
+or a FIM data set.
 
     tabrl corpus --out data/corpus     # stage `corpus`: files.parquet (path, split, text)
     tabrl data --out data/fim          # stage `fim`: train.parquet, test.parquet
+
+The default source is the corpus shipped in git (``data/corpus/files.parquet``, what the shipped
+base was trained on): the same bytes on every machine, whichever Python runs. ``stdlib`` reads the
+running interpreter's standard library instead, which differs between Python builds.
 
 Files are split train/test by a salted hash of their path, never by sample, so no file's code
 is seen in both. Spans are cut the way an editor cursor meets code: the rest of a line from a
@@ -13,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import shutil
 import sysconfig
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -21,7 +27,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.config import DataParams, FimParams, TrafficParams
+from tasks.config import SHIPPED_CORPUS, DataParams, FimParams, TrafficParams
 from tasks.editor import pick_regions, write_regions
 from tasks.fim import QWEN, FimFormatError
 from tasks.schema import CORPUS_SCHEMA, FIM_SCHEMA
@@ -71,8 +77,13 @@ def resolve_source(params: DataParams) -> Path:
     return stdlib_root() if params.source == "stdlib" else Path(params.source)
 
 
+def is_corpus_file(source: Path) -> bool:
+    """A corpus file as `tabrl corpus` writes it (Parquet with the path, split, text columns), like the shipped one."""
+    return source.is_file() and source.suffix == ".parquet" and pq.read_schema(source).names == CORPUS_SCHEMA.names
+
+
 def is_dataset_file(source: Path) -> bool:
-    return source.is_file() and source.suffix in {".jsonl", ".json", ".parquet"}
+    return source.is_file() and source.suffix in {".jsonl", ".json", ".parquet"} and not is_corpus_file(source)
 
 
 def _nonblank(text: str) -> int:
@@ -202,9 +213,17 @@ def dataset_samples(source: Path, data: DataParams, fim: FimParams) -> dict[str,
 
 
 def corpus_files(data: DataParams) -> Iterator[SourceFile]:
-    """The source's files; a FIM data set contributes one pseudo-file (prefix+middle+suffix) per row."""
+    """The source's files; a corpus file contributes its rows in their order (their recorded split is
+    ignored: split_of decides), a FIM data set one pseudo-file (prefix+middle+suffix) per row."""
     source = resolve_source(data)
-    if is_dataset_file(source):
+    if not source.exists():
+        shipped = data.source == SHIPPED_CORPUS
+        restore = "; it is committed to git: `git checkout data/corpus` restores it" if shipped else ""
+        raise CorpusError(f"corpus source {source} does not exist{restore}")
+    if is_corpus_file(source):
+        for row in pq.read_table(source, columns=["path", "text"]).to_pylist():
+            yield SourceFile(path=row["path"], text=row["text"])
+    elif is_dataset_file(source):
         for row in _dataset_rows(source):
             yield SourceFile(path=row["path"], text=row["prefix"] + row["middle"] + row["suffix"])
     elif source.is_file():
@@ -221,17 +240,30 @@ def split_files(data: DataParams) -> dict[str, list[SourceFile]]:
 
 
 def write_corpus(data: DataParams, out_dir: Path) -> dict[str, int]:
-    """The corpus stage: files.parquet (path, split, text) under out_dir; returns file counts."""
+    """The corpus stage: files.parquet (path, split, text) under out_dir; returns file counts.
+
+    A corpus file source whose rows come out unchanged (the shipped corpus under the default split
+    params) is kept byte for byte, not re-encoded: its md5 stays the one dvc.lock records, whichever
+    pyarrow runs; written in place (out_dir holds the source), it is left untouched."""
     files = split_files(data)
     rows = [{"path": f.path, "split": split, "text": f.text} for split, fs in files.items() for f in fs]
+    out = out_dir / "files.parquet"
     out_dir.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows, schema=CORPUS_SCHEMA), out_dir / "files.parquet")
+    source = resolve_source(data)
+    if is_corpus_file(source) and pq.read_table(source).to_pylist() == rows:
+        if not (out.exists() and out.samefile(source)):
+            shutil.copyfile(source, out)
+    else:
+        pq.write_table(pa.Table.from_pylist(rows, schema=CORPUS_SCHEMA), out)
     return {f"{split}_files": len(fs) for split, fs in files.items()}
 
 
 def read_corpus(path: Path) -> dict[str, list[SourceFile]]:
     if not path.is_file():
-        raise CorpusError(f"corpus {path} not found; run `dvc repro corpus` (or `make data`) first")
+        raise CorpusError(
+            f"corpus {path} not found: `git checkout data/corpus` restores the shipped one, "
+            "`dvc repro corpus` builds one from data.source"
+        )
     files: dict[str, list[SourceFile]] = {"train": [], "test": []}
     for row in pq.read_table(path).to_pylist():
         files[row["split"]].append(SourceFile(row["path"], row["text"]))

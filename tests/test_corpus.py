@@ -1,20 +1,38 @@
+import hashlib
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
+import yaml
 
-from tasks.config import load_params
+from tasks.config import SHIPPED_CORPUS, load_params
 from tasks.corpus import (
     CorpusError,
     build_fim,
     read_corpus,
     read_samples,
+    resolve_source,
     split_files,
     split_of,
+    stdlib_root,
     write_corpus,
     write_fim,
 )
 from tasks.fim import QWEN
 from tests.conftest import tiny_params
+
+REPO = Path(__file__).resolve().parents[1]
+# What a fresh clone needs to run the corpus and fim stages: the pipeline, its params, its code, the shipped corpus.
+PIPELINE_FILES = ("dvc.yaml", "dvc.lock", "params.yaml", ".dvc/config", ".dvcignore", "data/.gitignore", SHIPPED_CORPUS)
+
+
+def _md5(path: Path) -> str:
+    return hashlib.md5(path.read_bytes()).hexdigest()
 
 
 def test_split_is_by_file_and_no_file_is_in_both():
@@ -111,3 +129,56 @@ def test_bad_sources_fail_with_a_sentence(tmp_path):
         split_files(params.data)
     with pytest.raises(CorpusError, match="run `dvc repro fim`"):
         read_samples(tmp_path / "nope.parquet")
+
+
+def test_the_default_source_is_the_shipped_corpus_kept_byte_for_byte(tmp_path):
+    assert load_params(None, environ={}).data.source == SHIPPED_CORPUS
+    assert load_params(REPO / "params.yaml", environ={}).data.source == SHIPPED_CORPUS
+    shipped = REPO / SHIPPED_CORPUS
+    data = load_params(None, [f"data.source={shipped}"], environ={}).data
+    counts = write_corpus(data, tmp_path / "same")
+    # Not re-encoded: the same bytes as the shipped file (the md5 dvc.lock records), whichever pyarrow runs.
+    assert _md5(tmp_path / "same" / "files.parquet") == _md5(shipped)
+    assert counts == {"train_files": 1298, "test_files": 449}
+
+    resalted = load_params(None, [f"data.source={shipped}", "data.split_salt=another"], environ={}).data
+    write_corpus(resalted, tmp_path / "resplit")
+    before = pq.read_table(shipped).to_pylist()
+    after = pq.read_table(tmp_path / "resplit" / "files.parquet").to_pylist()
+    assert {(r["path"], r["text"]) for r in after} == {(r["path"], r["text"]) for r in before}
+    assert [r["split"] for r in after] == [split_of(r["path"], resalted) for r in after]
+    assert {r["path"]: r["split"] for r in after} != {r["path"]: r["split"] for r in before}
+
+
+def test_stdlib_stays_the_running_interpreters_and_a_missing_shipped_corpus_says_how_to_restore(tmp_path, monkeypatch):
+    stdlib = load_params(None, ["data.source=stdlib"], environ={}).data
+    assert resolve_source(stdlib) == stdlib_root() and (stdlib_root() / "os.py").is_file()
+    monkeypatch.chdir(tmp_path)  # no data/corpus here: as if the shipped file were deleted
+    with pytest.raises(CorpusError, match="git checkout data/corpus"):
+        split_files(load_params(None, environ={}).data)
+
+
+# 20-25 s on 2 busy cores (the fim stage: 4000 spans, 4600 typing regions): under the ~30 s that would make it `slow`.
+def test_a_fresh_clone_builds_the_corpus_and_fim_data_dvc_lock_records(tmp_path):
+    """`dvc repro -f fim` (corpus, then fim) in a copy of the project must give the outputs' md5s in dvc.lock:
+    otherwise `make data` leaves dvc.lock modified, and the held-out data is not what the numbers were measured on."""
+    clone = tmp_path / "clone"
+    for name in PIPELINE_FILES:
+        (clone / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(REPO / name, clone / name)
+    shutil.copytree(REPO / "tasks", clone / "tasks", ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run(["git", "init", "-q"], cwd=clone, check=True)
+    env = os.environ | {
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # the venv's `tabrl`, as make's
+        "PYTHONPATH": str(clone),
+        "DVC_SITE_CACHE_DIR": str(tmp_path / "dvc-site"),
+    }
+    run = subprocess.run(
+        [sys.executable, "-m", "dvc", "repro", "-f", "fim"], cwd=clone, env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    recorded = yaml.safe_load((REPO / "dvc.lock").read_text())["stages"]
+    built = yaml.safe_load((clone / "dvc.lock").read_text())["stages"]
+    for stage in ("corpus", "fim"):
+        assert built[stage]["outs"] == recorded[stage]["outs"], f"stage {stage}'s outputs differ from dvc.lock"
+    assert _md5(clone / SHIPPED_CORPUS) == _md5(REPO / SHIPPED_CORPUS)  # rebuilt in place, left as shipped
