@@ -2,6 +2,7 @@
 
 Run once: `python -m flows.ab_decision` (ephemeral Prefect) or `tabrl ab-status` to only look.
 Scheduled by `tabrl schedule` every `deploy.decision_every_minutes`. The rule is in tasks/deploy/ab.py.
+With vLLM arms it first loads again any live adapter a restarted server lost (`tasks/deploy/arms.py`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from prefect.cache_policies import NO_CACHE
 from serving.store import CHALLENGER, CHAMPION, ArmError, open_store
 from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
 from tasks.deploy import ab
+from tasks.deploy.arms import sync_adapters
 from tasks.deploy.errors import DeployError
 from tasks.deploy.promote import DeployChange, log_decision, promote, rollback
 from tasks.deploy.registry import get_alias_version
@@ -47,10 +49,19 @@ def record_decision(params: Params, decision: ab.Decision, stats: dict[str, ab.A
     )
 
 
+@task(retries=2, retry_delay_seconds=[5, 15], cache_policy=NO_CACHE)
+def sync_live_adapters(params: Params) -> list[str]:
+    """vLLM arms: load again the adapters a restarted server lost (the arms table is the truth)."""
+    return sync_adapters(params)
+
+
 @flow(name="ab-decision", log_prints=True)
 def ab_decision(params_file: str = str(DEFAULT_PARAMS_FILE), overrides: list[str] | None = None) -> ab.Decision:
     """Decide on the running A/B test; a promote or rollback is applied and recorded, a continue recorded."""
     params = load_params(params_file, overrides or [])
+    if params.serving.backend == "vllm":
+        for line in sync_live_adapters(params):
+            print(f"loaded again: {line}")
     stats = live_stats(params)
     if CHAMPION not in stats or CHALLENGER not in stats:
         decision = ab.Decision("continue", f"no A/B test running (live arms: {sorted(stats)})", {})

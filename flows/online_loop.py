@@ -28,14 +28,16 @@ from pathlib import Path
 from flows.ab_decision import ab_decision
 from flows.cycle import online_rl_cycle
 from serving.simulate import run_simulation
-from serving.store import CHAMPION, Arm, open_store, replace_arms
+from serving.store import CHAMPION, open_store
 from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
-from tasks.deploy.registry import ensure_champion, resolve_model_dir
+from tasks.deploy.arms import serve_champion
+from tasks.deploy.registry import resolve_model_dir
 from tasks.deploy.tracking import runs_view_url
 from tasks.editor import merge_typing, read_regions, regions_path
 from tasks.outcomes import reward_per_request
 from tasks.procs import NotUp, exit_on_sigterm, free_port, wait_until_up
 from tasks.simulated_users import make_users
+from tasks.vllm import recorded_servers, stop_vllm_at
 
 DEMO_OVERRIDES = [
     "serving.auth=false",  # the local demo only: simulated users are identified by the `user` field
@@ -100,10 +102,7 @@ def run_online_loop(
     params = load_params(params_file, overrides)
     os.environ["MLFLOW_TRACKING_URI"] = params.paths.mlflow_tracking_uri
 
-    champion = ensure_champion(params.model.base_dir, params)  # the base model is version 1, `champion`
-    with open_store(params.paths.database_url) as engine:
-        arm = Arm(CHAMPION, champion.label, str(resolve_model_dir(champion.uri, params)), "embedded", 1.0)
-        replace_arms(engine, [arm])
+    serve_champion(params)  # the base model is version 1, `champion`, the one arm (on vLLM: its base's server)
 
     repo = _snapshot_repo(state / "repo")  # every interaction snapshot is versioned here with DVC
     traffic = read_regions(regions_path(params.paths.data_dir, "train"))  # never the held-out files
@@ -157,6 +156,8 @@ def run_online_loop(
     finally:
         gateway.terminate()
         gateway.wait(timeout=30)
+        for server in recorded_servers(params):  # the vLLM servers this loop started (its state dir records them)
+            stop_vllm_at(server.url, params)
     return rows, params
 
 

@@ -17,7 +17,7 @@ from flows.cli import cycle_cmd, deploy_cmd, schedule_cmd
 from serving.cli import arms_cmd, import_continue_cmd, keys_app, purge_cmd, serve_cmd, simulate_cmd
 from tasks.config import DEFAULT_PARAMS_FILE
 from tasks.console import ParamsOpt, SetOpt, console, params_or_exit
-from tasks.deploy.cli import ab_status_cmd, promote_cmd, rollback_cmd
+from tasks.deploy.cli import ab_status_cmd, export_cmd, promote_cmd, rollback_cmd, vllm_app
 from tasks.evaluate.cli import acceptance_cmd, evaluate_cmd, headroom_cmd
 from tasks.ingest.cli import corpus_cmd, data_cmd, ingest_cmd
 from tasks.train.cli import build_base_cmd, import_model_cmd, train_cmd
@@ -55,3 +55,5 @@ app.command("cycle")(cycle_cmd)
 app.command("schedule")(schedule_cmd)
 app.command("deploy")(deploy_cmd)
 app.command("purge")(purge_cmd)
+app.add_typer(vllm_app, name="vllm")
+app.command("export")(export_cmd)

@@ -80,9 +80,11 @@ def server_command(model_dir: str | Path, port: int, params: Params, lora: bool)
     return cmd + list(s.vllm_args)
 
 
-def start_vllm(model_dir: str | Path, params: Params, lora: bool = False) -> VllmServer:
-    """Start a vLLM OpenAI server for model_dir (with runtime LoRA when lora) and return once /health answers."""
-    port = free_port()
+def start_vllm(model_dir: str | Path, params: Params, lora: bool = False, port: int | None = None) -> VllmServer:
+    """Start a vLLM OpenAI server for model_dir (with runtime LoRA when lora) on port (default: a free one) and
+    return once /health answers. The model is named by its absolute path (what arms ask for)."""
+    model_dir = Path(model_dir).resolve()
+    port = port or free_port()
     log_dir = _registry_dir(params)
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **(LORA_ENV if lora else {})}

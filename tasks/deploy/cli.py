@@ -1,8 +1,14 @@
-"""`tabrl promote`, `tabrl rollback`, `tabrl ab-status`: end or inspect the A/B test by hand.
+"""`tabrl promote`, `tabrl rollback`, `tabrl ab-status`: end or inspect the A/B test by hand; `tabrl vllm ...`:
+the base's vLLM server; `tabrl export --merged`: an adapter version as a full checkpoint.
 
 Registered in tasks/cli.py."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
 
 from tasks.config import DEFAULT_PARAMS_FILE
 from tasks.console import ParamsOpt, SetOpt, console, fail, params_or_exit, print_table
@@ -70,3 +76,108 @@ def _change(action: str, params, set_) -> None:
         highlight=False,
     )
     console.print(f"decision recorded in MLflow run {change.record_run_id}", highlight=False)
+
+
+vllm_app = typer.Typer(
+    help="The base's vLLM server: start it with the champion's arm, load lost adapters again, see what it serves.",
+    no_args_is_help=True,
+)
+
+
+@vllm_app.command("start")
+def vllm_start_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -> None:
+    """Start (or find) the champion's base server with runtime LoRA, load an adapter champion, point the arms at it.
+
+    Example: tabrl vllm start --set serving.backend=vllm --set serving.vllm_python=.venv-vllm/bin/python"""
+    from tasks.deploy.arms import serve_champion
+    from tasks.deploy.errors import DeployError
+    from tasks.vllm import VllmError
+
+    p = params_or_exit(params, set_)
+    if p.serving.backend != "vllm":
+        fail("serving.backend is embedded: there is no vLLM server to start (--set serving.backend=vllm)", 2)
+    try:
+        arm = serve_champion(p)
+    except (VllmError, DeployError) as err:
+        fail(str(err), 1)
+    console.print(f"champion {arm.model_version} served by {arm.model_uri} as {arm.served_model}", highlight=False)
+
+
+@vllm_app.command("sync")
+def vllm_sync_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -> None:
+    """Load every live arm's adapter its vLLM server lost (after a restart): the arms table is the truth.
+
+    Example: tabrl vllm sync"""
+    from tasks.deploy.arms import sync_adapters
+    from tasks.vllm import VllmError
+
+    p = params_or_exit(params, set_)
+    try:
+        loaded = sync_adapters(p)
+    except VllmError as err:
+        fail(str(err), 1)
+    for line in loaded or ["every live adapter is loaded"]:
+        console.print(line, highlight=False)
+
+
+@vllm_app.command("status")
+def vllm_status_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -> None:
+    """The vLLM servers the arms use and what each serves now (base model and loaded adapters).
+
+    Example: tabrl vllm status"""
+    from rich.table import Table
+
+    from serving.store import open_store, read_arms
+    from tasks.vllm import VllmError, served_models
+
+    p = params_or_exit(params, set_)
+    with open_store(p.paths.database_url) as engine:
+        arms = [a for a in read_arms(engine) if a.backend == "vllm"]
+    table = Table(title="vLLM servers of the live arms")
+    for col in ("server", "model", "parent", "arms"):
+        table.add_column(col)
+    for url in sorted({a.model_uri for a in arms}):
+        try:
+            cards = served_models(url)
+        except VllmError as err:
+            table.add_row(url, f"unreachable: {err}", "", "")
+            continue
+        for name, card in cards.items():
+            users = ", ".join(a.name for a in arms if a.model_uri == url and a.served_model == name)
+            table.add_row(url, name, card.get("parent") or "-", users or "-")
+    print_table(table)
+
+
+def export_cmd(
+    model: Annotated[str, typer.Argument(help="A LoRA adapter version: a directory or models:/NAME/VERSION.")],
+    out: Annotated[Path, typer.Option(help="Directory for the full checkpoint.")],
+    merged: Annotated[bool, typer.Option("--merged", help="Merge the adapter into its base (required).")] = False,
+    base: Annotated[
+        Path | None, typer.Option(help="The base checkpoint (default: the registry's, or the record's).")
+    ] = None,
+    params: ParamsOpt = DEFAULT_PARAMS_FILE,
+    set_: SetOpt = None,
+) -> None:
+    """Write an adapter version merged into its base as a full Hugging Face checkpoint (for tools without LoRA).
+
+    Example: tabrl export models:/tabrl-completion/4 --merged --out models/v4-merged"""
+    from tasks.adapters import AdapterBaseError, is_adapter
+    from tasks.deploy.errors import DeployError
+    from tasks.deploy.registry import base_version, model_version_of, resolve_model_dir
+    from tasks.generate import save_merged
+
+    p = params_or_exit(params, set_)
+    if not merged:
+        fail("only --merged exports exist: pass --merged to write the adapter merged into its base", 2)
+    if out.exists():
+        fail(f"{out} exists; choose a new --out (nothing is overwritten)", 2)
+    try:
+        adapter_dir = resolve_model_dir(model, p)
+        if not is_adapter(adapter_dir):
+            fail(f"{model} is a full checkpoint already ({adapter_dir}); there is no adapter to merge", 2)
+        if base is None and model.startswith("models:/"):
+            base = resolve_model_dir(base_version(model_version_of(model, p), p).uri, p)
+        written = save_merged(adapter_dir, base, out)
+    except (DeployError, AdapterBaseError) as err:
+        fail(str(err), 2)
+    console.print(f"wrote {written}: {model} merged into its base", highlight=False)

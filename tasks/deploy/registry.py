@@ -277,14 +277,14 @@ def resolve_model_dir(uri: str | Path, params: Params, *, copy: bool = False) ->
     if text.startswith("runs:/"):
         run_id, _, sub = text[len("runs:/") :].partition("/")
         return _download(text, cache / "runs" / run_id / (sub or "root"), params)
-    mv = _model_version_of(text, params)
+    mv = model_version_of(text, params)
     local = _local_path(mv.source)
     if local is not None and local.is_dir() and not copy:
         return local
     return _download(mv.source, cache / mv.name / str(mv.version), params)
 
 
-def _model_version_of(uri: str, params: Params) -> ModelVersion:
+def model_version_of(uri: str, params: Params) -> ModelVersion:
     body = uri[len("models:/") :]
     client = tracking_client(params)
     try:
