@@ -71,6 +71,7 @@ GRPO = ["train.algorithm=grpo", "train.lr=1e-4"]
 # times the unseen requests"). ~1 min more per model on 2 cores.
 FINAL_REQUESTS, FINAL_REGIONS = 3000, 250
 TYPING = ("suggest_rate", "accept_rate", "right_rate", "chars_saved", "reward_per_request")
+TIMES = ("traffic_s", "train_s", "evaluate_s", "cycle_s")  # per cycle: serving the traffic, the update, the gate
 KEYS = (*TYPING, "judge_mean")
 
 
@@ -121,8 +122,14 @@ def _final_params(seed: int, args):
     from tasks.config import load_params
     from tasks.editor import read_regions, regions_path
 
-    params = load_params(args.params, [*args.set, *final_set(args), f"simulator.seed={seed}"])
+    params = load_params(args.params, [*args.set, *final_set(args), *serving_state(args), f"simulator.seed={seed}"])
     return params, read_regions(regions_path(params.paths.data_dir, "test"))
+
+
+def serving_state(args) -> list[str]:
+    """Where the bench's own evaluations (the base's windows, the final models) keep their vLLM server records, so
+    one server per base serves them all (started once, stopped at the end; serving.backend: vllm)."""
+    return [f"paths.state_dir={args.out / 'serving'}"]
 
 
 def final_set(args) -> list[str]:
@@ -142,11 +149,12 @@ def run_online(setting, overrides: list[str], seed, args, base: dict) -> tuple[l
         args.out / f"{setting}-seed{seed}",
         seed=seed,
         ab_test=False,
+        resume=True,  # a run stopped mid-way goes on after its last finished cycle
     )
     curve, last = [], base
     for row in rows:
         last = _pick(row.serving_eval) if row.serving_eval else last  # a skipped or diverged cycle keeps the model
-        curve.append(last)
+        curve.append(last | {"time": {k: getattr(row, k) for k in TIMES}})
     return with_windows(curve, gate_windows(params)), final_sessions(champion_dir(params), seed, args)
 
 
@@ -335,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         from tasks.acceptance import gate_regions
 
         if (seed, window) not in base_windows:
-            seeded = load_params(args.params, [*args.set, f"simulator.seed={seed}"])
+            seeded = load_params(args.params, [*args.set, *serving_state(args), f"simulator.seed={seed}"])
             typed = evaluate_model(
                 seeded.model.base_dir, test, gate_regions(regions, window, seeded.evaluate.gate_windows), seeded
             )
@@ -430,6 +438,17 @@ def main(argv: list[str] | None = None) -> int:
     for entry in [base, *(e for seeds in curves.values() for curve in seeds for e in curve if e)]:
         entry["reward_per_request"] = product_reward(entry, params.reward)
     report(curves, finals, base, args, params, time.time() - started)
+    stop_bench_servers(args)
+
+
+def stop_bench_servers(args) -> None:
+    """Stop the vLLM servers the bench's own evaluations started (serving_state)."""
+    from tasks.config import load_params
+    from tasks.vllm import recorded_servers, stop_vllm_at
+
+    params = load_params(args.params, [*args.set, *serving_state(args)])
+    for server in recorded_servers(params):
+        stop_vllm_at(server.url, params)
 
 
 def champion_after(params, cycle: int, base_dir) -> str:
@@ -466,12 +485,12 @@ def run_key(params, args) -> str:
     changes (None holds its place, where the keys of runs stored before had it)."""
     import hashlib
 
+    from tasks.adapters import checkpoint_sha256
+
     body = params.model_dump(mode="json")
     body.pop("paths")
     body["evaluate"]["judge"].pop("cache_path")
-    body["model"]["base_dir"] = hashlib.sha256(
-        (Path(params.model.base_dir) / "model.safetensors").read_bytes()
-    ).hexdigest()
+    body["model"]["base_dir"] = checkpoint_sha256(params.model.base_dir)
     body["loop"] = [args.cycles, args.requests, args.users, str(args.corpus), None, "editor traffic"]
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -559,6 +578,12 @@ def report(curves, finals, base, args, params, seconds) -> None:
             cells = [_mean_spread([s[cycle][k] if s[cycle] else None for s in seeds]) for k in KEYS]
             table.add_row(setting, str(cycle + 1), _windows([s[cycle] for s in seeds]), *cells)
     print_table(table)
+    timing = timing_table(curves)
+    if timing:
+        console.print(
+            "Wall time per cycle (mean over seeds, seconds): serving the traffic, training, the gate's evaluation"
+        )
+        console.print("\n".join(timing), highlight=False)
     lines, final = final_table({k: [f["unseen"] for f in v] for k, v in finals.items()}, params.reward)
     seen_lines, seen = final_table({k: [f["sessions"] for f in v] for k, v in finals.items()}, params.reward)
     unseen_title = (
@@ -595,9 +620,35 @@ def report(curves, finals, base, args, params, seconds) -> None:
     )
     _plot(curves, final, base, args.out / "curves.png")
     (args.out / "results.md").write_text(
-        "\n".join([_markdown(curves, base), unseen_title, "", *lines, "", seen_title, "", *seen_lines, ""])
+        "\n".join([_markdown(curves, base), *timing, "", unseen_title, "", *lines, "", seen_title, "", *seen_lines, ""])
     )
     console.print(f"wrote {args.out / 'results.json'}, results.md and curves.png ({seconds / 60:.1f} min)")
+
+
+def timing_table(curves) -> list[str]:
+    """Markdown rows: each online setting's mean seconds per cycle (over seeds) spent on serving, training and
+    evaluation, and the whole cycle (traffic + cycle flow). Runs stored before timing was recorded have none."""
+    lines = []
+    for setting, seeds in curves.items():
+        for cycle in range(len(seeds[0])):
+            times = [s[cycle]["time"] for s in seeds if s[cycle] and "time" in s[cycle]]
+            if times:
+                mean = {k: statistics.mean(t[k] for t in times) for k in TIMES}
+                total = mean["traffic_s"] + mean["cycle_s"]
+                cells = [
+                    f"{mean['traffic_s']:.0f}",
+                    f"{mean['train_s']:.0f}",
+                    f"{mean['evaluate_s']:.0f}",
+                    f"{total:.0f}",
+                ]
+                lines.append(f"| {setting} | {cycle + 1} | " + " | ".join(cells) + " |")
+    if not lines:
+        return []
+    return [
+        "| setting | cycle | serving | training | evaluation | whole cycle |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        *lines,
+    ]
 
 
 def _markdown(curves, base) -> str:

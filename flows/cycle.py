@@ -16,6 +16,7 @@ the runs list of the MLflow UI tells the loop's story.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,6 +97,7 @@ def online_rl_cycle(
             rewarded = reward_task(
                 ingested.snapshot, params.reward, ingested.snapshot.with_suffix(".rewarded.parquet"), ingested.arms
             )
+            started = time.perf_counter()
             try:
                 trained, candidate_dir = train_step(
                     rewarded.path, champion, champion_dir, base, base_dir, params, run_id
@@ -109,6 +111,7 @@ def online_rl_cycle(
                 log.error(f"candidate not trained: {report.reason}")
             else:
                 commit_ingest_task(params, pending)
+                timing = {"time/train_s": time.perf_counter() - started}
                 if trained.stopped_early:
                     log.info(f"update ended early: {trained.stopped_early}")
                     mlflow.set_tag("tabrl.train_stopped_early", trained.stopped_early[:5000])
@@ -119,13 +122,18 @@ def online_rl_cycle(
                 regions = gate_regions(read_regions(regions_path(params.paths.data_dir, "test")), window, windows)
                 holder = chars_saved_holder(champion, params)
                 mark_dir = str(resolve_model_dir(holder.uri, params)) if holder else None
+                started = time.perf_counter()
                 comparison = compare_task(
                     str(candidate_dir), str(champion_dir), test, regions, params, mark_dir, str(base_dir)
                 )
+                timing["time/evaluate_s"] = time.perf_counter() - started
+                mlflow.log_metrics(timing)
                 champion_metrics = {
                     k.replace("eval/", "eval/champion/", 1): v for k, v in comparison.champion.metrics.items()
                 }
-                report.metrics = dict(comparison.candidate.metrics) | champion_metrics | {"train/steps": trained.steps}
+                report.metrics = (
+                    dict(comparison.candidate.metrics) | champion_metrics | {"train/steps": trained.steps} | timing
+                )
                 if not comparison.decision.passed:  # the gate
                     report.status, report.reason = "gate_failed", "; ".join(comparison.decision.reasons)
                     log.info(f"candidate not deployed: {report.reason}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -27,17 +28,18 @@ from pathlib import Path
 
 from flows.ab_decision import ab_decision
 from flows.cycle import online_rl_cycle
+from flows.loop_state import restore_checkpoint, save_checkpoint
 from serving.simulate import run_simulation
 from serving.store import CHAMPION, open_store
 from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
-from tasks.deploy.arms import serve_champion
+from tasks.deploy.arms import serve_champion, sync_adapters
 from tasks.deploy.registry import resolve_model_dir
 from tasks.deploy.tracking import runs_view_url
 from tasks.editor import merge_typing, read_regions, regions_path
 from tasks.outcomes import reward_per_request
 from tasks.procs import NotUp, exit_on_sigterm, free_port, wait_until_up
 from tasks.simulated_users import make_users
-from tasks.vllm import recorded_servers, stop_vllm_at
+from tasks.vllm import recorded_servers, restart_recorded, stop_vllm_at
 
 DEMO_OVERRIDES = [
     "serving.auth=false",  # the local demo only: simulated users are identified by the `user` field
@@ -62,6 +64,10 @@ class CycleRow:
     eval_reward_per_request: float | None
     champion_eval_reward_per_request: float | None
     serving_eval: dict  # held-out metrics of the model serving after this cycle (empty when not evaluated)
+    traffic_s: float = 0.0  # seconds of simulated typing through the gateway (serving)
+    train_s: float = 0.0  # seconds of the update (0: the cycle trained nothing)
+    evaluate_s: float = 0.0  # seconds of the gate's evaluation (candidate, champion, the lineage's mark)
+    cycle_s: float = 0.0  # seconds of the whole cycle flow (ingest, reward, train, evaluate, register, roll out)
 
 
 def start_gateway(params_file: str, overrides: list[str], port: int, log_path: Path) -> subprocess.Popen:
@@ -89,32 +95,43 @@ def run_online_loop(
     state: Path,
     seed: int = 0,
     ab_test: bool = True,
+    resume: bool = False,
 ) -> tuple[list[CycleRow], Params]:
-    """Run `cycles` online cycles from a fresh state dir; returns one row per cycle and the loop's params
-    (its state paths: ``champion_dir(params)`` is the model serving at the end).
+    """Run `cycles` online cycles in the state dir; returns one row per cycle and the loop's params (its state
+    paths: ``champion_dir(params)`` is the model serving at the end).
 
     ab_test=True: a deployed candidate serves as challenger and the A/B decision flow decides (the
     product). ab_test=False: every deployed candidate is promoted at once (trust the gate), so each
-    cycle's traffic comes from the newest model: what the learning benchmark measures."""
-    shutil.rmtree(state, ignore_errors=True)
-    state.mkdir(parents=True)
+    cycle's traffic comes from the newest model: what the learning benchmark measures.
+    resume=True: a loop of the same params and size that was stopped goes on after its last finished cycle
+    (`flows/loop_state.py`); otherwise, and without a checkpoint, the state dir starts fresh."""
     overrides = loop_overrides(overrides, state, seed)
     params = load_params(params_file, overrides)
+    key = loop_key(params, cycles, requests, n_users, seed, ab_test)
+    restored = restore_checkpoint(state, key) if resume and state.is_dir() else None
     os.environ["MLFLOW_TRACKING_URI"] = params.paths.mlflow_tracking_uri
-
-    serve_champion(params)  # the base model is version 1, `champion`, the one arm (on vLLM: its base's server)
-
-    repo = _snapshot_repo(state / "repo")  # every interaction snapshot is versioned here with DVC
+    if restored is None:
+        shutil.rmtree(state, ignore_errors=True)
+        state.mkdir(parents=True)
+        serve_champion(params)  # the base model is version 1, `champion`, the one arm (on vLLM: its base's server)
+        _snapshot_repo(state / "repo")  # every interaction snapshot is versioned here with DVC
+        rows: list[CycleRow] = []
+    else:
+        rows = [CycleRow(**row) for row in restored["rows"]]
+        print(f"resumed {state} after cycle {restored['cycle']} of {cycles}", flush=True)
+        restart_recorded(params)  # the vLLM servers the arms name, on their ports; then their adapters
+        sync_adapters(params)
+    repo = state / "repo"
     traffic = read_regions(regions_path(params.paths.data_dir, "train"))  # never the held-out files
     per_cycle = max(n_users, requests // 4)  # regions offered per cycle: more than the users will type
     users = make_users(n_users, params.simulator, prefix=f"sim{seed}")
     port = free_port()
     gateway = start_gateway(params_file, overrides, port, state / "gateway.log")
-    rows: list[CycleRow] = []
     try:
-        for cycle in range(1, cycles + 1):
+        for cycle in range(len(rows) + 1, cycles + 1):
             offset = (cycle - 1) * per_cycle
             window = [traffic[(offset + i) % len(traffic)] for i in range(per_cycle)]
+            started = time.perf_counter()
             by_arm = run_simulation(
                 f"http://127.0.0.1:{port}",
                 window,
@@ -125,40 +142,59 @@ def run_online_loop(
                 seed=seed * 1000 + cycle,
                 traffic=params.traffic,
             )
+            traffic_s = time.perf_counter() - started
             time.sleep(params.ingest.feedback_timeout_s + 0.5)
             decision = ab_decision(params_file, overrides) if ab_test and len(by_arm) > 1 else None
+            started = time.perf_counter()
             report = online_rl_cycle(params_file, overrides, repo_dir=str(repo))
             if not ab_test and report.status == "deployed":
                 _promote_now(params)
-            total = merge_typing(list(by_arm.values()))
-            m = report.metrics
             rows.append(
-                CycleRow(
-                    cycle=cycle,
-                    arms_served=", ".join(f"{arm}:{s.requests}" for arm, s in sorted(by_arm.items())),
-                    requests=total.requests,
-                    suggest_rate=total.suggest_rate,
-                    accept_rate=total.accept_rate,
-                    right_rate=total.right_rate,
-                    chars_saved=total.chars_saved,
-                    reward_per_request=reward_per_request(total, params.reward),
-                    decision=decision.action if decision else "-",
-                    cycle_status=report.status,
-                    eval_judge_mean=m.get("eval/judge_mean"),
-                    eval_accept_rate=m.get("eval/typing/accept_rate"),
-                    eval_chars_saved=m.get("eval/typing/chars_saved"),
-                    eval_reward_per_request=m.get("eval/typing/reward_per_request"),
-                    champion_eval_reward_per_request=m.get("eval/champion/typing/reward_per_request"),
-                    serving_eval=_serving_eval(report, promoted=not ab_test),
-                )
+                _row(cycle, by_arm, decision, report, params, ab_test, traffic_s, time.perf_counter() - started)
             )
             print(json.dumps(asdict(rows[-1])), flush=True)
+            save_checkpoint(state, key, cycle, [asdict(r) for r in rows])
     finally:
         gateway.terminate()
         gateway.wait(timeout=30)
         for server in recorded_servers(params):  # the vLLM servers this loop started (its state dir records them)
             stop_vllm_at(server.url, params)
     return rows, params
+
+
+def _row(cycle, by_arm, decision, report, params: Params, ab_test: bool, traffic_s: float, cycle_s: float) -> CycleRow:
+    total = merge_typing(list(by_arm.values()))
+    m = report.metrics
+    return CycleRow(
+        cycle=cycle,
+        arms_served=", ".join(f"{arm}:{s.requests}" for arm, s in sorted(by_arm.items())),
+        requests=total.requests,
+        suggest_rate=total.suggest_rate,
+        accept_rate=total.accept_rate,
+        right_rate=total.right_rate,
+        chars_saved=total.chars_saved,
+        reward_per_request=reward_per_request(total, params.reward),
+        decision=decision.action if decision else "-",
+        cycle_status=report.status,
+        eval_judge_mean=m.get("eval/judge_mean"),
+        eval_accept_rate=m.get("eval/typing/accept_rate"),
+        eval_chars_saved=m.get("eval/typing/chars_saved"),
+        eval_reward_per_request=m.get("eval/typing/reward_per_request"),
+        champion_eval_reward_per_request=m.get("eval/champion/typing/reward_per_request"),
+        serving_eval=_serving_eval(report, promoted=not ab_test),
+        traffic_s=traffic_s,
+        train_s=m.get("time/train_s", 0.0),
+        evaluate_s=m.get("time/evaluate_s", 0.0),
+        cycle_s=cycle_s,
+    )
+
+
+def loop_key(params: Params, cycles: int, requests: int, n_users: int, seed: int, ab_test: bool) -> str:
+    """What a loop's checkpoint is valid for: its resolved params (but where its files go) and its size."""
+    body = params.model_dump(mode="json")
+    body.pop("paths")
+    body["loop"] = [cycles, requests, n_users, seed, ab_test]
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def loop_overrides(overrides: list[str], state: Path, seed: int) -> list[str]:
@@ -222,11 +258,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=240, help="simulated completion requests per cycle")
     parser.add_argument("--users", type=int, default=24, help="simulated users")
     parser.add_argument("--state", type=Path, default=Path("state/demo"), help="state dir (wiped at start)")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on after the last finished cycle of a stopped loop with the same params and size (same --state)",
+    )
     args = parser.parse_args(argv)
     exit_on_sigterm()  # a `kill` stops the gateway this loop started, too
     # Prefect's ephemeral server gets 20 s to start by default; a busy 2-core laptop can need more.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-    rows, params = run_online_loop(args.params, args.set, args.cycles, args.requests, args.users, args.state)
+    rows, params = run_online_loop(
+        args.params, args.set, args.cycles, args.requests, args.users, args.state, resume=args.resume
+    )
     print_report(rows, args.state, params)
     print_story(Path(params.model.base_dir), champion_dir(params), args.state, params)
     return 0

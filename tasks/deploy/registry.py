@@ -270,8 +270,10 @@ def resolve_model_dir(uri: str | Path, params: Params, *, copy: bool = False) ->
     text = str(uri)
     if not text.startswith(("models:/", "runs:/")):
         path = Path(text)
-        if not (path / "config.json").is_file():
-            raise DeployError(f"model {text!r} is neither a checkpoint directory (no config.json) nor a models:/ URI")
+        if not (path / "config.json").is_file() and not is_adapter(path):
+            raise DeployError(
+                f"model {text!r} is neither a checkpoint directory (no config.json), an adapter, nor a models:/ URI"
+            )
         return path
     cache = Path(params.paths.state_dir) / "model_cache"
     if text.startswith("runs:/"):
