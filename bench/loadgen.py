@@ -86,9 +86,12 @@ def hey_post(url: str, body: str, headers: dict[str, str], n: int, concurrency: 
 
 # ------------------------------------------------------------------------------------------------ wrk
 
-_WRK_COMMON = """
+_WRK_SETUP = """
 local threads = {}
 function setup(thread) table.insert(threads, thread) end
+"""
+
+_WRK_REPORT = """
 function init(args) ok_c = 0; ok_f = 0; bad = 0; pending = {} end
 function done(summary, latency, requests)
   local c, f, b = 0, 0, 0
@@ -100,6 +103,7 @@ function done(summary, latency, requests)
     latency:percentile(50), latency:percentile(99)))
 end
 """
+_WRK_COMMON = _WRK_SETUP + _WRK_REPORT
 
 _WRK_POST = """
 wrk.method = "POST"
@@ -174,6 +178,46 @@ def wrk_pairs(url: str, body: str, headers: dict[str, str], seconds: float, conc
         r["p50_us"] / 1e3,
         r["p99_us"] / 1e3,
         {"completions": r["ok_c"], "feedback": r["ok_f"]},
+    )
+
+
+_WRK_BODIES = """
+local bodies = {}
+for line in io.lines(BODIES) do table.insert(bodies, line) end
+local threads = {}
+function setup(thread) thread:set("id", #threads); table.insert(threads, thread) end
+local cursor = nil
+function request()
+  -- each thread walks the bodies in order from its own start: successive requests of typing sessions
+  if cursor == nil then cursor = (id or 0) * math.floor(#bodies / THREADS) end
+  cursor = cursor % #bodies + 1
+  return wrk.format("POST", PATH, nil, bodies[cursor])
+end
+function response(status, headers, body)
+  if status == 200 then ok_c = ok_c + 1 else bad = bad + 1 end
+end
+"""
+
+
+def wrk_bodies(url: str, bodies: list[str], headers: dict[str, str], seconds: float, concurrency: int) -> Load:
+    """POSTs of the given bodies (one JSON document each, no newlines) in order for `seconds` over `concurrency`
+    connections: each wrk thread walks the list from its own start, so typing-session requests keep their order
+    (their prompts share a start, which a prefix cache reuses)."""
+    threads = max(1, min(concurrency, 2))
+    base, _, path = url.partition("://")[2].partition("/")
+    with tempfile.TemporaryDirectory(prefix="tabrl-bodies-") as tmp:
+        listing = Path(tmp) / "bodies.jsonl"
+        listing.write_text("\n".join(bodies) + "\n")
+        head = f"BODIES = {_lua_string(str(listing))}\nPATH = {_lua_string('/' + path)}\nTHREADS = {threads}\n"
+        r = _wrk(f"http://{base}/", head + _WRK_BODIES + _WRK_REPORT, headers, seconds, concurrency, threads)
+    return Load(
+        "wrk",
+        r["ok_c"],
+        r["bad"] + r["sock"],
+        r["us"] / 1e6,
+        r["p50_us"] / 1e3,
+        r["p99_us"] / 1e3,
+        {"completions": r["ok_c"]},
     )
 
 
