@@ -465,6 +465,9 @@ class ServingParams(Section):
     """Longest prefix, suffix or completion text accepted in a feedback/outcome body (413 beyond)."""
     log_batch: int = Field(256, ge=1)
     """Most rows committed together by the log writer (group commit; each caller still waits for its commit)."""
+    latency_window: int = Field(1000, ge=1)
+    """Latest completions per arm whose latencies each gateway process keeps for the p50/p95 gauges of /metrics
+    (`tabrl_arm_latency_ms`): a bounded rolling window, sorted only when /metrics is read."""
     backend_timeout_s: float = Field(30.0, gt=0)
     """Per-request timeout of a vLLM backend call (502 naming the arm after it)."""
     vllm_python: str = "python"
