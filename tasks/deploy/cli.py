@@ -25,7 +25,8 @@ def rollback_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -
 
 
 def ab_status_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -> None:
-    """Per-arm live numbers since the challenger went live, and what the decision rule says now (changes nothing)."""
+    """Per-arm live numbers since the challenger went live (latency p50/p95 of the same requests), and what the
+    decision rule says now (changes nothing). Example: tabrl ab-status --set ingest.feedback_timeout_s=30"""
     from rich.table import Table
 
     from serving.store import CHALLENGER, CHAMPION, open_store
@@ -34,8 +35,9 @@ def ab_status_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) 
     p = params_or_exit(params, set_)
     with open_store(p.paths.database_url) as engine:
         stats = arm_stats(engine, p)
-    table = Table(title="Live A/B numbers per arm")
-    for col in ("arm", "model version", "requests", "pending", "suggest rate", "accept rate", "reward/request"):
+    table = Table(title="Live A/B numbers per arm (p50, p95: latency of the same requests)")
+    columns = ("arm", "model version", "requests", "pending", "suggest rate", "accept rate", "reward/request")
+    for col in (*columns, "p50 ms", "p95 ms"):
         table.add_column(col, justify="right")
     for s in stats.values():
         table.add_row(
@@ -46,6 +48,8 @@ def ab_status_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) 
             f"{s.suggest_rate:.3f}",
             f"{s.accept_rate:.3f}",
             f"{s.reward_per_request:.4f}",
+            f"{s.latency.p50_ms:.1f}" if s.latency else "-",
+            f"{s.latency.p95_ms:.1f}" if s.latency else "-",
         )
     print_table(table)
     if CHAMPION in stats and CHALLENGER in stats:
