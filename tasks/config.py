@@ -413,8 +413,9 @@ class DeployParams(Section):
     """MLflow experiment of the A/B decision records (one run per decision, kept apart from the cycles)."""
     retired_retention_hours: float = Field(72.0, ge=0)
     """Local copies of versions no arm serves and no alias names (trained candidates under paths.models_dir,
-    downloaded versions in the model cache) are deleted this long after they were last written; the registry
-    keeps every version's artifact. 0: as soon as they retire."""
+    downloaded versions in the model cache) are deleted this long after they were last written, by each online
+    cycle and by `tabrl model-retention` (tasks/deploy/model_retention.py); the registry keeps every version's
+    artifact. 0: as soon as they retire."""
 
     @model_validator(mode="after")
     def _sample_bounds(self) -> DeployParams:
