@@ -11,7 +11,7 @@ import yaml
 from typer.testing import CliRunner
 
 from serving.store import CHALLENGER, CHAMPION, Arm, init_schema, make_engine, replace_arms
-from tasks.adapters import ADAPTER_CONFIG, BASE_FILE
+from tasks.adapters import ADAPTER_CONFIG, BASE_FILE, write_base
 from tasks.deploy.model_retention import delete_retired, plan_model_retention
 from tasks.deploy.registry import (
     candidate_dir,
@@ -44,10 +44,11 @@ def _age(path: Path, hours: float) -> None:
     os.utime(path, (then, then))
 
 
-def _registered(params, checkpoint: Path):
-    """checkpoint registered as a new version by a finished cycle run; (version, run id)."""
+def _registered(params, checkpoint: Path, base=None):
+    """checkpoint (an adapter on version `base`) registered as a new version by a finished cycle run;
+    (version, run id)."""
     run_id = start_cycle_run(params)
-    version = register_candidate(checkpoint, params, run_id)
+    version = register_candidate(checkpoint, params, run_id, base=base)
     end_cycle_run(params, run_id)
     return version, run_id
 
@@ -60,9 +61,14 @@ def _setup(tmp_path, retention_h: float = 24.0):
     params = tiny_params(tmp_path, deploy={"retired_retention_hours": retention_h}, model={"base_dir": str(base)})
     _checkpoint(base)
     champion = ensure_champion(base, params)  # version 1, alias champion
-    challenger, _ = _registered(params, _checkpoint(tmp_path / "trained" / "v2"))
-    set_alias(params, CHALLENGER, challenger.version)
+    lora_base, _ = _registered(params, _checkpoint(tmp_path / "trained" / "v2"))  # no alias: live as a base
     retired, retired_run = _registered(params, _checkpoint(tmp_path / "trained" / "v3"))  # no alias, no arm
+    lora = tmp_path / "trained" / "v4"
+    lora.mkdir()
+    (lora / ADAPTER_CONFIG).write_text('{"r": 8}')
+    write_base(lora, resolve_model_dir(lora_base.uri, params))
+    challenger, _ = _registered(params, lora, base=lora_base)  # an adapter version on version 2
+    set_alias(params, CHALLENGER, challenger.version)
     running_run = start_cycle_run(params)  # a cycle still training or evaluating its candidate
 
     client = tracking_client(params)  # an MLflow artifact location someone put inside the model cache
@@ -85,6 +91,7 @@ def _setup(tmp_path, retention_h: float = 24.0):
         "old_candidate": _checkpoint(candidate_dir(params, retired_run)),
         "champion_download": resolve_model_dir(champion.uri, params, copy=True),
         "retired_download": resolve_model_dir(retired.uri, params, copy=True),
+        "challenger_base_download": resolve_model_dir(lora_base.uri, params, copy=True),
         "run_download": resolve_model_dir(f"runs:/{retired_run}/model", params).parent,
         "artifact_location": model_cache_dir(params) / "art" / other_run,
         "outside_models": _checkpoint(tmp_path / "models" / "elsewhere"),
@@ -118,6 +125,7 @@ def test_retired_old_copies_go_and_live_young_base_and_outside_ones_stay(tmp_pat
     assert why["adapter"].startswith("arm 'challenger' serves it as its adapter")
     assert why["adapter_base"].startswith("the base of a live adapter")
     assert why["champion_download"] == "alias 'champion' names tabrl-completion/1"
+    assert why["challenger_base_download"] == "the base of tabrl-completion/4, which alias 'challenger' names"
     assert why["young"].startswith("written 0.0 h ago, under deploy.retired_retention_hours=24")
     assert why["running"] == f"cycle run {paths['running'].name} is still running"
     assert why["base"] == "model.base_dir (the base model)"
@@ -153,10 +161,10 @@ def test_cli_dry_run_lists_and_deletes_nothing_then_deletes(tmp_path, mlflow_sto
     runner = CliRunner()
     result = runner.invoke(app, ["model-retention", "--dry-run", "--params", str(params_file)])
     assert result.exit_code == 0, result.output
-    assert "would delete 3 of 11 local copies" in result.output and "still running" in result.output
+    assert "would delete 3 of 12 local copies" in result.output and "still running" in result.output
     assert all(p.exists() for p in paths.values())
     result = runner.invoke(app, ["model-retention", "--params", str(params_file)])
-    assert result.exit_code == 0 and "deleted 3 of 11 local copies" in result.output, result.output
+    assert result.exit_code == 0 and "deleted 3 of 12 local copies" in result.output, result.output
     assert not paths["old_candidate"].exists() and paths["served"].exists()
     result = runner.invoke(app, ["model-retention", "--params", str(params_file)])
-    assert "deleted 0 of 8 local copies" in result.output
+    assert "deleted 0 of 9 local copies" in result.output

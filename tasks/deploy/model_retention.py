@@ -11,13 +11,13 @@ are ever deleted:
   run artifacts downloaded from the tracking server (``tasks/deploy/registry.py``).
 
 A copy is live, and kept, while an arm of the log store serves it (the arm's ``model_uri`` or ``adapter`` lies
-in it), while an alias (``champion``, ``challenger``) names its version, while it holds the base of a live
-adapter, or while its cycle run is still running (a candidate being trained or evaluated). Any other copy is
-retired, and is deleted once its newest file is ``deploy.retired_retention_hours`` old (0: at once). The
-registry keeps every version's artifact, so a deleted version is downloaded again when it is needed. Never
-deleted, whatever the folders hold: anything inside an MLflow artifact location (on a local store that is the
-registry's one copy), the base model (``model.base_dir``), hidden entries (a download still being staged:
-``.download-*``) and symbolic links.
+in it), while an alias (``champion``, ``challenger``) names its version or an adapter version that runs on it,
+while it holds the recorded base of a live adapter, or while its cycle run is still running (a candidate being
+trained or evaluated). Any other copy is retired, and is deleted once its newest file is
+``deploy.retired_retention_hours`` old (0: at once). The registry keeps every version's artifact, so a deleted
+version is downloaded again when it is needed. Never deleted, whatever the folders hold: anything inside an
+MLflow artifact location (on a local store that is the registry's one copy), the base model
+(``model.base_dir``), hidden entries (a download still being staged: ``.download-*``) and symbolic links.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from tasks.config import Params
 from tasks.deploy.registry import (
     CANDIDATES,
     RUN_CACHE,
+    base_version,
     get_alias_version,
     local_path,
     model_cache_dir,
@@ -98,8 +99,8 @@ def _entries(folder: Path) -> list[Path]:
 
 
 def live_dirs(engine: Engine, params: Params) -> dict[Path, str]:
-    """Resolved directory -> why it is live: the arms' checkpoints and adapters, the aliased versions' directories,
-    and the recorded base of each live adapter."""
+    """Resolved directory -> why it is live: the arms' checkpoints and adapters, the aliased versions' directories
+    and their base versions' (an adapter version's), and the recorded base of each live adapter."""
     live: dict[Path, str] = {}
     for arm in read_arms(engine):
         if "://" not in arm.model_uri:  # a vLLM arm's model_uri is its server's URL
@@ -108,9 +109,13 @@ def live_dirs(engine: Engine, params: Params) -> dict[Path, str]:
             live[Path(arm.adapter).resolve()] = f"arm {arm.name!r} serves it as its adapter ({arm.model_version})"
     for alias in (CHAMPION, CHALLENGER):
         version = get_alias_version(params, alias)
-        if version is not None:
-            for d in version_dirs(version, params):
-                live[d.resolve()] = f"alias {alias!r} names {version.label}"
+        if version is None:
+            continue
+        for d in version_dirs(version, params):
+            live[d.resolve()] = f"alias {alias!r} names {version.label}"
+        base = base_version(version, params)  # an adapter version runs on a full version of its own
+        for d in version_dirs(base, params):
+            live.setdefault(d.resolve(), f"the base of {version.label}, which alias {alias!r} names")
     for d, why in list(live.items()):
         if is_adapter(d):
             try:
