@@ -11,7 +11,8 @@ training guard (non-finite loss, approx-KL) stops the update. Training runs here
 as `train_failed` with the champion and the ingest watermark as they were (the snapshot's rows are
 trained on by the next cycle). Every cycle, a skipped one too, leaves an MLflow run named for its
 outcome (`cycle 3 · deployed · tabrl-completion/4`, `cycle 4 · skipped: challenger under test`), so
-the runs list of the MLflow UI tells the loop's story.
+the runs list of the MLflow UI tells the loop's story. A cycle not skipped first deletes this host's copies of
+retired versions older than `deploy.retired_retention_hours` (tasks/deploy/model_retention.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from serving.store import CHALLENGER
 from tasks.acceptance import gate_regions
 from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
 from tasks.corpus import read_samples
+from tasks.deploy.model_retention import model_retention_task
 from tasks.deploy.registry import (
     CHARS_HOLDER_TAG,
     base_version,
@@ -82,6 +84,7 @@ def online_rl_cycle(
     champion_dir = resolve_model_dir(champion.uri, params)
     base = base_version(champion, params)  # the full version an adapter champion runs on (else the champion)
     base_dir = resolve_model_dir(base.uri, params)
+    model_retention_task(params)  # local copies of retired versions go after deploy.retired_retention_hours
     run_id = start_cycle_run(params)
     report = CycleReport("skipped", "", run_id)
     mlflow.set_tracking_uri(params.paths.mlflow_tracking_uri)  # the stages log into the active run

@@ -30,7 +30,7 @@ from prefect.deployments import run_deployment
 from prefect.states import Cancelled
 
 from tasks.config import Params
-from tasks.deploy.registry import MODEL_ARTIFACT, ModelVersion, resolve_model_dir, tracking_client
+from tasks.deploy.registry import MODEL_ARTIFACT, ModelVersion, candidate_dir, resolve_model_dir, tracking_client
 from tasks.train.launch import read_result, train_task
 from tasks.train.ppo import TrainingDiverged, TrainResult
 
@@ -60,9 +60,9 @@ def train_step(
     Raises TrainingDiverged (a guard stopped the update) and, on the pool, TrainingLost."""
     if params.cluster.train_on == "pool":
         return train_on_pool(rewarded, champion.uri, params, run_id, base.uri if base != champion else None)
-    candidate_dir = Path(params.paths.models_dir) / "candidates" / run_id
+    trained_dir = candidate_dir(params, run_id)
     adapter_base = str(base_dir) if base != champion else None
-    return train_task(str(rewarded), str(champion_dir), str(candidate_dir), params, None, adapter_base), candidate_dir
+    return train_task(str(rewarded), str(champion_dir), str(trained_dir), params, None, adapter_base), trained_dir
 
 
 def train_on_pool(
@@ -99,8 +99,8 @@ def train_on_pool(
         raise TrainingDiverged(tags.get(REASON_TAG, ""))
     if tags.get(OUTCOME_TAG) != "trained":
         raise TrainingLost(f"{shown} completed without tagging MLflow run {run_id} {OUTCOME_TAG}=trained")
-    candidate_dir = resolve_model_dir(f"runs:/{run_id}/{MODEL_ARTIFACT}", params)
-    return read_result(candidate_dir), candidate_dir
+    downloaded = resolve_model_dir(f"runs:/{run_id}/{MODEL_ARTIFACT}", params)
+    return read_result(downloaded), downloaded
 
 
 def train_from_references(

@@ -25,11 +25,13 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import sqlalchemy as sa
 import torch
 import uvicorn
@@ -73,6 +75,7 @@ log = logging.getLogger("tabrl.gateway")
 
 MAX_STOP_STRINGS = 32
 MAX_RATE_WINDOWS = 100_000  # rate-limit windows kept before finished ones are dropped
+LATENCY_QUANTILES = (0.5, 0.95)  # the per-arm latency quantiles /metrics shows (tabrl_arm_latency_ms)
 # How uvicorn runs the gateway: the event loop and HTTP parser in C (uvloop, httptools). Python's own
 # (asyncio, h11) cost more CPU per request than the gateway's work (bench/RESULTS.md, "Gateway").
 UVICORN_OPTIONS: dict = {"loop": "uvloop", "http": "httptools", "log_level": "warning", "access_log": False}
@@ -153,9 +156,14 @@ def body_too_large(max_bytes: int) -> str:
 
 
 class Metrics:
-    """Prometheus metrics of one app (own registry, so several apps can live in one process)."""
+    """Prometheus metrics of one app (own registry, so several apps can live in one process).
 
-    def __init__(self) -> None:
+    Latency per arm twice: the histogram `tabrl_completion_latency_seconds` (buckets, since start, for
+    PromQL's histogram_quantile across replicas) and the gauge `tabrl_arm_latency_ms{arm, quantile}`: p50
+    and p95 of the arm's last `latency_window` completions in this process, read directly. The gauge is
+    computed when /metrics is read (`render`), so serving a request only appends to a bounded deque."""
+
+    def __init__(self, latency_window: int) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "tabrl_requests", "HTTP requests by endpoint and status.", ["endpoint", "status"], registry=self.registry
@@ -172,6 +180,13 @@ class Metrics:
             ["arm"],
             registry=self.registry,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
+        self.latency_quantiles = Gauge(
+            "tabrl_arm_latency_ms",
+            f"Completion latency in the gateway by arm, quantile of its last {latency_window} completions "
+            "in this process (serving.latency_window), in milliseconds.",
+            ["arm", "quantile"],
+            registry=self.registry,
         )
         self.feedback = Counter(
             "tabrl_feedback",
@@ -194,10 +209,16 @@ class Metrics:
         self.unlogged = Counter("tabrl_unlogged", "Requests served but not logged (opted out).", registry=self.registry)
         self._shown: dict[str, int] = {}
         self._accepted: dict[str, int] = {}
+        self._latency_window = latency_window
+        self._recent_ms: dict[str, deque[float]] = {}  # arm -> its last latency_window latencies (ms)
 
     def served(self, arm: str, shown: bool, seconds: float) -> None:
         self.completions.labels(arm, str(shown).lower()).inc()
         self.latency.labels(arm).observe(seconds)
+        recent = self._recent_ms.get(arm)
+        if recent is None:
+            recent = self._recent_ms[arm] = deque(maxlen=self._latency_window)
+        recent.append(seconds * 1000.0)
         if shown:
             self._shown[arm] = self._shown.get(arm, 0) + 1
 
@@ -211,7 +232,16 @@ class Metrics:
     def render(self) -> bytes:
         for arm, shown in self._shown.items():
             self.accept_rate.labels(arm).set(self._accepted.get(arm, 0) / shown)
+        for arm, recent in self._recent_ms.items():
+            for q, value in zip(LATENCY_QUANTILES, latency_quantiles(recent, LATENCY_QUANTILES), strict=True):
+                self.latency_quantiles.labels(arm, f"{q:g}").set(value)
         return generate_latest(self.registry)
+
+
+def latency_quantiles(latencies_ms: Iterable[float], quantiles: Sequence[float]) -> list[float]:
+    """Quantiles of the latencies, linearly interpolated between the closest ranks (numpy's default, PostgreSQL's
+    percentile_cont; `tabrl ab-status` computes the same from the log store). Needs at least one latency."""
+    return [float(v) for v in np.quantile(np.fromiter(latencies_ms, dtype=float), quantiles)]
 
 
 @dataclass(frozen=True)
@@ -446,7 +476,7 @@ class Gateway:
             (s.window_chars, s.window_step_chars),
         )
         self.directory = Directory(engine, s.config_ttl_s)
-        self.metrics = Metrics()
+        self.metrics = Metrics(s.latency_window)
         self.explore_draws = random.Random(s.seed)  # which requests explore (serving.explore_fraction)
         self.limiter = (
             RedisRateLimiter(s.redis_url, s.rate_limit_per_minute, s.rate_limit_per_key_per_minute, s.db_timeout_s)

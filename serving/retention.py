@@ -5,6 +5,8 @@
 A completion older than the cut goes together with its feedback (whenever that arrived); feedback
 older than the cut goes too (unmatched outcomes carry the client's texts). Each batch is its own
 transaction, so a purge never holds the store's write lock for long while the gateway logs.
+Not the model retention (tasks/deploy/model_retention.py, `tabrl model-retention`), which deletes local
+copies of retired model versions on disk.
 """
 
 from __future__ import annotations

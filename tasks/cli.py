@@ -17,7 +17,7 @@ from flows.cli import cycle_cmd, deploy_cmd, schedule_cmd
 from serving.cli import arms_cmd, import_continue_cmd, keys_app, purge_cmd, serve_cmd, simulate_cmd
 from tasks.config import DEFAULT_PARAMS_FILE
 from tasks.console import ParamsOpt, SetOpt, console, params_or_exit
-from tasks.deploy.cli import ab_status_cmd, export_cmd, promote_cmd, rollback_cmd, vllm_app
+from tasks.deploy.cli import ab_status_cmd, export_cmd, model_retention_cmd, promote_cmd, rollback_cmd, vllm_app
 from tasks.evaluate.cli import acceptance_cmd, evaluate_cmd, headroom_cmd
 from tasks.ingest.cli import corpus_cmd, data_cmd, ingest_cmd
 from tasks.train.cli import build_base_cmd, import_model_cmd, train_cmd
@@ -44,6 +44,7 @@ app.command("evaluate")(evaluate_cmd)
 app.command("promote")(promote_cmd)
 app.command("rollback")(rollback_cmd)
 app.command("ab-status")(ab_status_cmd)
+app.command("model-retention")(model_retention_cmd)
 app.command("serve")(serve_cmd)
 app.command("arms")(arms_cmd)
 app.command("import-continue")(import_continue_cmd)

@@ -413,8 +413,9 @@ class DeployParams(Section):
     """MLflow experiment of the A/B decision records (one run per decision, kept apart from the cycles)."""
     retired_retention_hours: float = Field(72.0, ge=0)
     """Local copies of versions no arm serves and no alias names (trained candidates under paths.models_dir,
-    downloaded versions in the model cache) are deleted this long after they were last written; the registry
-    keeps every version's artifact. 0: as soon as they retire."""
+    downloaded versions in the model cache) are deleted this long after they were last written, by each online
+    cycle and by `tabrl model-retention` (tasks/deploy/model_retention.py); the registry keeps every version's
+    artifact. 0: as soon as they retire."""
 
     @model_validator(mode="after")
     def _sample_bounds(self) -> DeployParams:
@@ -465,6 +466,9 @@ class ServingParams(Section):
     """Longest prefix, suffix or completion text accepted in a feedback/outcome body (413 beyond)."""
     log_batch: int = Field(256, ge=1)
     """Most rows committed together by the log writer (group commit; each caller still waits for its commit)."""
+    latency_window: int = Field(1000, ge=1)
+    """Latest completions per arm whose latencies each gateway process keeps for the p50/p95 gauges of /metrics
+    (`tabrl_arm_latency_ms`): a bounded rolling window, sorted only when /metrics is read."""
     backend_timeout_s: float = Field(30.0, gt=0)
     """Per-request timeout of a vLLM backend call (502 naming the arm after it)."""
     vllm_python: str = "python"

@@ -42,7 +42,7 @@ def _engines(tmp_path):
             yield engine
 
 
-def _log(engine, arm, version, created, *, abstained=False, answer=None, answered_at=None):
+def _log(engine, arm, version, created, *, abstained=False, answer=None, answered_at=None, latency_ms=5.0):
     """One served completion, and its feedback when `answer` is given."""
     cid = f"c{next(_ids)}"
     with engine.begin() as conn:
@@ -58,7 +58,7 @@ def _log(engine, arm, version, created, *, abstained=False, answer=None, answere
                 suffix="",
                 completion="" if abstained else "x = 1",
                 temperature=0.7,
-                latency_ms=5.0,
+                latency_ms=latency_ms,
                 abstained=abstained,
                 prompt_hash=cid,
             )
@@ -112,6 +112,32 @@ def test_arm_stats_apply_the_feedback_timeout_and_count_since_the_challenger_wen
         # The same store looked at a minute earlier: more rows are still pending.
         earlier = arm_stats(engine, params, now=t0 + 25)[CHAMPION]
         assert (earlier.requests, earlier.pending, earlier.timed_out, earlier.accepted) == (5, 1, 2, 1)
+
+
+def test_latency_quantiles_cover_the_requests_the_stats_count(tmp_path):
+    params = tiny_params(tmp_path, ingest={"feedback_timeout_s": 10.0})
+    champion_ms = [12.0, 3.0, 40.0, 7.5, 100.0, 21.0, 5.0]
+    for engine in _engines(tmp_path):
+        _log(engine, CHAMPION, "m/1", 1.0, answer=True, answered_at=2.0, latency_ms=9000.0)  # before the test
+        _ab_arms(engine)
+        t0 = live_since(engine)
+        now = t0 + 100
+        for i, ms in enumerate(champion_ms):  # decided: answered, abstained or timed out
+            _log(engine, CHAMPION, "m/1", t0 + 1 + i, answer=i % 2 == 0, answered_at=t0 + 2 + i, latency_ms=ms)
+        _log(engine, CHAMPION, "m/1", t0 + 1, abstained=True, latency_ms=1.0)  # nothing shown: a request too
+        _log(engine, CHAMPION, "m/1", now - 3, latency_ms=5000.0)  # pending: left out like everywhere else
+        _log(engine, CHAMPION, "m/0", t0 + 1, answer=True, answered_at=t0 + 2, latency_ms=7000.0)  # older version
+        _log(engine, CHALLENGER, "m/2", t0 + 1, answer=True, answered_at=t0 + 2, latency_ms=30.0)
+
+        stats = arm_stats(engine, params, now=now)
+        champ, chall = stats[CHAMPION], stats[CHALLENGER]
+        counted = [*champion_ms, 1.0]
+        assert champ.requests == len(counted)
+        assert champ.latency.p50_ms == pytest.approx(np.quantile(counted, 0.5))  # 9.75
+        assert champ.latency.p95_ms == pytest.approx(np.quantile(counted, 0.95))  # 79.0
+        assert chall.latency.p50_ms == chall.latency.p95_ms == pytest.approx(30.0)
+        assert not [k for k in decide(champ, chall, params).numbers if "latency" in k]  # shown, not a rule input
+        assert arm_stats(engine, params, now=t0 + 0.5)[CHAMPION].latency is None  # no requests yet
 
 
 def test_reward_stats_from_counts_match_the_raw_samples():
@@ -293,6 +319,12 @@ def test_cli_promote_without_challenger_exits_2_and_rollback_works(tmp_path, mlf
     _live_arms(engine, champion, challenger)
     result = runner.invoke(app, ["ab-status", "--params", str(path)])
     assert result.exit_code == 0 and "collecting" in result.output
+    assert "p95: latency" in result.output and " - " in result.output  # no requests yet: no latency
+    for ms in (10.0, 20.0, 30.0, 40.0):
+        _log(engine, CHALLENGER, challenger.label, live_since(engine), answer=True, answered_at=0.0, latency_ms=ms)
+    result = runner.invoke(app, ["ab-status", "--params", str(path)])
+    challenger_row = next(line for line in result.output.splitlines() if CHALLENGER in line)
+    assert "25.0" in challenger_row and "38.5" in challenger_row, result.output  # p50 and p95 of 10..40
     result = runner.invoke(app, ["rollback", "--params", str(path)])
     assert result.exit_code == 0, result.output
     assert "champion is now" in result.output and [a.name for a in read_arms(engine)] == [CHAMPION]

@@ -8,6 +8,7 @@ in the evaluation: a longer one would end with an end-of-text token that every a
 rewards, and the candidate would greedily show a blank then stop (a blank counts as no suggestion).
 """
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,13 @@ from serving.simulate import run_simulation
 from serving.store import CHALLENGER, CHAMPION, Arm, init_schema, make_engine, read_arms, replace_arms
 from tasks.corpus import write_samples
 from tasks.deploy.promote import rollback
-from tasks.deploy.registry import chars_saved_holder, ensure_champion, get_alias_version, resolve_model_dir
+from tasks.deploy.registry import (
+    candidate_dir,
+    chars_saved_holder,
+    ensure_champion,
+    get_alias_version,
+    resolve_model_dir,
+)
 from tasks.deploy.tracking import next_gate_window
 from tasks.editor import regions_path, write_regions
 from tasks.simulated_users import make_users
@@ -107,8 +114,14 @@ def test_cycle_registers_and_rolls_out_a_challenger(
     import time
 
     time.sleep(params.ingest.feedback_timeout_s + 0.2)
+    retired = candidate_dir(params, "an-earlier-cycle")  # a candidate nothing serves, past the retention
+    retired.mkdir(parents=True)
+    long_ago = time.time() - (params.deploy.retired_retention_hours + 1) * 3600
+    os.utime(retired, (long_ago, long_ago))
 
     report = online_rl_cycle(str(params_file), [], repo_dir=str(repo))
+    assert not retired.exists(), "the cycle runs the model retention"
+    assert candidate_dir(params, report.run_id).is_dir()  # its own candidate is young
 
     snapshot = Path(report.snapshot)
     assert snapshot.is_file() and snapshot.with_name(snapshot.name + ".dvc").is_file(), "versioned with DVC"

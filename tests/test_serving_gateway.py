@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 import sqlalchemy as sa
+from prometheus_client.parser import text_string_to_metric_families
 
 from serving.auth import add_key, set_opt_out
 from serving.gateway import create_app
@@ -311,6 +312,38 @@ def test_models_healthz_metrics(gw):
     assert 'tabrl_completion_latency_seconds_count{arm="champion"} 3.0' in metrics
     if n_shown:
         assert 'tabrl_online_accept_rate{arm="champion"} 1.0' in metrics
+
+
+def _samples(metrics_text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """The samples of one metric on a /metrics page, by their sorted labels."""
+    return {
+        tuple(sorted(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(metrics_text)
+        for sample in family.samples
+        if sample.name == name
+    }
+
+
+def test_metrics_show_each_arms_latency_p50_and_p95(gw):
+    replace_arms(
+        gw.engine,
+        [
+            Arm("champion", "tiny/1", gw.model_dir, "embedded", 0.5),
+            Arm("challenger", "tiny/2", gw.model_dir, "embedded", 0.5),
+        ],
+    )
+    for arm in ("champion", "challenger", "champion", "challenger", "champion"):
+        pinned = gw.post("/v1/completions", {"prompt": FIM, "temperature": 0}, headers={"X-Tabrl-Arm": arm})
+        assert pinned.status_code == 200 and pinned.json()["tabrl"]["arm"] == arm
+    text = httpx.get(gw.url + "/metrics").text
+    gauges = _samples(text, "tabrl_arm_latency_ms")
+    totals = _samples(text, "tabrl_completion_latency_seconds_sum")  # the histogram stays
+    for arm in ("champion", "challenger"):
+        p50 = gauges[(("arm", arm), ("quantile", "0.5"))]
+        p95 = gauges[(("arm", arm), ("quantile", "0.95"))]
+        # every latency is > 0 and at most the arm's total, so its quantiles are too
+        assert 0 < p50 <= p95 <= totals[(("arm", arm),)] * 1000
+    assert len(gauges) == 4
 
 
 def test_no_auth_mode_uses_the_user_field_and_rate_limit(store_url, tmp_path, tiny_model_dir):

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from serving.auth import Caller, Directory, RateLimiter, add_key, resolve_caller, set_opt_out
 from serving.errors import ApiError
-from serving.gateway import CompletionRequest, normalise_request
+from serving.gateway import CompletionRequest, Metrics, normalise_request
 from serving.router import FimRequest, stops_for
 from serving.store import init_schema, make_engine
 from tasks.config import ServingParams
@@ -108,3 +110,19 @@ def test_the_caller_is_the_keys_user_with_auth_and_the_claimed_user_without(tmp_
     assert caller({}, "erin", auth=False) == Caller("erin", False, False)  # opted out: served, never logged
     assert caller({"x-tabrl-user": "fay", "x-tabrl-opt-out": "1"}, auth=False) == Caller("fay", False, False)
     assert caller({}, auth=False).user_id == "anonymous"
+
+
+def test_latency_gauges_are_the_quantiles_of_each_arms_latest_window():
+    metrics = Metrics(latency_window=4)
+    for ms in (900.0, 10.0, 20.0, 30.0, 40.0):  # the first falls out of the window of 4
+        metrics.served("champion", True, ms / 1000)
+    metrics.served("challenger", False, 0.005)
+    gauges = {
+        (s.labels["arm"], s.labels["quantile"]): s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for s in family.samples
+        if s.name == "tabrl_arm_latency_ms"
+    }
+    assert gauges[("champion", "0.5")] == pytest.approx(25.0)
+    assert gauges[("champion", "0.95")] == pytest.approx(np.quantile([10, 20, 30, 40], 0.95))  # 38.5
+    assert gauges[("challenger", "0.5")] == gauges[("challenger", "0.95")] == pytest.approx(5.0)

@@ -13,7 +13,8 @@ written, i.e. since the challenger went live):
 Metrics: suggestion rate = shown / requests; accept rate = accepted / shown; reward per request =
 mean of `reward.accepted` / `reward.rejected` / `reward.abstained` over requests (the quantity the
 policy is trained to raise; it prices abstaining against a rejection); characters per request =
-accepted characters (the feedback's `accepted_chars`, else the suggestion's length) / requests.
+accepted characters (the feedback's `accepted_chars`, else the suggestion's length) / requests;
+latency p50 / p95 of the same requests (`completions.latency_ms`; shown, not part of the rule).
 
 Decision rule (`decide`), each test two-sided at `deploy.alpha`:
 
@@ -42,7 +43,7 @@ from typing import Literal
 
 import sqlalchemy as sa
 from scipy import stats as st
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from serving.store import CHALLENGER, CHAMPION, completions, feedback
 from serving.store import arms as arms_table
@@ -50,6 +51,14 @@ from tasks.config import Params, RewardParams
 from tasks.outcomes import total_reward, total_squared_reward
 
 Action = Literal["promote", "rollback", "continue"]
+
+
+@dataclass(frozen=True)
+class ArmLatency:
+    """Quantiles of an arm's logged latency (`completions.latency_ms`) over the requests its stats count."""
+
+    p50_ms: float
+    p95_ms: float
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,7 @@ class ArmStats:
     reward_std: float  # sample standard deviation of the per-request reward
     accepted_chars: int = 0  # characters of accepted suggestions
     chars_per_request: float = 0.0
+    latency: ArmLatency | None = None  # over the same requests; None without any (not an input of the rule)
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,7 @@ def stats_from_counts(
     timed_out: int = 0,
     pending: int = 0,
     accepted_chars: int = 0,
+    latency: ArmLatency | None = None,
 ) -> ArmStats:
     """Rates and the reward mean/std of one arm from its outcome counts."""
     shown = accepted + rejected
@@ -115,6 +126,7 @@ def stats_from_counts(
         reward_std=std,
         accepted_chars=accepted_chars,
         chars_per_request=accepted_chars / n if n else 0.0,
+        latency=latency,
     )
 
 
@@ -128,7 +140,8 @@ def arm_stats(
     engine: Engine, params: Params, *, since: float | None = None, now: float | None = None
 ) -> dict[str, ArmStats]:
     """Stats of every live arm (by arm name) over its current model version's completions since `since`
-    (default: when the live arm set was written), with the feedback timeout applied as of `now`."""
+    (default: when the live arm set was written), with the feedback timeout applied as of `now`; latency
+    quantiles over the same (decided) requests."""
     now = time.time() if now is None else now
     since = live_since(engine) if since is None else since
     if since is None:
@@ -146,6 +159,7 @@ def arm_stats(
 
     # Feedback that arrives after `now` does not exist yet as far as this look is concerned.
     joined = c.outerjoin(f, sa.and_(f.c.completion_id == c.c.id, f.c.received_at <= now))
+    in_window = sa.and_(c.c.created_at >= since, c.c.created_at <= now)
     query = (
         sa.select(
             c.c.arm,
@@ -163,31 +177,61 @@ def arm_stats(
             ).label("accepted_chars"),
         )
         .select_from(joined)
-        .where(c.c.created_at >= since, c.c.created_at <= now)
+        .where(in_window)
         .group_by(c.c.arm, c.c.model_version)
     )
     with engine.connect() as conn:
         live = conn.execute(sa.select(arms_table.c.name, arms_table.c.model_version)).all()
         rows = {(r.arm, r.model_version): r for r in conn.execute(query)}
-    out = {}
-    for name, version in live:
-        r = rows.get((name, version))
-        if r is None:
-            out[name] = stats_from_counts(name, version, 0, 0, 0, params.reward)
-            continue
-        rejected = r.rows - r.abstained - r.accepted - r.pending
-        out[name] = stats_from_counts(
-            name,
-            version,
-            int(r.accepted),
-            int(rejected),
-            int(r.abstained),
-            params.reward,
-            timed_out=int(r.timed_out),
-            pending=int(r.pending),
-            accepted_chars=int(r.accepted_chars),
-        )
+        out = {}
+        for name, version in live:
+            r = rows.get((name, version))
+            if r is None:
+                out[name] = stats_from_counts(name, version, 0, 0, 0, params.reward)
+                continue
+            decided = (
+                sa.select(c.c.latency_ms)
+                .select_from(joined)
+                .where(in_window, c.c.arm == name, c.c.model_version == version, sa.not_(pending))
+            )
+            rejected = r.rows - r.abstained - r.accepted - r.pending
+            out[name] = stats_from_counts(
+                name,
+                version,
+                int(r.accepted),
+                int(rejected),
+                int(r.abstained),
+                params.reward,
+                timed_out=int(r.timed_out),
+                pending=int(r.pending),
+                accepted_chars=int(r.accepted_chars),
+                latency=arm_latency(conn, decided, int(r.rows - r.pending)),
+            )
     return out
+
+
+def arm_latency(conn: Connection, latencies: sa.Select, n: int) -> ArmLatency | None:
+    """p50 and p95 of the n values `latencies` selects (one column, `completions.latency_ms`); None when n is 0."""
+    if n == 0:
+        return None
+    return ArmLatency(quantile_of(conn, latencies, n, 0.5), quantile_of(conn, latencies, n, 0.95))
+
+
+def quantile_of(conn: Connection, values: sa.Select, n: int, q: float) -> float:
+    """The q-quantile of the n values a one-column select gives, linearly interpolated between the closest ranks
+    (numpy's default, PostgreSQL's percentile_cont; the gateway's /metrics gauges use the same). The database
+    sorts and returns the two values around rank q * (n - 1), so SQLite and PostgreSQL give the same number
+    and no more than two rows leave the store however many an arm has served."""
+    if not 0 <= q <= 1:
+        raise ValueError(f"quantile q={q} must be within [0, 1]")
+    rank = q * (n - 1)
+    below = math.floor(rank)
+    column = values.selected_columns[0]
+    around = conn.execute(values.order_by(column).limit(2).offset(below)).scalars().all()
+    if not around:  # rows deleted between the counts and this query (a purge): the next look counts again
+        raise ValueError(f"the log store changed while it was read: fewer than {below + 1} latencies, not {n}")
+    upper = around[1] if len(around) > 1 else around[0]
+    return float(around[0] + (upper - around[0]) * (rank - below))
 
 
 def two_proportion_test(x1: int, n1: int, x2: int, n2: int) -> tuple[float, float]:

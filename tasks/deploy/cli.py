@@ -1,5 +1,6 @@
 """`tabrl promote`, `tabrl rollback`, `tabrl ab-status`: end or inspect the A/B test by hand; `tabrl vllm ...`:
-the base's vLLM server; `tabrl export --merged`: an adapter version as a full checkpoint.
+the base's vLLM server; `tabrl export --merged`: an adapter version as a full checkpoint; `tabrl model-retention`:
+delete this host's copies of retired model versions.
 
 Registered in tasks/cli.py."""
 
@@ -25,7 +26,10 @@ def rollback_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -
 
 
 def ab_status_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -> None:
-    """Per-arm live numbers since the challenger went live, and what the decision rule says now (changes nothing)."""
+    """Per-arm live numbers since the challenger went live (latency p50/p95 of the same requests), and what the
+    decision rule says now (changes nothing).
+
+    Example: tabrl ab-status --set ingest.feedback_timeout_s=30"""
     from rich.table import Table
 
     from serving.store import CHALLENGER, CHAMPION, open_store
@@ -34,8 +38,9 @@ def ab_status_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) 
     p = params_or_exit(params, set_)
     with open_store(p.paths.database_url) as engine:
         stats = arm_stats(engine, p)
-    table = Table(title="Live A/B numbers per arm")
-    for col in ("arm", "model version", "requests", "pending", "suggest rate", "accept rate", "reward/request"):
+    table = Table(title="Live A/B numbers per arm (p50, p95: latency of the same requests)")
+    columns = ("arm", "model version", "requests", "pending", "suggest rate", "accept rate", "reward/request")
+    for col in (*columns, "p50 ms", "p95 ms"):
         table.add_column(col, justify="right")
     for s in stats.values():
         table.add_row(
@@ -46,6 +51,8 @@ def ab_status_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) 
             f"{s.suggest_rate:.3f}",
             f"{s.accept_rate:.3f}",
             f"{s.reward_per_request:.4f}",
+            f"{s.latency.p50_ms:.1f}" if s.latency else "-",
+            f"{s.latency.p95_ms:.1f}" if s.latency else "-",
         )
     print_table(table)
     if CHAMPION in stats and CHALLENGER in stats:
@@ -53,6 +60,39 @@ def ab_status_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) 
         console.print(f"rule: {d.action} ({d.reason})", highlight=False)
     else:
         console.print("no A/B test running", highlight=False)
+
+
+def model_retention_cmd(
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only list what would be deleted.")] = False,
+    params: ParamsOpt = DEFAULT_PARAMS_FILE,
+    set_: SetOpt = None,
+) -> None:
+    """Delete local copies of retired model versions (candidates, downloads no arm serves and no alias names)
+    written more than deploy.retired_retention_hours ago; the registry keeps every version. Old log rows are
+    `tabrl purge`'s; every online cycle runs this too.
+
+    Example: tabrl model-retention --dry-run --set deploy.retired_retention_hours=0"""
+    from rich.table import Table
+
+    from serving.store import open_store
+    from tasks.deploy.model_retention import delete_retired, plan_model_retention
+
+    p = params_or_exit(params, set_)
+    with open_store(p.paths.database_url) as engine:
+        plan = plan_model_retention(engine, p)
+    deleted = [c for c in plan if c.retired] if dry_run else delete_retired(plan)
+    verb = "would delete" if dry_run else "deleted"
+    table = Table(title=f"Local model copies (deploy.retired_retention_hours={p.deploy.retired_retention_hours:g})")
+    for col in ("path", "age h", "MB", "action", "why"):
+        table.add_column(col, justify="right" if col in ("age h", "MB") else "left")
+    for c in plan:
+        action = verb if c.retired else "keep"
+        table.add_row(str(c.path), f"{c.age_hours:.1f}", f"{c.size_bytes / 1e6:.1f}", action, c.why)
+    print_table(table)
+    console.print(
+        f"{verb} {len(deleted)} of {len(plan)} local copies ({sum(c.size_bytes for c in deleted) / 1e6:.1f} MB)",
+        highlight=False,
+    )
 
 
 def _change(action: str, params, set_) -> None:

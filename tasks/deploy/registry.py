@@ -18,7 +18,9 @@ not be reproducible). Registering a version adds no copy (the version points at 
 Resolving ``models:/NAME@alias`` on a local artifact store (a SQLite or file tracking URI, artifacts
 under ``paths.state_dir``) returns the artifact directory itself, no copy; on a remote store (an
 ``mlflow server``, S3, ...) it downloads once into ``<state_dir>/model_cache/NAME/VERSION`` and
-reuses that (versions are immutable, so the cache never goes stale).
+reuses that (versions are immutable, so the cache never goes stale). Downloads and the candidates trained
+here (``<models_dir>/candidates/RUN_ID``) that no arm serves and no alias names are deleted after
+``deploy.retired_retention_hours`` (``model_retention.py``); the registry's copy stays.
 """
 
 from __future__ import annotations
@@ -258,6 +260,32 @@ def delete_alias(params: Params, alias: str) -> bool:
 
 # --- local directories ----------------------------------------------------------------------------
 
+CANDIDATES = "candidates"  # under paths.models_dir: one checkpoint per cycle run that trained on this host
+MODEL_CACHE = "model_cache"  # under paths.state_dir: downloaded versions (NAME/VERSION) and run artifacts
+RUN_CACHE = "runs"  # under the model cache: artifacts downloaded by `runs:/` URI, one directory per run
+
+
+def candidate_dir(params: Params, run_id: str) -> Path:
+    """Where cycle run `run_id` trains its candidate on this host: `<paths.models_dir>/candidates/<run_id>`."""
+    return Path(params.paths.models_dir) / CANDIDATES / run_id
+
+
+def model_cache_dir(params: Params) -> Path:
+    """The model cache: `<paths.state_dir>/model_cache`."""
+    return Path(params.paths.state_dir) / MODEL_CACHE
+
+
+def version_cache_dir(version: ModelVersion, params: Params) -> Path:
+    """Where `version` is downloaded to: `<paths.state_dir>/model_cache/<NAME>/<VERSION>`."""
+    return model_cache_dir(params) / version.name / str(version.version)
+
+
+def version_dirs(version: ModelVersion, params: Params) -> list[Path]:
+    """Where `resolve_model_dir` finds `version` or would put it, without downloading anything: its artifact
+    directory when the store is local, and its directory in the model cache."""
+    local = local_path(version.source)
+    return [local, version_cache_dir(version, params)] if local is not None else [version_cache_dir(version, params)]
+
 
 def resolve_model_dir(uri: str | Path, params: Params, *, copy: bool = False) -> Path:
     """A local checkpoint directory for `uri`, loadable with `from_pretrained`.
@@ -275,15 +303,14 @@ def resolve_model_dir(uri: str | Path, params: Params, *, copy: bool = False) ->
                 f"model {text!r} is neither a checkpoint directory (no config.json), an adapter, nor a models:/ URI"
             )
         return path
-    cache = Path(params.paths.state_dir) / "model_cache"
     if text.startswith("runs:/"):
         run_id, _, sub = text[len("runs:/") :].partition("/")
-        return _download(text, cache / "runs" / run_id / (sub or "root"), params)
+        return _download(text, model_cache_dir(params) / RUN_CACHE / run_id / (sub or "root"), params)
     mv = model_version_of(text, params)
-    local = _local_path(mv.source)
+    local = local_path(mv.source)
     if local is not None and local.is_dir() and not copy:
         return local
-    return _download(mv.source, cache / mv.name / str(mv.version), params)
+    return _download(mv.source, version_cache_dir(mv, params), params)
 
 
 def model_version_of(uri: str, params: Params) -> ModelVersion:
@@ -301,7 +328,8 @@ def model_version_of(uri: str, params: Params) -> ModelVersion:
         raise DeployError(f"cannot resolve {uri!r} in {params.paths.mlflow_tracking_uri}: {err.message}") from err
 
 
-def _local_path(artifact_uri: str) -> Path | None:
+def local_path(artifact_uri: str) -> Path | None:
+    """The local path of a `file:` or scheme-less artifact URI; None for a remote one (http, s3, mlflow-artifacts)."""
     parsed = urlparse(artifact_uri)
     if parsed.scheme == "file":
         return Path(unquote(parsed.path))
