@@ -221,11 +221,14 @@ class VLLMBackend:
         return self.model
 
     async def template(self) -> FimTemplate:
-        """The served model's template: recorded with (or inferred from) its checkpoint when vLLM serves a
-        directory this machine sees (its `root`), else the one Continue would choose for its name."""
+        """The served model's template: recorded with its adapter (an adapter arm), or with (or inferred from) its
+        checkpoint when vLLM serves a directory this machine sees (its `root`), else the one Continue would choose
+        for its name."""
         if self._template is None:
             name = await self._model_name()
-            local = next((p for p in (self._root, name) if p and (Path(p) / "config.json").is_file()), None)
+            local = next(
+                (p for p in (self.adapter, self._root, name) if p and (Path(p) / "fim_template.json").is_file()), None
+            ) or next((p for p in (self._root, name) if p and (Path(p) / "config.json").is_file()), None)
             if local is not None:
                 try:
                     self._template = await asyncio.to_thread(model_template, local)

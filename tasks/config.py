@@ -492,9 +492,10 @@ class ServingParams(Section):
     """Longest prefix a prompt keeps before the cursor (characters). A longer one is cut at an anchor line
     (`tasks.generate.window_prefix`) so successive requests of a typing session share the prompt's start and
     vLLM reuses its KV cache; the gateway, the evaluation and training cut the same way."""
-    window_step_chars: int = Field(1000, ge=16)
-    """Mean distance between the anchor lines a long prefix may be cut at (characters): the window moves on
-    by about this much at a time. Half of window_chars or less."""
+    window_step_chars: int = Field(1000, ge=0)
+    """The stretch of a full window in which its cut is anchored (characters): the cut moves on about every half
+    of this much typing. Half of window_chars or less. 0: no anchor, the last window_chars characters (the cut
+    slides with every character typed; only to measure what anchoring buys: bench/inference.py)."""
     adapter_serving: Literal["lora", "merged"] = "lora"
     """How a vLLM arm serves an adapter version: `lora`, loaded at runtime into its base's one server (no new
     process; the default); `merged`, merged into a full checkpoint and served by a server of its own

@@ -188,6 +188,8 @@ def window_prefix(prefix: str, max_chars: int, step_chars: int) -> str:
     if len(prefix) <= max_chars:
         return prefix
     lo = len(prefix) - max_chars
+    if step_chars <= 0:  # no anchor: the window slides with the cursor
+        return prefix[lo:]
     best, best_hash = -1, 2.0
     start = prefix.find("\n", lo - 1) + 1
     while 0 < start < min(lo + step_chars, len(prefix)):

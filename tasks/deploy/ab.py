@@ -210,14 +210,14 @@ def arm_stats(
     return out
 
 
-def arm_latency(conn: Connection, latencies: sa.Select, n: int) -> ArmLatency | None:
+def arm_latency(conn: Connection, latencies: sa.Select[tuple[float]], n: int) -> ArmLatency | None:
     """p50 and p95 of the n values `latencies` selects (one column, `completions.latency_ms`); None when n is 0."""
     if n == 0:
         return None
     return ArmLatency(quantile_of(conn, latencies, n, 0.5), quantile_of(conn, latencies, n, 0.95))
 
 
-def quantile_of(conn: Connection, values: sa.Select, n: int, q: float) -> float:
+def quantile_of(conn: Connection, values: sa.Select[tuple[float]], n: int, q: float) -> float:
     """The q-quantile of the n values a one-column select gives, linearly interpolated between the closest ranks
     (numpy's default, PostgreSQL's percentile_cont; the gateway's /metrics gauges use the same). The database
     sorts and returns the two values around rank q * (n - 1), so SQLite and PostgreSQL give the same number
