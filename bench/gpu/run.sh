@@ -6,11 +6,12 @@
 #
 # Installs what the machine lacks (DeepSpeed and its dependencies, pydantic, PyYAML) from the wheels that
 # `bash bench/gpu/wheels.sh` put in bench/gpu/wheels/ (no network there), then runs the bench. Writes
-# $OUT/ppo_bench.json (OUT unset: bench/out/gpu). PYTHON picks the interpreter (default: python3).
+# $OUT/ppo_bench.json (OUT unset: bench/out/gpu). PYTHON picks the interpreter (default: python3), WHEELS the
+# wheel folder.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PYTHON="${PYTHON:-python3}"
-WHEELS=bench/gpu/wheels
+WHEELS="${WHEELS:-bench/gpu/wheels}"
 OUT="${OUT:-bench/out/gpu}"
 
 # distribution requirement -> the module that shows it is installed
@@ -24,6 +25,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
     echo "error: $PYTHON lacks ${missing[*]} and $WHEELS/ holds no wheels: run 'bash bench/gpu/wheels.sh' on a" \
       "machine with the registry, then carry $WHEELS" >&2
+    exit 1
+  fi
+  if ! "$PYTHON" -m pip --version >/dev/null 2>&1; then
+    echo "error: $PYTHON lacks ${missing[*]} and has no pip to install them from $WHEELS" >&2
     exit 1
   fi
   echo ">> installing ${missing[*]} (and what they need) from $WHEELS"
