@@ -8,6 +8,8 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 # Prefect's ephemeral server may need more than its default 20 s to start on a busy 2-core machine.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
+# DeepSpeed JIT-builds a CPU comm op on its first start (1-4 min; tests/test_gpu_script.py): once per venv.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch-extensions
 
 .PHONY: install test lint demo data base screenshot clean help bench-tools
 

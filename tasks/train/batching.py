@@ -13,11 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import torch
 
 from tasks.config import TrainParams
-from tasks.editor import stop_of
 from tasks.fim import FimTemplate
 from tasks.generate import encode_prompt
 
@@ -44,6 +42,8 @@ class Example:
 
 def read_snapshot(path: str | Path) -> list[dict]:
     """Rows of a reward-labelled snapshot (tasks/schema.py REWARDED_SCHEMA)."""
+    import pyarrow.parquet as pq  # here, not at the top: pack() also runs on GPU images without pyarrow
+
     path = Path(path)
     if not path.is_file():
         raise SnapshotError(f"snapshot {path} not found")
@@ -68,6 +68,8 @@ def sampled_by_another_model(row: dict, tokenizer) -> bool:
 
 def demo_text(continuation: str) -> str | None:
     """The rest of the line a user typed after a request (None when the continuation holds no whole line)."""
+    from tasks.editor import stop_of  # here, not at the top: tasks.editor needs pyarrow, which pack() does not
+
     end = stop_of(continuation, "line", 1)
     return continuation[:end] if end < len(continuation) and continuation[:end].strip() else None
 

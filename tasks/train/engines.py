@@ -142,11 +142,14 @@ class TorchEngine:
 
 class DeepSpeedEngine:
     """DeepSpeed ZeRO (train.zero_stage); bf16 compute with fp32 master weights on GPUs; a torch optimiser
-    (not a config one, which would JIT-build fused_adam)."""
+    (not a config one, which would JIT-build fused_adam). bf16=True asks for bf16 on DeepSpeed's CPU accelerator
+    too (bench/gpu/ppo_bench.py's dry run: the GPU's numerics, slowly)."""
 
     name = "deepspeed"
 
-    def __init__(self, policy: CompletionPolicy, tp: TrainParams, world: int, device: torch.device):
+    def __init__(
+        self, policy: CompletionPolicy, tp: TrainParams, world: int, device: torch.device, bf16: bool | None = None
+    ):
         import deepspeed
 
         self.policy = policy
@@ -158,7 +161,7 @@ class DeepSpeedEngine:
             "gradient_clipping": tp.grad_clip,
             "zero_optimization": {"stage": tp.zero_stage},
             "zero_allow_untested_optimizer": True,
-            "bf16": {"enabled": device.type == "cuda"},
+            "bf16": {"enabled": device.type == "cuda" if bf16 is None else bf16},
             "steps_per_print": 1 << 30,
             "wall_clock_breakdown": False,
         }
