@@ -311,6 +311,14 @@ def main(argv: list[str] | None = None) -> int:
         args.settings = [*args.settings, name]
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.chdir(ROOT)
+    try:
+        return run(args, online)
+    finally:
+        stop_bench_servers(args)  # the bench's own evaluations' vLLM servers (serving.backend: vllm)
+
+
+def run(args, online: dict) -> int:
+    """The settings and seeds of main's arguments, stored run by run, then the report."""
     from tasks.procs import exit_on_sigterm
 
     exit_on_sigterm()  # a `kill` stops the gateway and Prefect server a run started; finished pairs are kept
@@ -325,6 +333,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         args.set = [*args.set, f"model.base_dir={args.model.resolve()}"]
     params = load_params(args.params, args.set)
+    if params.serving.backend == "vllm":  # one server of the base for the bench's own evaluations, stopped at the end
+        from tasks.vllm import base_server
+
+        base_server(params.model.base_dir, load_params(args.params, [*args.set, *serving_state(args)]))
     test = read_samples(Path(params.paths.data_dir) / "fim" / "test.parquet")[: params.evaluate.n_samples]
     regions = read_regions(regions_path(params.paths.data_dir, "test"))
     started = time.time()
@@ -438,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     for entry in [base, *(e for seeds in curves.values() for curve in seeds for e in curve if e)]:
         entry["reward_per_request"] = product_reward(entry, params.reward)
     report(curves, finals, base, args, params, time.time() - started)
-    stop_bench_servers(args)
+    return 0
 
 
 def stop_bench_servers(args) -> None:

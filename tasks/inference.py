@@ -27,7 +27,7 @@ from typing import Protocol
 
 import httpx
 
-from tasks.adapters import is_adapter
+from tasks.adapters import ADAPTER_WEIGHTS, file_sha256, is_adapter
 from tasks.config import Params
 from tasks.fim import FimTemplate
 from tasks.generate import (
@@ -149,8 +149,9 @@ def open_engine(model_dir: str | Path, params: Params, base_dir: str | Path | No
         finally:
             unload_adapter(server.url, name)
         return
-    if is_adapter(model_dir):  # served merged: typed merged too
-        model_dir = save_merged(model_dir, base_dir, Path(params.paths.models_dir) / "merged" / model_dir.name)
+    if is_adapter(model_dir):  # served merged: typed merged too (named by the adapter's weights: one per version)
+        merged = Path(params.paths.models_dir) / "merged" / file_sha256(model_dir / ADAPTER_WEIGHTS)[:16]
+        model_dir = save_merged(model_dir, base_dir, merged)
     running = next((s for s in recorded_servers(params) if same_checkpoint(s.model_dir, model_dir)), None)
     server = running or start_vllm(model_dir, params)
     try:

@@ -33,7 +33,7 @@ def _exchange(url: str, key: str) -> list:
             client.post("/v1/feedback", json={"completion_id": "cmpl-nope", "accepted": True}),
             client.post("/v1/feedback", content=b"{nope", headers={"Content-Type": "application/json"}),
             client.post("/v1/completions", json={"prompt": editor_prompt(2), "temperature": -1, "n": 2}),
-            client.post("/v1/completions", json={"prompt": "no markers"}),
+            client.post("/v1/completions", json={"prompt": "<|fim_prefix|>no suffix marker"}),
             client.post("/v1/completions", json={"prompt": "x", "suffix": "", "pad": "y" * 5000}),
             client.post("/v1/completions", json={"prompt": editor_prompt(3)}, headers={"Authorization": "Bearer no"}),
             client.post("/v1/completions", json={"prompt": editor_prompt(3)}, headers={"X-Tabrl-Arm": "nope"}),

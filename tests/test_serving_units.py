@@ -55,7 +55,7 @@ def test_stops_follow_the_serving_model_when_families_differ():
     "request_, status, param",
     [
         (CompletionRequest(prompt=["a", "b"]), 422, "prompt"),
-        (CompletionRequest(prompt="no fim markers here"), 400, "prompt"),
+        (CompletionRequest(prompt="<|fim_prefix|>a FIM prompt cut short"), 400, "prompt"),
         (CompletionRequest(prompt="x" * 101, suffix=""), 413, "prompt"),
         (CompletionRequest(prompt="x", suffix="y" * 101), 413, "suffix"),
         (CompletionRequest(prompt="x", suffix="", stop=[str(i) for i in range(33)]), 422, "stop"),
