@@ -44,16 +44,13 @@ base: install  ## corpus + FIM samples + the tabrl-tiny base model through DVC
 	@echo ">> dvc repro (corpus -> fim -> base; stages whose params and code are unchanged are skipped)"
 	$(BIN)/dvc repro
 
-# The demo's A/B test decides within a cycle or two (the product defaults wait for 200 shown per arm);
-# its evaluations type 500 held-out requests per model (the product default is 1000) to end in ~15 min.
-DEMO_ARGS ?= --cycles 3 --requests 240 --users 24 --set deploy.min_samples=40 --set deploy.max_samples=120 \
-	--set evaluate.n_requests=500 --set evaluate.n_samples=100
+# The demo (flows/demo.py): gated cycles, then one power-sized A/B test looked at once, then base vs final champion
+# on unseen held-out requests. DEMO_ARGS="--seed 1" tries another seed; `python -m flows.demo --help` lists the rest.
+DEMO_ARGS ?= --seed 0
 
-demo: base  ## data + base model, its held-out acceptance, then online RL cycles with A/B decisions
-	@echo ">> held-out acceptance of the base model: simulated users type test files"
-	$(BIN)/tabrl acceptance --set evaluate.n_requests=500 --json state/base_acceptance.json
-	@echo ">> online loop: gateway + simulated users over HTTP + RL cycles + A/B decisions (state/demo)"
-	$(BIN)/python -m flows.online_loop $(DEMO_ARGS)
+demo: base  ## data + base model, then online RL cycles, one live A/B test and the closing table (state/demo)
+	@echo ">> demo: gated RL cycles, then one A/B test sized to decide, then base vs final champion (state/demo)"
+	$(BIN)/python -m flows.demo $(DEMO_ARGS)
 
 screenshot: install  ## PNG of the MLflow runs view of the demo's cycles (needs Debian's chromium): docs/mlflow-runs.png
 	$(BIN)/python bench/mlflow_screenshot.py --store sqlite:///state/demo/mlflow.db --out docs/mlflow-runs.png

@@ -29,12 +29,12 @@ from pathlib import Path
 from flows.ab_decision import ab_decision
 from flows.cycle import online_rl_cycle
 from flows.loop_state import restore_checkpoint, save_checkpoint
+from flows.report import print_report, print_story, print_ui_pointers
 from serving.simulate import run_simulation
 from serving.store import CHAMPION, open_store
 from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
 from tasks.deploy.arms import serve_champion, sync_adapters
 from tasks.deploy.registry import resolve_model_dir
-from tasks.deploy.tracking import runs_view_url
 from tasks.editor import merge_typing, read_regions, regions_path
 from tasks.outcomes import reward_per_request
 from tasks.procs import NotUp, exit_on_sigterm, free_port, wait_until_up
@@ -272,107 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print_report(rows, args.state, params)
     print_story(Path(params.model.base_dir), champion_dir(params), args.state, params)
+    print_ui_pointers(params)
     return 0
-
-
-def print_report(rows: list[CycleRow], state: Path, params: Params) -> None:
-    from rich.table import Table
-
-    from flows.plots import plot_cycles
-    from tasks.console import console, print_table
-
-    table = Table(
-        title="tabrl online RL cycles (online = simulated users typing train files over HTTP; "
-        "eval = held-out test files)"
-    )
-    for col in (
-        "cycle",
-        "arms (requests)",
-        "online suggest",
-        "online accept/shown",
-        "online right/shown",
-        "online chars saved",
-        "A/B decision",
-        "cycle",
-        "eval judge",
-        "eval accept/shown",
-        "eval chars saved",
-        "eval reward/req (champion)",
-    ):
-        table.add_column(col, justify="right")
-    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-    for r in rows:
-        table.add_row(
-            str(r.cycle),
-            r.arms_served,
-            fmt(r.suggest_rate),
-            fmt(r.accept_rate),
-            fmt(r.right_rate),
-            fmt(r.chars_saved),
-            r.decision,
-            r.cycle_status,
-            fmt(r.eval_judge_mean),
-            fmt(r.eval_accept_rate),
-            fmt(r.eval_chars_saved),
-            f"{fmt(r.eval_reward_per_request)} ({fmt(r.champion_eval_reward_per_request)})",
-        )
-    print_table(table)
-    plot = plot_cycles(rows, state / "cycles.png", params)
-    (state / "cycles.json").write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
-    console.print(f"Plot: {plot}   Table: {state / 'cycles.json'}")
-
-
-def print_story(base_dir: Path, final_dir: Path, state: Path, params: Params) -> dict:
-    """The base vs the final champion on held-out editor traffic, with 95 % intervals: what a user feels.
-    Typed through held-out regions no gate evaluation reached: the gate chose the champion on the others."""
-    from rich.table import Table
-
-    from tasks.acceptance import noise_floor, typing_acceptance, unseen_regions
-    from tasks.console import console, print_table
-    from tasks.editor import read_regions, regions_path
-    from tasks.intervals import difference, interval, metric_fns
-
-    regions = unseen_regions(read_regions(regions_path(params.paths.data_dir, "test")))
-    runs = {"base": typing_acceptance(base_dir, regions, params)}
-    runs["final"] = (
-        runs["base"] if final_dir.resolve() == base_dir.resolve() else typing_acceptance(final_dir, regions, params)
-    )
-    fns = metric_fns(params.reward)
-    table = Table(
-        title=f"Held-out editor traffic the gate never typed, base vs final champion ({params.evaluate.n_requests} "
-        "requests each, 95 % bootstrap intervals over typing sessions; the change paired: the same regions, users "
-        "and noise draws)"
-    )
-    for col in ("metric", "base", "final champion", "change", "change excludes 0"):
-        table.add_column(col, justify="right")
-    story = {}
-    for name in ("suggest_rate", "accept_rate", "right_rate", "chars_saved", "reward_per_request"):
-        a, b = interval([runs["base"].sessions], fns[name]), interval([runs["final"].sessions], fns[name])
-        d = difference([runs["final"].sessions], [runs["base"].sessions], fns[name], paired=True)
-        story[name] = {
-            "base": [a.value, a.low, a.high],
-            "final": [b.value, b.low, b.high],
-            "change": [d.value, d.low, d.high],
-        }
-        table.add_row(
-            name, str(a), str(b), f"{d.value:+.4f} [{d.low:+.4f}, {d.high:+.4f}]", "yes" if d.excludes_zero else "no"
-        )
-    print_table(table)
-    console.print(
-        f"final champion: {final_dir}; noise floor of accept/shown (never-right model): "
-        f"{noise_floor(params.simulator):.4f}",
-        highlight=False,
-    )
-    (state / "story.json").write_text(json.dumps(story, indent=2) + "\n")
-    console.print(
-        f"MLflow UI:  mlflow ui --backend-store-uri {params.paths.mlflow_tracking_uri} --workers 1, then "
-        f"{runs_view_url(params, 'http://127.0.0.1:5000')} (the cycles' runs, named for their outcome)"
-    )
-    console.print(
-        "Prefect UI: prefect server start --host 127.0.0.1, then `tabrl schedule` (http://127.0.0.1:4200); "
-        "this run used Prefect's ephemeral mode"
-    )
-    return story
 
 
 if __name__ == "__main__":

@@ -212,8 +212,8 @@ def test_middle_loss_scores_each_continuation_token_after_what_came_before(tiny_
 def test_the_demo_story_pairs_base_and_final_on_the_same_held_out_typing(
     tiny_model_dir, babbler_dir, typing_regions, tmp_path
 ):
-    """`make demo` ends with base vs final champion (flows/online_loop.print_story); the change is paired."""
-    from flows.online_loop import print_story
+    """`make demo` ends with base vs final champion (flows/report.print_story); the change is paired."""
+    from flows.report import print_story
     from tasks.acceptance import typing_acceptance, unseen_regions
     from tasks.editor import read_regions, regions_path
 

@@ -1,0 +1,219 @@
+"""`make demo`: online RL cycles that end with a better model, shown honestly, in about 15 minutes on 2 cores.
+
+    python -m flows.demo --seed 0                 # what `make demo` runs
+    python -m flows.demo --cycles 2 --requests 200 --max-per-arm 300   # a quicker, less decisive look
+
+Three parts, all on the real gateway, log store, Prefect flows and MLflow registry (state in --state):
+
+1. Gated cycles. Simulated users type train files through the gateway; each cycle trains on their outcomes, and
+   a candidate that passes the gate (held-out evaluation) is promoted at once, without an A/B test. One cycle's
+   gain is small, and an A/B test per cycle would need thousands of requests per arm to see it.
+2. One A/B test that can decide. The base model comes back as champion, the final model of part 1 is the
+   challenger, and live traffic is split between them. Its size is planned before it starts (a two-sided test at
+   deploy.alpha with --power to find a reward difference of --mde, sd measured on cycle 1's traffic) and the
+   decision flow looks once, at the end: repeated looks would inflate alpha (tasks/deploy/ab.py). It promotes
+   the challenger on live evidence, or rolls it back.
+3. The closing table: base vs the final champion on held-out requests no gate typed, with 95 % intervals, and in
+   words where an interval includes 0.
+
+Writes STATE/demo.json (the cycles, the A/B test, the story, wall times), STATE/cycles.png and the MLflow runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from prefect import flow
+from scipy.stats import norm
+
+from flows.ab_decision import ab_decision
+from flows.online_loop import CycleRow, champion_dir, loop_overrides, run_online_loop, start_gateway
+from flows.report import print_report, print_story, print_ui_pointers
+from serving.simulate import run_simulation
+from serving.store import CHALLENGER, CHAMPION, open_store
+from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
+from tasks.deploy.ab import arm_stats, stats_from_counts
+from tasks.deploy.arms import serve_champion
+from tasks.deploy.registry import base_version, get_alias_version, model_version_of, resolve_model_dir, set_alias
+from tasks.deploy.rollout import rollout
+from tasks.editor import read_regions, regions_path
+from tasks.procs import exit_on_sigterm, free_port
+from tasks.simulated_users import make_users
+
+# The gate's evaluations type 300 held-out requests per model (the product default is 1000) so that a cycle takes
+# about a minute; the closing table types CLOSING_REQUESTS per model, on requests no gate typed.
+DEMO_SETTINGS = ["evaluate.n_requests=300", "evaluate.n_samples=50"]
+CLOSING_REQUESTS = 1000
+
+
+@dataclass(frozen=True)
+class AbPlan:
+    per_arm: int  # requests per arm the test runs to (capped)
+    needed: int  # requests per arm the power calculation asks for
+    reward_sd: float  # per-request reward sd it used (cycle 1's traffic, all on the base)
+    mde: float
+    power: float
+    alpha: float
+
+
+def plan_ab(reward_sd: float, mde: float, alpha: float, power: float, max_per_arm: int) -> AbPlan:
+    """Requests per arm for a two-sided test at alpha to find a difference mde in mean reward per request with the
+    given power: n = 2 (z_{1-alpha/2} + z_power)^2 sd^2 / mde^2, capped at max_per_arm."""
+    z = norm.ppf(1 - alpha / 2) + norm.ppf(power)
+    needed = math.ceil(2 * z * z * reward_sd * reward_sd / (mde * mde))
+    return AbPlan(min(needed, max_per_arm), needed, reward_sd, mde, power, alpha)
+
+
+def base_reward_sd(row: CycleRow, params: Params) -> float:
+    """The per-request reward sd of a cycle's online traffic (cycle 1: the base model serves all of it)."""
+    shown = round(row.requests * row.suggest_rate)
+    accepted = round(shown * row.accept_rate)
+    stats = stats_from_counts("base", "-", accepted, shown - accepted, row.requests - shown, params.reward)
+    return stats.reward_std
+
+
+@flow(name="demo-start-ab-test", log_prints=True)
+def start_ab_test(params_file: str, overrides: list[str], base_label: str) -> str:
+    """The base back as the one champion arm, the current champion rolled out as challenger; its label."""
+    params = load_params(params_file, overrides)
+    final = get_alias_version(params, CHAMPION)
+    base = model_version_of(f"models:/{base_label}", params)
+    if final is None or final.version == base.version:
+        raise ValueError("no candidate was promoted: there is nothing to A/B test against the base")
+    set_alias(params, CHAMPION, base.version)
+    serve_champion(params)
+    base_dir = resolve_model_dir(base_version(final, params).uri, params)
+    rollout(final, str(resolve_model_dir(final.uri, params)), params, str(base_dir))
+    print(f"A/B test: champion {base.label} (the base) vs challenger {final.label} (the final model)")
+    return final.label
+
+
+def run_ab_test(params_file: str, overrides: list[str], state: Path, plan: AbPlan, users: int, seed: int) -> dict:
+    """Live traffic until each arm has about plan.per_arm requests, the feedback timeout, then one decision."""
+    params = load_params(params_file, overrides)
+    share = min(params.deploy.challenger_share, 1 - params.deploy.challenger_share)
+    regions = read_regions(regions_path(params.paths.data_dir, "train"))
+    total = math.ceil(plan.per_arm / share)
+    window = regions[-max(users, total // 4) :]  # the far end of the train files: the cycles typed the start
+    port = free_port()
+    gateway = start_gateway(params_file, overrides, port, state / "gateway-ab.log")
+    try:
+        started = time.perf_counter()
+        by_arm = run_simulation(
+            f"http://127.0.0.1:{port}",
+            window,
+            make_users(users, params.simulator, prefix=f"ab{seed}"),
+            total,
+            api_keys=None,
+            concurrency=4,
+            seed=seed * 1000 + 999,
+            traffic=params.traffic,
+        )
+        traffic_s = time.perf_counter() - started
+        time.sleep(params.ingest.feedback_timeout_s + 0.5)  # every shown suggestion has its outcome
+    finally:
+        gateway.terminate()
+        gateway.wait(timeout=30)
+    with open_store(params.paths.database_url) as engine:
+        looked_at = min(s.requests for s in arm_stats(engine, params).values())
+    # One look at the planned n: no early looks to guard against (min_samples 1), and max_samples = what each arm
+    # has, so that a difference the test cannot show ends in a rollback (inconclusive) rather than "continue".
+    one_look = ["deploy.min_samples=1", f"deploy.max_samples={looked_at}"]
+    decision = ab_decision(params_file, [*overrides, *one_look])
+    return {
+        "plan": asdict(plan),
+        "requests": {arm: s.requests for arm, s in sorted(by_arm.items())},
+        "traffic_s": traffic_s,
+        "action": decision.action,
+        "reason": decision.reason,
+        "numbers": decision.numbers,
+    }
+
+
+def print_ab(ab: dict) -> None:
+    from rich.table import Table
+
+    from tasks.console import console, print_table
+
+    n = ab["numbers"]
+    plan = ab["plan"]
+    table = Table(
+        title=f"Live A/B test, looked at once: base (champion) vs final model (challenger); planned "
+        f"{plan['per_arm']} requests per arm (power {plan['power']:.0%} for a reward difference of "
+        f"{plan['mde']} at alpha {plan['alpha']}, reward sd {plan['reward_sd']:.3f}"
+        + (f"; {plan['needed']} asked for, capped" if plan["needed"] > plan["per_arm"] else "")
+        + ")"
+    )
+    for col in ("arm", "requests", "shown", "accept/shown", "reward/request", "accepted chars/request"):
+        table.add_column(col, justify="right")
+    for arm in (CHAMPION, CHALLENGER):
+        if f"{arm}_requests" in n:
+            table.add_row(
+                arm,
+                f"{n[f'{arm}_requests']:.0f}",
+                f"{n[f'{arm}_shown']:.0f}",
+                f"{n[f'{arm}_accept_rate']:.3f}",
+                f"{n[f'{arm}_reward_per_request']:.4f}",
+                f"{n[f'{arm}_chars_per_request']:.2f}",
+            )
+    print_table(table)
+    verdict = "PROMOTED on live A/B evidence" if ab["action"] == "promote" else "ROLLED BACK"
+    console.print(f"{verdict}: {ab['reason']}", highlight=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    exit_on_sigterm()  # a `kill` stops the gateway the demo started, too
+    started = time.perf_counter()
+    overrides = [*DEMO_SETTINGS, *args.set]
+    rows, params = run_online_loop(
+        args.params, overrides, args.cycles, args.requests, args.users, args.state, seed=args.seed, ab_test=False
+    )
+    print_report(rows, args.state, params, promoted_on_gate=True)
+    gated_s = time.perf_counter() - started
+    full = loop_overrides(overrides, args.state, args.seed)  # the loop's own state paths
+    base_label = f"{params.deploy.registered_model}/1"  # a fresh state's registry starts with the base
+    ab: dict = {"action": "none", "reason": "no candidate passed the gate"}
+    final = get_alias_version(params, CHAMPION)
+    if final is not None and final.version != model_version_of(f"models:/{base_label}", params).version:
+        plan = plan_ab(base_reward_sd(rows[0], params), args.mde, params.deploy.alpha, args.power, args.max_per_arm)
+        ab["challenger"] = start_ab_test(args.params, full, base_label)
+        ab |= run_ab_test(args.params, full, args.state, plan, args.ab_users, args.seed)
+        print_ab(ab)
+    else:
+        print(f"no candidate passed the gate in {args.cycles} cycles: there is no A/B test to run", flush=True)
+    ab_s = time.perf_counter() - started - gated_s
+    closing = load_params(args.params, [*full, f"evaluate.n_requests={CLOSING_REQUESTS}"])
+    story = print_story(Path(closing.model.base_dir), champion_dir(closing), args.state, closing)
+    print_ui_pointers(params)
+    times = {"gated_cycles_s": gated_s, "ab_test_s": ab_s, "total_s": time.perf_counter() - started}
+    record = {"seed": args.seed, "cycles": [asdict(r) for r in rows], "ab": ab, "story": story, "times_s": times}
+    (args.state / "demo.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    print(f"demo done in {times['total_s'] / 60:.1f} min; record: {args.state / 'demo.json'}", flush=True)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--params", default=str(DEFAULT_PARAMS_FILE), help="params.yaml to read")
+    p.add_argument("--set", action="append", default=[], help="override one key: section.key=value")
+    p.add_argument("--seed", type=int, default=0, help="seed of users, traffic and training")
+    p.add_argument("--cycles", type=int, default=4, help="gated online RL cycles")
+    p.add_argument("--requests", type=int, default=800, help="simulated completion requests per cycle")
+    p.add_argument("--users", type=int, default=24, help="simulated users during the cycles")
+    p.add_argument("--mde", type=float, default=0.03, help="reward-per-request difference the A/B test is sized for")
+    p.add_argument("--power", type=float, default=0.8, help="power of the A/B test at --mde")
+    p.add_argument("--max-per-arm", type=int, default=1500, help="cap on the A/B test's requests per arm")
+    p.add_argument("--ab-users", type=int, default=96, help="simulated users during the A/B test")
+    p.add_argument("--state", type=Path, default=Path("state/demo"), help="state dir (wiped at start)")
+    return p
+
+
+if __name__ == "__main__":
+    sys.exit(main())

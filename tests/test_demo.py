@@ -1,0 +1,105 @@
+"""The demo (flows/demo.py): an A/B test sized before it starts, looked at once, and a closing story told in words."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from flows.demo import AbPlan, base_reward_sd, plan_ab, run_ab_test, start_ab_test
+from flows.online_loop import CycleRow
+from flows.report import story_in_words
+from serving.store import CHALLENGER, CHAMPION, open_store, read_arms
+from tasks.deploy.registry import ensure_champion, get_alias_version, register_candidate, set_alias
+from tasks.deploy.tracking import end_cycle_run, start_cycle_run
+from tasks.editor import regions_path, write_regions
+from tests.conftest import tiny_params
+
+
+def test_the_plan_is_the_two_sided_power_formula():
+    # 2 (1.95996 + 0.84162)^2 0.17^2 / 0.024^2 = 787.6 -> 788 requests per arm
+    plan = plan_ab(reward_sd=0.17, mde=0.024, alpha=0.05, power=0.8, max_per_arm=5000)
+    assert (plan.per_arm, plan.needed) == (788, 788)
+    # twice the sd needs four times the requests; halving the difference too
+    assert plan_ab(0.34, 0.024, 0.05, 0.8, 10**6).needed == pytest.approx(4 * 788, abs=4)
+    assert plan_ab(0.17, 0.012, 0.05, 0.8, 10**6).needed == pytest.approx(4 * 788, abs=4)
+
+
+def test_a_capped_plan_says_what_it_was_asked_for():
+    plan = plan_ab(reward_sd=0.17, mde=0.01, alpha=0.05, power=0.8, max_per_arm=1500)
+    assert plan.per_arm == 1500 and plan.needed > 4000
+
+
+def _row(requests: int, suggest_rate: float, accept_rate: float) -> CycleRow:
+    nan = float("nan")
+    evals = [None] * 5  # eval_judge_mean ... champion_eval_reward_per_request
+    return CycleRow(1, "champion:1", requests, suggest_rate, accept_rate, nan, nan, nan, "-", "deployed", *evals, {})
+
+
+def test_the_reward_sd_comes_from_cycle_one_counts():
+    params = tiny_params()
+    r = params.reward
+    # 100 requests: 50 shown (10 accepted, 40 rejected), 50 abstained
+    rewards = [r.accepted] * 10 + [r.rejected] * 40 + [r.abstained] * 50
+    mean = sum(rewards) / 100
+    sd = (sum((x - mean) ** 2 for x in rewards) / 99) ** 0.5
+    assert base_reward_sd(_row(100, 0.5, 0.2), params) == pytest.approx(sd)
+    assert base_reward_sd(_row(100, 0.0, 0.0), params) == pytest.approx(0.0, abs=1e-12)  # all abstained
+
+
+def test_the_story_says_in_words_where_an_interval_includes_zero():
+    story = {
+        name: {"change": change}
+        for name, change in {
+            "suggest_rate": [0.1, 0.05, 0.15],
+            "accept_rate": [0.01, -0.02, 0.04],
+            "right_rate": [-0.05, -0.08, -0.01],
+            "chars_saved": [0.0, 0.0, 0.0],
+            "reward_per_request": [0.02, 0.001, 0.04],
+        }.items()
+    }
+    lines = story_in_words(story)
+    assert "up +0.1000" in lines[0] and "excludes 0" in lines[0]
+    assert "includes 0" in lines[1] and "no change can be claimed" in lines[1]
+    assert "down -0.0500" in lines[2]
+    assert "includes 0" in lines[3]
+    assert "excludes 0" in lines[4]
+    assert "no candidate was promoted" in story_in_words(story, same_model=True)[0]
+
+
+def test_the_final_ab_test_puts_the_base_back_and_decides_at_one_look(
+    tmp_path, mlflow_store, tiny_model_dir, babbler_dir, typing_regions, prefect_harness
+):
+    """Base as champion, the final model as challenger, live traffic through a real gateway, one decision. The
+    babbler always shows a wrong suggestion: a lower reward than the base's."""
+    params = tiny_params(
+        tmp_path,
+        model={"base_dir": str(tiny_model_dir)},
+        serving={"auth": False},
+        ingest={"feedback_timeout_s": 1.0},
+    )
+    params_file = tmp_path / "params.yaml"
+    params_file.write_text(yaml.safe_dump(params.model_dump(mode="json")))
+    write_regions(typing_regions, regions_path(params.paths.data_dir, "train"), params.traffic)
+    base = ensure_champion(tiny_model_dir, params)
+    run_id = start_cycle_run(params)
+    final = register_candidate(babbler_dir, params, run_id)
+    end_cycle_run(params, run_id)
+    set_alias(params, CHAMPION, final.version)  # what the gated cycles leave: the final model is champion
+
+    assert start_ab_test(str(params_file), [], base.label) == final.label
+    assert get_alias_version(params, CHAMPION).version == base.version
+    assert get_alias_version(params, CHALLENGER).version == final.version
+    with open_store(params.paths.database_url) as engine:
+        arms = {a.name: a.model_version for a in read_arms(engine)}
+    assert arms == {CHAMPION: base.label, CHALLENGER: final.label}
+
+    plan = AbPlan(per_arm=40, needed=40, reward_sd=0.2, mde=0.1, power=0.8, alpha=0.05)
+    ab = run_ab_test(str(params_file), [], tmp_path, plan, users=8, seed=0)
+    assert min(ab["requests"].values()) >= 10  # both arms served their share
+    # one look at what each arm has: decided there (never "continue"), and a babbler is never promoted
+    assert ab["action"] == "rollback", ab
+    assert ab["reason"].startswith(("inconclusive", "challenger worse")), ab["reason"]
+    assert ab["numbers"][f"{CHALLENGER}_reward_per_request"] < ab["numbers"][f"{CHAMPION}_reward_per_request"]
+    with open_store(params.paths.database_url) as engine:
+        assert [a.model_version for a in read_arms(engine)] == [base.label]  # the rollback was applied
+    assert get_alias_version(params, CHALLENGER) is None
