@@ -612,18 +612,31 @@ class PathsParams(Section):
 
 class Params(Section):
     data: DataParams = DataParams()
+    """Where the code comes from and how its files are split into train and test (`tabrl corpus`)."""
     fim: FimParams = FimParams()
+    """The span FIM samples drawn from the corpus for the judge and the RLinf comparison (`tabrl data`)."""
     model: ModelParams = ModelParams()
+    """The base model: where it lives, and the shape and pre-training of tabrl-tiny (`tabrl build-base`)."""
     simulator: SimulatorParams = SimulatorParams()
+    """The simulated users: their accept rule, personas and typing (`tabrl simulate`, the demo, evaluation)."""
     traffic: TrafficParams = TrafficParams()
+    """The editor-like typing sessions simulated users type (regions of real files, pauses, requests)."""
     reward: RewardParams = RewardParams()
+    """What an outcome earns (accepted, rejected, no suggestion), advantages and the typed lines."""
     train: TrainParams = TrainParams()
+    """The critic-free PPO update of one cycle: optimiser, clipping, guards, launcher and adapters."""
     evaluate: EvaluateParams = EvaluateParams()
+    """The held-out evaluation of a candidate against the champion, the judge and the gate."""
     deploy: DeployParams = DeployParams()
+    """The registry, the A/B rollout and decision, and the cycle and decision schedules."""
     serving: ServingParams = ServingParams()
+    """The gateway: arms, the show rule, sampling, auth, limits, backends and vLLM servers."""
     ingest: IngestParams = IngestParams()
+    """Pulling logged completions since the watermark and cleaning them into a snapshot."""
     cluster: ClusterParams = ClusterParams()
+    """Running the flows across machines: Prefect work pools, the training deployment, the DVC remote."""
     paths: PathsParams = PathsParams()
+    """Where data, models, local state, the log store and the MLflow tracking store live."""
 
     @model_validator(mode="after")
     def _adapter_rank(self) -> Params:
