@@ -61,8 +61,8 @@ demo: base  ## data + base model, its held-out acceptance, then online RL cycles
 	@echo ">> online loop: gateway + simulated users over HTTP + RL cycles + A/B decisions (state/demo)"
 	$(BIN)/python -m flows.online_loop $(DEMO_ARGS)
 
-screenshot: install  ## PNG of the MLflow runs view of the demo's cycles (needs Debian's chromium): docs/mlflow-runs.png
-	$(BIN)/python bench/mlflow_screenshot.py --store sqlite:///state/demo/mlflow.db --out docs/mlflow-runs.png
+screenshot: install  ## PNG of the MLflow runs view of the demo's cycles (needs Debian's chromium): docs/img/mlflow-runs.png
+	$(BIN)/python bench/mlflow_screenshot.py --store sqlite:///state/demo/mlflow.db --out docs/img/mlflow-runs.png
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 bench-tools:  ## the HTTP load generators bench/gateway.py drives (hey, wrk: Debian packages)
