@@ -43,7 +43,7 @@ class DataParams(Section):
     source: str = SHIPPED_CORPUS
     """Where the code comes from. By default the corpus shipped in git, `data/corpus/files.parquet`
     (CPython 3.11.7's standard library, 1,747 files; md5 in dvc.lock): what the shipped base was trained
-    on and the README's numbers were measured on, the same bytes on every machine. Any corpus file
+    on and the numbers of docs/results.md were measured on, the same bytes on every machine. Any corpus file
     `tabrl corpus` wrote (Parquet: path, split, text) works alike: its files are split again by
     test_fraction and split_salt. `stdlib`: the running interpreter's standard library, an explicit
     choice, since it differs between Python builds (Debian's 3.11.2 has 663 files). Or a directory of
