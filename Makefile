@@ -32,8 +32,8 @@ lint: install  ## ruff (lint + format check) and mypy (strict on the core): seco
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-docs: install  ## serve the docs site locally with live reload (http://127.0.0.1:8000)
-	$(BIN)/mkdocs serve
+docs: install  ## serve the docs site locally with live reload: http://127.0.0.1:8001 (the gateway has 8000)
+	$(BIN)/mkdocs serve --dev-addr 127.0.0.1:8001
 
 docs-build: install  ## build the docs site into site/ as CI does (strict: a broken link or missing page fails)
 	$(BIN)/mkdocs build --strict

@@ -16,6 +16,7 @@ mkdocs-gen-files: three pages need `File.generated` (MkDocs >= 1.6) and nothing 
 
 from __future__ import annotations
 
+import html
 import importlib
 import inspect
 import json
@@ -36,9 +37,15 @@ def _cell(text: Any) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
+def _literal(text: str) -> str:
+    """Inline code fit for a table cell: an HTML <code> element, since a backslash-escaped pipe inside a Markdown
+    code span stays a backslash (types such as `str | None`)."""
+    return "<code>" + html.escape(" ".join(text.split())).replace("|", "&#124;") + "</code>"
+
+
 def _code(value: Any) -> str:
-    text = json.dumps(value) if not isinstance(value, str) else repr(value)
-    return "`" + text.replace("`", "'") + "`"
+    """A default value as inline code: JSON for data, Python's repr for strings."""
+    return _literal(json.dumps(value) if not isinstance(value, str) else repr(value))
 
 
 # ---- params -------------------------------------------------------------------------------------------------
@@ -85,7 +92,7 @@ def params_page() -> str:
         out += ["| key | type | default | description |", "| --- | --- | --- | --- |"]
         for key, annotation, default, description in _section_fields(section, f"{name}."):
             out.append(
-                f"| `{key}` | `{_cell(_type_name(annotation))}` | {_cell(_code(default))} | {_cell(description)} |"
+                f"| {_literal(key)} | {_literal(_type_name(annotation))} | {_code(default)} | {_cell(description)} |"
             )
         nested = [
             (key, t)
@@ -97,8 +104,8 @@ def params_page() -> str:
             out += ["", f"Each item of `{name}.{key}` (a `{model.__name__}`):", ""]
             out += ["| key | type | default | description |", "| --- | --- | --- | --- |"]
             for sub, annotation, default, description in _section_fields(model, f"{name}.{key}."):
-                shown = "required" if repr(default) == "PydanticUndefined" else _cell(_code(default))
-                out.append(f"| `{sub}` | `{_cell(_type_name(annotation))}` | {shown} | {_cell(description)} |")
+                shown = "required" if repr(default) == "PydanticUndefined" else _code(default)
+                out.append(f"| {_literal(sub)} | {_literal(_type_name(annotation))} | {shown} | {_cell(description)} |")
         out.append("")
     return "\n".join(out)
 
@@ -127,7 +134,7 @@ def _command_lines(name: str, command: Any) -> list[str]:
             continue
         names, help_text = record
         required = "yes" if param.required else ""
-        rows.append(f"| `{_cell(names)}` | {param.param_type_name} | {required} | {_cell(help_text)} |")
+        rows.append(f"| {_literal(names)} | {param.param_type_name} | {required} | {_cell(help_text)} |")
     if rows:
         out += ["| name | kind | required | help |", "| --- | --- | --- | --- |", *rows, ""]
     return out
