@@ -178,14 +178,15 @@ def openapi_schema() -> dict[str, Any]:
     params = importlib.import_module(PARAMS_MODULE).Params()
     hot = importlib.import_module(GATEWAY_MODULE).create_app(params, engine=sqlalchemy.create_engine("sqlite://"))
     app = getattr(hot, "app", hot)  # create_app returns the ASGI fast path; its FastAPI app is `.app`
-    return app.openapi()
+    schema: dict[str, Any] = app.openapi()
+    return schema
 
 
 def _schema_type(schema: dict[str, Any]) -> str:
     if "anyOf" in schema:
         return " or ".join(_schema_type(s) for s in schema["anyOf"])
     if "$ref" in schema:
-        return schema["$ref"].rsplit("/", 1)[-1]
+        return str(schema["$ref"]).rsplit("/", 1)[-1]
     kind = schema.get("type", "any")
     if kind == "array":
         return f"array of {_schema_type(schema.get('items', {}))}"

@@ -11,17 +11,19 @@ import inspect
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
 from tasks.config import Params
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _fields(model: type[BaseModel], prefix: str = ""):
+def _fields(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, FieldInfo]]:
     for name, field in model.model_fields.items():
         yield f"{prefix}{name}", field
         annotation = field.annotation
@@ -30,7 +32,7 @@ def _fields(model: type[BaseModel], prefix: str = ""):
                 yield from _fields(sub, f"{prefix}{name}.")
 
 
-def test_every_params_field_has_a_description():
+def test_every_params_field_has_a_description() -> None:
     missing = [key for key, field in _fields(Params) if not (field.description or "").strip()]
     assert not missing, f"params fields without a description (write a docstring under each): {missing}"
 
@@ -39,7 +41,7 @@ def test_every_params_field_has_a_description():
     importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None,
     reason="mkdocs and mkdocs-material are not installed (pip install -e '.[docs]'; make install does)",
 )
-def test_site_builds_strict_with_every_reference_page(tmp_path):
+def test_site_builds_strict_with_every_reference_page(tmp_path: Path) -> None:
     site = tmp_path / "site"
     done = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
