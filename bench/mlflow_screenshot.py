@@ -1,9 +1,9 @@
 """The MLflow UI's runs view of an experiment as a PNG, taken in headless Chromium as a person sees it.
 
-    make screenshot                          # the demo's store (state/demo/mlflow.db) -> docs/mlflow-runs.png
+    make screenshot                          # the demo's store (state/demo/mlflow.db) -> docs/img/mlflow-runs.png
     python bench/mlflow_screenshot.py --store sqlite:///state/shot/mlflow.db --out /tmp/runs.png
     python bench/mlflow_screenshot.py --page models/tabrl-completion/versions/2 --wait-for "Source run" \
-        --out docs/mlflow-version.png           # another page of the UI: a registered version
+        --out docs/img/mlflow-version.png           # another page of the UI: a registered version
 
 Starts `mlflow server` on a free loopback port against the store (one worker, no job runner: two
 processes), then Chromium from Debian's packages (`apt-get install -y chromium`) headless, and drives
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--store", default="sqlite:///state/demo/mlflow.db", help="MLflow backend store URI")
     parser.add_argument("--experiment", default="tabrl", help="experiment whose runs to show (deploy.experiment)")
-    parser.add_argument("--out", type=Path, default=Path("docs/mlflow-runs.png"), help="PNG to write")
+    parser.add_argument("--out", type=Path, default=Path("docs/img/mlflow-runs.png"), help="PNG to write")
     parser.add_argument("--size", default="1600,900", help="browser window WIDTH,HEIGHT in pixels")
     parser.add_argument("--chromium", default="chromium", help="the Chromium binary")
     parser.add_argument("--page", default=None, help="another page: the UI's URL after '#/' (default: the runs)")

@@ -82,8 +82,8 @@ def deploy_cmd(
     step, train-candidate, to cluster.gpu_pool, started by each cycle with run_deployment
     (cluster.train_on=pool is added to the cycle's overrides). Then start workers:
     `prefect worker start --pool cpu` on hosts with the project repo, `--pool gpu` on GPU hosts. The
-    params file and the repo are recorded as absolute paths (the cpu hosts' checkout). See the README,
-    "Running on a cluster"."""
+    params file and the repo are recorded as absolute paths (the cpu hosts' checkout). See the docs,
+    "Run on a cluster" (docs/how-to/cluster.md)."""
     from datetime import timedelta
 
     from prefect.client.orchestration import get_client

@@ -77,7 +77,7 @@ MAX_STOP_STRINGS = 32
 MAX_RATE_WINDOWS = 100_000  # rate-limit windows kept before finished ones are dropped
 LATENCY_QUANTILES = (0.5, 0.95)  # the per-arm latency quantiles /metrics shows (tabrl_arm_latency_ms)
 # How uvicorn runs the gateway: the event loop and HTTP parser in C (uvloop, httptools). Python's own
-# (asyncio, h11) cost more CPU per request than the gateway's work (bench/RESULTS.md, "Gateway").
+# (asyncio, h11) cost more CPU per request than the gateway's work (docs/lab, "Gateway").
 UVICORN_OPTIONS: dict = {"loop": "uvloop", "http": "httptools", "log_level": "warning", "access_log": False}
 
 
@@ -392,7 +392,7 @@ class HotRoutes:
     takes, go straight to their handlers; everything else goes to FastAPI (which also documents these two).
 
     FastAPI's middleware, routing, dependency solving and response classes cost more CPU per request than the
-    gateway's own work (bench/RESULTS.md, "Gateway"). Here a request costs its headers made a dict, its body
+    gateway's own work (docs/lab, "Gateway"). Here a request costs its headers made a dict, its body
     read against serving.max_body_bytes, one handler call and two sends; the answers, errors and metrics are
     the same as FastAPI's."""
 

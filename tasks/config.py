@@ -43,7 +43,7 @@ class DataParams(Section):
     source: str = SHIPPED_CORPUS
     """Where the code comes from. By default the corpus shipped in git, `data/corpus/files.parquet`
     (CPython 3.11.7's standard library, 1,747 files; md5 in dvc.lock): what the shipped base was trained
-    on and the README's numbers were measured on, the same bytes on every machine. Any corpus file
+    on and the numbers of docs/results.md were measured on, the same bytes on every machine. Any corpus file
     `tabrl corpus` wrote (Parquet: path, split, text) works alike: its files are split again by
     test_fraction and split_salt. `stdlib`: the running interpreter's standard library, an explicit
     choice, since it differs between Python builds (Debian's 3.11.2 has 663 files). Or a directory of
@@ -218,21 +218,21 @@ class RewardParams(Section):
     """Training only: extra reward per character of an accepted suggestion, so a long accepted suggestion
     outweighs a short one (Copilot: an accept-rate reward favours short suggestions; characters saved is what
     users feel). Reported rewards per request stay the per-outcome ones above. 0: none (0.1 raised neither
-    characters saved nor accept rate: bench/RESULTS.md, "Two tries at characters saved")."""
+    characters saved nor accept rate: docs/lab, "Two tries at characters saved")."""
     typed_demo: float | None = None
     """Training only: every rejected or abstained request whose continuation is known also trains on the rest
     of the line the user typed there (then the end token), as a suggestion that earned this reward: what a right
     suggestion would have been, on every request instead of the few accepted ones. Its tokens were not sampled
     (importance weight 1, as rows logged without log-probs); the ratio clip bounds each update. None: off
     (params.yaml: 0.75, the accepted reward; 3 seeds x 5 cycles vs control: characters saved +0.0084 [+0.0025,
-    +0.0152], accept/shown +23.8 % [+3.1 %, +51.5 %]: bench/RESULTS.md, "Learning from what users typed")."""
+    +0.0152], accept/shown +23.8 % [+3.1 %, +51.5 %]: docs/lab, "Learning from what users typed")."""
     continuation_chars: int = Field(200, ge=1)
     """Characters of what a user typed after a request kept in the rewarded snapshot (``continuation``)."""
     advantage: Literal["raw", "batch_mean", "batch_norm", "shown_mean"] = "raw"
     """`raw`: the reward (one-step Monte-Carlo return); `batch_mean`: minus the batch mean;
     `batch_norm`: whitened over the batch (REINFORCE++ style); `shown_mean`: minus the mean over the
     shown suggestions (accepted and rejected pull equally; nothing-shown rows 0; tasks/reward/reward.py; with the
-    tiny base no better than raw: bench/RESULTS.md, "Balanced advantages")."""
+    tiny base no better than raw: docs/lab, "Balanced advantages")."""
 
 
 class TrainParams(Section):
@@ -249,7 +249,7 @@ class TrainParams(Section):
     train_embeddings: bool = True
     """Update the token embeddings (and a head tied to them). Adam gives a row's tiny but steady gradient
     a full lr-sized step, so rows of tokens sampled once and rejected drop by many nats in one
-    update: bench/kl_probe.py measures it (bench/RESULTS.md, "Why approx-KL jumped")."""
+    update: bench/kl_probe.py measures it (docs/lab, "Why approx-KL jumped")."""
     epochs: int = Field(2, ge=1)
     """Passes over the snapshot."""
     micro_batch: int = Field(8, ge=1)
@@ -273,7 +273,7 @@ class TrainParams(Section):
     weights' k most likely tokens at each completion position, the rest lumped into one (a lower bound of the
     exact KL, exact when the k hold all the mass; pi_prox's top k are kept per token, k x 12 bytes); 0: the
     sampled k3 estimate (r - 1) - log r, which one rarely sampled token that became likely can send past
-    the guards while the distribution moved little (bench/RESULTS.md, "Is the gate what stops learning?")."""
+    the guards while the distribution moved little (docs/lab, "Is the gate what stops learning?")."""
     max_approx_kl: float = Field(1.0, gt=0)
     """Divergence guard: the job fails (no checkpoint) when approx-KL of a step exceeds this."""
     abstain_weight: float = Field(0.0, ge=0)
@@ -286,7 +286,7 @@ class TrainParams(Section):
     """With abstain_weight > 0 and reward.typed_demo: also push towards abstaining on the rows whose typed line
     trains as a suggestion. False: where the line the user typed is known the loop teaches that line only (the
     better action), and the abstain term acts where no line is known (params.yaml: false; 3 seeds x 5 cycles:
-    characters saved +0.0062 vs control where True gave +0.0011: bench/RESULTS.md, "Teach the typed line")."""
+    characters saved +0.0062 vs control where True gave +0.0011: docs/lab, "Teach the typed line")."""
     target_kl: float = Field(0.5, gt=0)
     """PPO's early stop: when approx-KL of a step (to the starting weights) exceeds this, the update ends
     before that step and the checkpoint so far is kept. Set it above max_approx_kl to turn it off."""
@@ -361,12 +361,12 @@ class EvaluateParams(Section):
     than this fraction below the champion's (and its lineage's best), however its accept rate or reward
     moved (no reward hacking by showing less). Relative, since the level depends on the code (0.2: about the
     absolute 0.005 it replaced at the standard library's ~0.022-0.025; 1 or more: never refuses on it). params.yaml
-    sets 0.05, the A/B decision's deploy.chars_tolerance (bench/RESULTS.md, "The 5 % tolerance again")."""
+    sets 0.05, the A/B decision's deploy.chars_tolerance (docs/lab, "The 5 % tolerance again")."""
     gate_windows: int = Field(3, ge=1)
     """Windows the gate's half of the held-out regions is cut into (`tasks.acceptance.gate_regions`): each gate
     types the window after the last gate's, so candidate and champion are compared on requests the champion
     was not chosen on. 1: every gate types the same requests, where a champion's lucky score there is the
-    bar every later candidate must clear (the winner's curse; bench/RESULTS.md, "On requests the gate never
+    bar every later candidate must clear (the winner's curse; docs/lab, "On requests the gate never
     saw"). 3 windows of 100 regions hold 1000 requests of the standard library's held-out files."""
     n_samples: int = Field(200, ge=1)
     """Held-out FIM test samples scored per evaluation."""
@@ -443,7 +443,7 @@ class ServingParams(Section):
     """Fraction of served requests (drawn per request) cut at explore_min_logprob instead of min_logprob, so
     the logs hold users' verdicts on text the strict rule hides: an accepted one raises those tokens'
     log-probs, and the next model shows them under min_logprob. Evaluations never explore. 0: never (at 0.25
-    and -1.0 not shown to beat a stricter threshold, and it costs live accepts: bench/RESULTS.md, "Two tries")."""
+    and -1.0 not shown to beat a stricter threshold, and it costs live accepts: docs/lab, "Two tries")."""
     explore_min_logprob: float | None = Field(-1.0, le=0)
     """The looser cut of an exploring request (below min_logprob); None shows an exploring suggestion whole."""
     seed: int | None = None
@@ -612,18 +612,31 @@ class PathsParams(Section):
 
 class Params(Section):
     data: DataParams = DataParams()
+    """Where the code comes from and how its files are split into train and test (`tabrl corpus`)."""
     fim: FimParams = FimParams()
+    """The span FIM samples drawn from the corpus for the judge and the RLinf comparison (`tabrl data`)."""
     model: ModelParams = ModelParams()
+    """The base model: where it lives, and the shape and pre-training of tabrl-tiny (`tabrl build-base`)."""
     simulator: SimulatorParams = SimulatorParams()
+    """The simulated users: their accept rule, personas and typing (`tabrl simulate`, the demo, evaluation)."""
     traffic: TrafficParams = TrafficParams()
+    """The editor-like typing sessions simulated users type (regions of real files, pauses, requests)."""
     reward: RewardParams = RewardParams()
+    """What an outcome earns (accepted, rejected, no suggestion), advantages and the typed lines."""
     train: TrainParams = TrainParams()
+    """The critic-free PPO update of one cycle: optimiser, clipping, guards, launcher and adapters."""
     evaluate: EvaluateParams = EvaluateParams()
+    """The held-out evaluation of a candidate against the champion, the judge and the gate."""
     deploy: DeployParams = DeployParams()
+    """The registry, the A/B rollout and decision, and the cycle and decision schedules."""
     serving: ServingParams = ServingParams()
+    """The gateway: arms, the show rule, sampling, auth, limits, backends and vLLM servers."""
     ingest: IngestParams = IngestParams()
+    """Pulling logged completions since the watermark and cleaning them into a snapshot."""
     cluster: ClusterParams = ClusterParams()
+    """Running the flows across machines: Prefect work pools, the training deployment, the DVC remote."""
     paths: PathsParams = PathsParams()
+    """Where data, models, local state, the log store and the MLflow tracking store live."""
 
     @model_validator(mode="after")
     def _adapter_rank(self) -> Params:

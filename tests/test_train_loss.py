@@ -81,7 +81,7 @@ def test_top_k_kl_is_exact_with_the_whole_vocabulary_and_a_lower_bound_with_less
 
 
 def test_one_rare_token_that_became_likely_costs_top_k_kl_a_nat_and_k3_two_hundred():
-    """The replayed divergence of bench/RESULTS.md: a token sampled at p = 0.003 rose to 0.64."""
+    """The replayed divergence of docs/lab ("Why approx-KL jumped"): a token sampled at p = 0.003 rose to 0.64."""
     prox = torch.log(torch.tensor([[0.9, 0.097, 0.003]]))
     new = torch.log(torch.tensor([[0.3, 0.06, 0.64]]))
     r = 0.64 / 0.003

@@ -12,7 +12,7 @@ It passes only if, against the champion on the same held-out traffic and judge,
   hacking (GitHub found accept rate alone favours short, simple suggestions). Relative, because the
   level depends on the code: the tiny base saves ~2 % of the characters of held-out standard-library
   files and ~0.3 % of third-party ones, where an absolute tolerance of a few tenths of a point let the
-  loop give up two thirds of its saved characters (bench/RESULTS.md, "Held-out code unlike the
+  loop give up two thirds of its saved characters (docs/lab, "Held-out code unlike the
   traffic"); and
 * at least one of them improves by the margin (``gate_margin``, 10x for the judge mean) and by
   more than zero: equal is not better, whatever the margin;
