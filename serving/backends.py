@@ -38,7 +38,7 @@ from tasks.generate import (
     load_model,
     model_template,
 )
-from tasks.vllm import VLLM_MAX_STOP, VllmError, base_of, generation_from_vllm, load_adapter
+from tasks.vllm import VLLM_MAX_STOP, VllmError, base_of, generation_from_vllm, load_adapter, served_models
 
 # transformers' from_pretrained is not thread-safe: it builds the model under process-wide "empty
 # weights" patches, so two arms loading at once in two worker threads can leave one with meta
@@ -295,7 +295,14 @@ class VLLMBackend:
             if Path(root, "config.json").is_file():  # the server's base is a directory this host sees: check it
                 check_base(self.adapter, root, "serve")
             load_adapter(server, str(self.model), str(self.adapter))
-        except (VllmError, AdapterBaseError) as err:
+        except VllmError as err:
+            # requests in flight when the server restarted all land here; one of them loads it, the others are
+            # refused ("already been loaded"): served now is all that matters
+            if str(self.model) not in served_models(server):
+                raise BackendError(
+                    f"adapter {self.model!r} is not on {server} and could not be loaded again: {err}"
+                ) from err
+        except AdapterBaseError as err:
             raise BackendError(
                 f"adapter {self.model!r} is not on {server} and could not be loaded again: {err}"
             ) from err
