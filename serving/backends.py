@@ -38,7 +38,15 @@ from tasks.generate import (
     load_model,
     model_template,
 )
-from tasks.vllm import VLLM_MAX_STOP, VllmError, base_of, generation_from_vllm, load_adapter, served_models
+from tasks.vllm import (
+    VLLM_MAX_STOP,
+    VllmError,
+    base_of,
+    generation_from_vllm,
+    load_adapter,
+    served_models,
+    start_of_text,
+)
 
 # transformers' from_pretrained is not thread-safe: it builds the model under process-wide "empty
 # weights" patches, so two arms loading at once in two worker threads can leave one with meta
@@ -208,6 +216,7 @@ class VLLMBackend:
         self.adapter = adapter
         self._root: str | None = None  # where vLLM loaded it from (its /v1/models `root`)
         self._template: FimTemplate | None = None
+        self._start: str | None = None  # what an empty prompt is sent as, read once
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=min(5.0, timeout_s)))
 
     async def _model_name(self) -> str:
@@ -275,7 +284,7 @@ class VLLMBackend:
             "/completions",
             {
                 "model": await self._model_name(),
-                "prompt": prompt,  # raw FIM prompt; never `suffix` (rejected for Qwen2.5-Coder)
+                "prompt": prompt or await self._start_text(),  # raw FIM prompt; never `suffix` (Qwen2.5-Coder)
                 "max_tokens": sampling.max_tokens,
                 "temperature": sampling.temperature,
                 "top_p": sampling.top_p,
@@ -286,6 +295,17 @@ class VLLMBackend:
                 "skip_special_tokens": False,
             },
         )
+
+    async def _start_text(self) -> str:
+        """What an empty prompt (a prefix-only model at the top of a file) is sent as; the server's base must be a
+        directory this host sees, to read its tokenizer."""
+        if self._start is None:
+            try:
+                root = self._root or await asyncio.to_thread(base_of, self.base_url.removesuffix("/v1"))
+                self._start = await asyncio.to_thread(start_of_text, root)
+            except (VllmError, OSError, ValueError) as err:
+                raise BackendError(f"an empty prompt cannot be sent to vLLM at {self.base_url}: {err}") from err
+        return self._start
 
     def _reload_adapter(self) -> None:
         """Load the arm's adapter into a server that lost it (restarted), after checking the server's base is its."""

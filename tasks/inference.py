@@ -49,6 +49,7 @@ from tasks.vllm import (
     load_adapter,
     recorded_servers,
     same_checkpoint,
+    start_of_text,
     start_vllm,
     stop_vllm,
     unload_adapter,
@@ -93,6 +94,7 @@ class VllmEngine:
     model: str
     template: FimTemplate
     stops: tuple[str, ...]
+    start: str = ""  # what an empty prompt is sent as (`tasks.vllm.start_of_text`)
     timeout_s: float = 120.0
 
     def complete(self, prompts, max_new_tokens, temperature=0.0, seed=0, rule=None) -> list[Generation]:
@@ -110,7 +112,7 @@ class VllmEngine:
     async def _one(self, client, prompt, max_new_tokens, temperature, seed, rule: ShowRule | None) -> Generation:
         body = {
             "model": self.model,
-            "prompt": prompt,
+            "prompt": prompt or self.start,
             "max_tokens": max_new_tokens,
             "temperature": temperature,
             "top_p": 1.0,
@@ -140,12 +142,13 @@ def open_engine(model_dir: str | Path, params: Params, base_dir: str | Path | No
         return
     template = model_template(model_dir)
     stops = _stops(model_dir, base_dir, template)
+    start = start_of_text(str(_tokenizer_dir(model_dir, base_dir)))
     if is_adapter(model_dir) and params.serving.adapter_serving == "lora":
         server = base_server(base_dir or _record_path(model_dir), params)
         name = adapter_name(f"eval/{model_dir.name}")
         load_adapter(server.url, name, model_dir)
         try:
-            yield VllmEngine(server.url, name, template, stops)
+            yield VllmEngine(server.url, name, template, stops, start)
         finally:
             unload_adapter(server.url, name)
         return
@@ -155,7 +158,7 @@ def open_engine(model_dir: str | Path, params: Params, base_dir: str | Path | No
     running = next((s for s in recorded_servers(params) if same_checkpoint(s.model_dir, model_dir)), None)
     server = running or start_vllm(model_dir, params)
     try:
-        yield VllmEngine(server.url, server.model_dir, template, stops)
+        yield VllmEngine(server.url, server.model_dir, template, stops, start)
     finally:
         if running is None and server.pid is not None:
             stop_vllm(server.pid)
@@ -171,5 +174,9 @@ def _stops(model_dir: Path, base_dir: str | Path | None, template: FimTemplate) 
     """The stop strings in-process generation uses: the template's and the tokenizer's end of text."""
     from transformers import AutoTokenizer
 
-    tokenizer_dir = (base_dir or _record_path(model_dir)) if is_adapter(model_dir) else model_dir
-    return stops_of(template, AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True))
+    return stops_of(template, AutoTokenizer.from_pretrained(_tokenizer_dir(model_dir, base_dir), local_files_only=True))
+
+
+def _tokenizer_dir(model_dir: Path, base_dir: str | Path | None) -> str | Path:
+    """Where model_dir's tokenizer is: its own dir, or an adapter's base."""
+    return (base_dir or _record_path(model_dir)) if is_adapter(model_dir) else model_dir

@@ -21,6 +21,7 @@ only (SECURITY.md).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
@@ -270,6 +271,20 @@ def served_models(url: str) -> dict[str, dict]:
     if response.status_code != 200:
         raise VllmError(f"vLLM at {url}/v1/models answered {response.status_code}: {_vllm_message(response)}")
     return {card["id"]: card for card in response.json().get("data", [])}
+
+
+@functools.lru_cache(maxsize=16)
+def start_of_text(checkpoint: str) -> str:
+    """What an empty prompt is sent as: the text of the token `tasks.generate.encode_prompt` puts there (the
+    tokenizer's BOS, else its EOS), which vLLM's tokenizer reads back as that one token. vLLM refuses an empty
+    prompt, and a prefix-only model at the top of a file has nothing else to continue."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
+    token = tokenizer.bos_token if tokenizer.bos_token_id is not None else tokenizer.eos_token
+    if not token:
+        raise VllmError(f"{checkpoint}: its tokenizer has no BOS or EOS token to stand for an empty prompt")
+    return str(token)
 
 
 def base_of(url: str) -> str:

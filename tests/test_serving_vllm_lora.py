@@ -137,6 +137,9 @@ def test_a_lora_version_goes_live_on_the_one_vllm_server_and_survives_a_restart(
         with open_store(params.paths.database_url) as engine, serve_app(create_app(params, engine=engine)) as url:
             answers = {arm: _ask(url, arm, prompt) for arm in (CHAMPION, CHALLENGER)}
             assert [a.status_code for a in answers.values()] == [200, 200], answers[CHALLENGER].text
+            # a prefix-only model at the top of a file: vLLM, which refuses an empty prompt, gets start-of-text
+            empty = {arm: _ask(url, arm, "") for arm in (CHAMPION, CHALLENGER)}
+            assert [a.status_code for a in empty.values()] == [200, 200], empty[CHAMPION].text
             with engine.connect() as conn:
                 rows = {r.id: r for r in conn.execute(sa.select(completions))}
             logged = rows[answers[CHALLENGER].json()["id"]]
