@@ -8,7 +8,7 @@ few real pre-training steps on this machine, given the number of steps that fill
 built with `build_base` (the same tokenizer, samples and schedule as the shipped base; only the shape
 and `model.pretrain_steps` differ). Each result is scored on held-out editor traffic (test files):
 the loss of the true continuation at each pause (nats per middle token, what more training lowers
-first) and the headroom right rates (``tasks.acceptance.headroom``). Run it on a quiet machine: the
+first) and the headroom right rates (``tasks.sim.acceptance.headroom``). Run it on a quiet machine: the
 budget is wall-clock.
 
 Prints a table, writes bench/out/base_size/results.json.
@@ -79,11 +79,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from rich.table import Table
 
-    from tasks.acceptance import headroom
-    from tasks.config import load_params
-    from tasks.console import console, print_table
-    from tasks.corpus import read_corpus
-    from tasks.editor import read_regions, regions_path
+    from flows.cli.console import console, print_table
+    from tasks.core.config import load_params
+    from tasks.sim.acceptance import headroom
+    from tasks.sim.corpus import read_corpus
+    from tasks.sim.editor import read_regions, regions_path
     from tasks.train.base import build_base
 
     params = load_params(args.params, args.set)

@@ -28,8 +28,8 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=512, help="size of the fake model.safetensors in MiB")
     args = ap.parse_args()
 
-    from serving.store import CHAMPION
-    from tasks.config import load_params
+    from tasks.core.config import load_params
+    from tasks.core.store import CHAMPION
     from tasks.deploy.registry import register_candidate, resolve_model_dir, set_alias
     from tasks.deploy.tracking import start_cycle_run
 

@@ -43,9 +43,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench import loadgen  # noqa: E402
 from bench.harness import bench_stores, make_keys, seed_arms, start_process, stop_process  # noqa: E402
-from serving.store import Arm, completions, feedback, make_engine  # noqa: E402
-from tasks.fim import QWEN  # noqa: E402
-from tasks.procs import free_port  # noqa: E402
+from tasks.core.fim import QWEN  # noqa: E402
+from tasks.core.procs import free_port  # noqa: E402
+from tasks.core.store import Arm, completions, feedback, make_engine  # noqa: E402
 
 PROMPT = QWEN.render("def add(a, b):\n    ", "\n\nprint(add(1, 2))\n")
 UNLIMITED = ["serving.rate_limit_per_minute=100000000", "serving.rate_limit_per_key_per_minute=100000000"]

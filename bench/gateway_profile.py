@@ -33,8 +33,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.gateway import UNLIMITED, body  # noqa: E402
 from bench.harness import make_keys, seed_arms, start_process, stop_process  # noqa: E402
-from serving.store import Arm  # noqa: E402
-from tasks.procs import free_port  # noqa: E402
+from tasks.core.procs import free_port  # noqa: E402
+from tasks.core.store import Arm  # noqa: E402
 
 SITE = re.compile(r"/[^ ;]*/(site-packages|python3\.\d+)/")
 # Frames every sample of a thread passes through (process start, the event loop's run, thread bootstrap).

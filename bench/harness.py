@@ -38,10 +38,10 @@ import sqlalchemy as sa
 from fastapi import FastAPI, Request
 
 from serving.backends import Sampling
-from serving.store import Arm, completions, feedback
-from tasks.fim import QWEN, FimTemplate
-from tasks.generate import Generation
-from tasks.procs import NotUp, free_port, wait_until_up
+from tasks.core.fim import QWEN, FimTemplate
+from tasks.core.generate import Generation
+from tasks.core.procs import NotUp, free_port, wait_until_up
+from tasks.core.store import Arm, completions, feedback
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,8 +76,8 @@ def fast_backend_factory(arm: Arm, timeout_s: float):
 
 def _serve_gateway(db_url: str, port: int, auth: bool, overrides: list[str], workers: int) -> None:
     from serving.gateway import serve
-    from serving.store import init_schema, make_engine
-    from tasks.config import load_params
+    from tasks.core.config import load_params
+    from tasks.core.store import init_schema, make_engine
 
     auth_off = [] if auth else ["serving.auth=false"]
     params = load_params(None, [f"paths.database_url={db_url}", *overrides, *auth_off], environ={})
@@ -339,7 +339,7 @@ def row_problems(rows, arms: set[str] | None = None) -> list[str]:
 def make_keys(db_url: str, users: int, prefix: str = "editor") -> list[tuple[str, str]]:
     """(user, API key) for `users` editors, created in the store (schema first)."""
     from serving.auth import add_key
-    from serving.store import init_schema, make_engine
+    from tasks.core.store import init_schema, make_engine
 
     engine = make_engine(db_url)
     try:
@@ -350,7 +350,7 @@ def make_keys(db_url: str, users: int, prefix: str = "editor") -> list[tuple[str
 
 
 def seed_arms(db_url: str, arms: list[Arm]) -> None:
-    from serving.store import init_schema, make_engine, replace_arms
+    from tasks.core.store import init_schema, make_engine, replace_arms
 
     engine = make_engine(db_url)
     try:
@@ -363,7 +363,7 @@ def seed_arms(db_url: str, arms: list[Arm]) -> None:
 def run_load(db_url: str, users: int, total: int, feedback_rate: float = 0.7, seed: int = 0) -> tuple[dict, list[str]]:
     """The gateway in its own process on db_url, `users` editors (auth on) sharing `total` requests;
     returns (summary, store problems)."""
-    from serving.store import make_engine
+    from tasks.core.store import make_engine
 
     seed_arms(db_url, [Arm("champion", "fast/1", "fast", "embedded", 1.0)])
     editors = make_keys(db_url, users)

@@ -6,7 +6,7 @@
 
 For each checkpoint: suggestion rate and right rate greedy (pass@1), right rate sampled at the
 serving temperature, pass@k, beside the noise floor, and the loss of the true continuation (nats per
-token; smooth where a few hundred requests' right rates are not) (``tasks.acceptance.headroom``). All on the
+token; smooth where a few hundred requests' right rates are not) (``tasks.sim.acceptance.headroom``). All on the
 model-free request set: every pause of the first held-out regions (test files), no Tab taken.
 Prints a table, writes bench/out/headroom/results.json and curve.png.
 """
@@ -46,10 +46,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from rich.table import Table
 
-    from tasks.acceptance import headroom
-    from tasks.config import load_params
-    from tasks.console import console, print_table
-    from tasks.editor import read_regions, regions_path
+    from flows.cli.console import console, print_table
+    from tasks.core.config import load_params
+    from tasks.sim.acceptance import headroom
+    from tasks.sim.editor import read_regions, regions_path
 
     params = load_params(args.params, args.set)
     models = args.models or sorted((ROOT / "models" / "tabrl-tiny.partial").glob("step-*"), key=_steps)

@@ -29,8 +29,8 @@ import sqlalchemy as sa
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from serving.store import completions, feedback, init_schema, make_engine, users  # noqa: E402
-from tasks.corpus import stdlib_root  # noqa: E402
+from tasks.core.store import completions, feedback, init_schema, make_engine, users  # noqa: E402
+from tasks.sim.corpus import stdlib_root  # noqa: E402
 
 COLUMNS = [
     "id",
@@ -188,7 +188,7 @@ def fill(url: str, n: int, chunk: int = 20_000) -> float:
 
 def child(url: str, out_dir: str, overrides: list[str]) -> None:
     """Runs in its own process: one ingest cycle over everything, prints its numbers as JSON."""
-    from tasks.config import load_params
+    from tasks.core.config import load_params
     from tasks.ingest.snapshot import run_ingest
 
     params = load_params(None, [f"paths.data_dir={out_dir}", *overrides], environ={})

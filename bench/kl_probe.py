@@ -49,11 +49,11 @@ DEFAULT_VARIANTS = [
 
 def rollout(model_dir: Path, params, rows: int, seed: int, out: Path) -> dict:
     """A rewarded snapshot of `rows` online-like requests: sampled suggestions, simulated users' outcomes."""
-    from tasks.editor import read_regions, regions_path, run_sessions
-    from tasks.generate import generate, load_model
-    from tasks.outcomes import reward_of
-    from tasks.schema import sampled_row, write_rewarded
-    from tasks.simulated_users import make_users
+    from tasks.core.generate import generate, load_model
+    from tasks.core.outcomes import reward_of
+    from tasks.core.schema import sampled_row, write_rewarded
+    from tasks.sim.editor import read_regions, regions_path, run_sessions
+    from tasks.sim.users import make_users
 
     lm = load_model(model_dir)
     regions = read_regions(regions_path(params.paths.data_dir, "train"))
@@ -133,7 +133,7 @@ class SnapshotTokens:
     def read(cls, model_dir: Path, model, snapshot: Path, params) -> SnapshotTokens:
         from transformers import AutoTokenizer
 
-        from tasks.generate import model_template, prompt_limit
+        from tasks.core.generate import model_template, prompt_limit
         from tasks.train.batching import build_examples, read_snapshot
 
         tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
@@ -219,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     from rich.table import Table
     from transformers import AutoModelForCausalLM
 
-    from tasks.config import load_params
-    from tasks.console import console, print_table
+    from flows.cli.console import console, print_table
+    from tasks.core.config import load_params
     from tasks.train import ppo
 
     args.out.mkdir(parents=True, exist_ok=True)

@@ -43,7 +43,7 @@ from websockets.sync.client import ClientConnection, connect
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tasks.procs import free_port, wait_until_up  # noqa: E402
+from tasks.core.procs import free_port, wait_until_up  # noqa: E402
 
 # MLflow's own localStorage keys (its `useLocalStorage` hook stores JSON under `<key>_v<version>`).
 ASSISTANT_CLOSED = {"mlflow.assistant.panelOpen_v1": "false", "mlflow.assistant.fab.autoOpenedOnFirstLoad_v1": "true"}

@@ -4,7 +4,7 @@
 
 Order of work, each cycle:
   1. simulated users type regions of train-split files through the gateway over HTTP (editor
-     traffic, tasks/editor.py): a request at every pause, Tab or type on;
+     traffic, tasks/sim/editor.py): a request at every pause, Tab or type on;
   2. wait out the feedback timeout, so every shown suggestion has an outcome;
   3. if a challenger is live: the A/B decision flow promotes it, rolls it back, or keeps collecting;
   4. online_rl_cycle: ingest -> reward -> train -> evaluate (held-out test files) -> register -> rollout.
@@ -30,16 +30,16 @@ from flows.ab_decision import ab_decision
 from flows.cycle import online_rl_cycle
 from flows.loop_state import restore_checkpoint, save_checkpoint
 from serving.simulate import run_simulation
-from serving.store import CHAMPION, open_store
-from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
+from tasks.core.config import DEFAULT_PARAMS_FILE, Params, load_params
+from tasks.core.outcomes import reward_per_request
+from tasks.core.procs import NotUp, exit_on_sigterm, free_port, wait_until_up
+from tasks.core.store import CHAMPION, open_store
+from tasks.core.vllm import recorded_servers, restart_recorded, stop_vllm_at
 from tasks.deploy.arms import serve_champion, sync_adapters
 from tasks.deploy.registry import resolve_model_dir
 from tasks.deploy.tracking import runs_view_url
-from tasks.editor import merge_typing, read_regions, regions_path
-from tasks.outcomes import reward_per_request
-from tasks.procs import NotUp, exit_on_sigterm, free_port, wait_until_up
-from tasks.simulated_users import make_users
-from tasks.vllm import recorded_servers, restart_recorded, stop_vllm_at
+from tasks.sim.editor import merge_typing, read_regions, regions_path
+from tasks.sim.users import make_users
 
 DEMO_OVERRIDES = [
     "serving.auth=false",  # the local demo only: simulated users are identified by the `user` field
@@ -73,7 +73,7 @@ class CycleRow:
 def start_gateway(params_file: str, overrides: list[str], port: int, log_path: Path) -> subprocess.Popen:
     """`tabrl serve` in its own process (as in production), returning once /healthz answers."""
     sets = [x for o in overrides for x in ("--set", o)]
-    cmd = [sys.executable, "-m", "tasks", "serve", "--no-auth", "--port", str(port), "--params", params_file, *sets]
+    cmd = [sys.executable, "-m", "flows.cli", "serve", "--no-auth", "--port", str(port), "--params", params_file, *sets]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     with contextlib.ExitStack() as stopped_unless_up:  # a failure or a SIGTERM while waiting stops it too
@@ -278,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
 def print_report(rows: list[CycleRow], state: Path, params: Params) -> None:
     from rich.table import Table
 
+    from flows.cli.console import console, print_table
     from flows.plots import plot_cycles
-    from tasks.console import console, print_table
 
     table = Table(
         title="tabrl online RL cycles (online = simulated users typing train files over HTTP; "
@@ -327,10 +327,10 @@ def print_story(base_dir: Path, final_dir: Path, state: Path, params: Params) ->
     Typed through held-out regions no gate evaluation reached: the gate chose the champion on the others."""
     from rich.table import Table
 
-    from tasks.acceptance import noise_floor, typing_acceptance, unseen_regions
-    from tasks.console import console, print_table
-    from tasks.editor import read_regions, regions_path
-    from tasks.intervals import difference, interval, metric_fns
+    from flows.cli.console import console, print_table
+    from tasks.core.intervals import difference, interval, metric_fns
+    from tasks.sim.acceptance import noise_floor, typing_acceptance, unseen_regions
+    from tasks.sim.editor import read_regions, regions_path
 
     regions = unseen_regions(read_regions(regions_path(params.paths.data_dir, "test")))
     runs = {"base": typing_acceptance(base_dir, regions, params)}

@@ -26,7 +26,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from serving.errors import RETRY_AFTER_S, ApiError
-from serving.store import api_keys, users
+from tasks.core.store import api_keys, users
 
 KEY_PREFIX = "tabrl-"
 

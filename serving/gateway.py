@@ -66,10 +66,10 @@ from serving.log import (
     suffix_form_prompt,
 )
 from serving.router import FimRequest, Router, UnknownArmError
-from serving.store import Arm, init_schema, make_engine
-from tasks.config import Params, ServingParams
-from tasks.fim import TEMPLATES, FimFormatError, FimPrompt, parse_any
-from tasks.generate import Generation, show_rule
+from tasks.core.config import Params, ServingParams
+from tasks.core.fim import TEMPLATES, FimFormatError, FimPrompt, parse_any
+from tasks.core.generate import Generation, show_rule
+from tasks.core.store import Arm, init_schema, make_engine
 
 log = logging.getLogger("tabrl.gateway")
 

@@ -2,7 +2,7 @@
 
     python -m tests.harden_util backend --model DIR --port P
 
-``backend`` generates with the real tiny model (``tasks.generate``) in its own process (so it can be
+``backend`` generates with the real tiny model (``tasks.core.generate``) in its own process (so it can be
 killed), answering with token ids and log-probs the way vLLM does with ``return_token_ids`` and
 ``logprobs: 0``. Everything the benchmarks share with the tests is in ``bench/harness.py``.
 """

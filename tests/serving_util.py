@@ -13,7 +13,7 @@ import uvicorn
 
 from bench.harness import throwaway_schema
 from serving.gateway import UVICORN_OPTIONS
-from tasks.procs import free_port
+from tasks.core.procs import free_port
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -4,7 +4,7 @@ import json
 
 from typer.testing import CliRunner
 
-from tasks.cli import app
+from flows.cli.main import app
 from tests.conftest import TINY_MODEL, tiny_params
 
 runner = CliRunner()

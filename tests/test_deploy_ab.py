@@ -11,7 +11,7 @@ from scipy import stats as st
 from typer.testing import CliRunner
 
 from bench.harness import throwaway_schema
-from serving.store import (
+from tasks.core.store import (
     CHALLENGER,
     CHAMPION,
     Arm,
@@ -302,7 +302,7 @@ def _params_file(tmp_path, params):
 
 
 def test_cli_promote_without_challenger_exits_2_and_rollback_works(tmp_path, mlflow_store, tiny_model_dir):
-    from tasks.cli import app
+    from flows.cli.main import app
 
     params = tiny_params(tmp_path)
     path = _params_file(tmp_path, params)

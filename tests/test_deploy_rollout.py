@@ -4,7 +4,7 @@ import pytest
 from prefect import flow
 
 import tasks.deploy.rollout as rollout_mod
-from serving.store import CHALLENGER, CHAMPION, Arm, init_schema, make_engine, read_arms, replace_arms
+from tasks.core.store import CHALLENGER, CHAMPION, Arm, init_schema, make_engine, read_arms, replace_arms
 from tasks.deploy.errors import DeployError
 from tasks.deploy.registry import ensure_champion, get_alias_version, register_candidate
 from tasks.deploy.rollout import challenger_arms, rollout

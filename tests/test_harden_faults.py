@@ -35,7 +35,7 @@ from bench.harness import (
 from serving.auth import add_key
 from serving.gateway import create_app
 from serving.router import assign
-from serving.store import CHALLENGER, CHAMPION, Arm, completions, init_schema, make_engine, read_arms, replace_arms
+from tasks.core.store import CHALLENGER, CHAMPION, Arm, completions, init_schema, make_engine, read_arms, replace_arms
 from tasks.deploy.errors import DeployError
 from tasks.deploy.registry import ensure_champion, get_alias_version, register_candidate
 from tasks.deploy.tracking import start_cycle_run

@@ -14,7 +14,7 @@ from schemathesis import GenerationMode
 from bench.harness import editor_prompt, fast_backend_factory, row_problems
 from serving.auth import add_key
 from serving.gateway import create_app
-from serving.store import Arm, completions, feedback, init_schema, make_engine, replace_arms
+from tasks.core.store import Arm, completions, feedback, init_schema, make_engine, replace_arms
 from tests.conftest import tiny_params
 from tests.serving_util import serve_app
 

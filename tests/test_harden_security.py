@@ -12,12 +12,12 @@ import sqlalchemy as sa
 from typer.testing import CliRunner
 
 from bench.harness import editor_prompt, fast_backend_factory
+from flows.cli.main import app as cli
 from serving.auth import add_key, set_opt_out
 from serving.gateway import create_app
 from serving.log import insert_completion, prompt_hash
 from serving.retention import DurationError, parse_duration, purge
-from serving.store import Arm, completions, feedback, init_schema, make_engine, metadata, replace_arms
-from tasks.cli import app as cli
+from tasks.core.store import Arm, completions, feedback, init_schema, make_engine, metadata, replace_arms
 from tests.conftest import tiny_params
 from tests.serving_util import serve_app
 

@@ -12,11 +12,11 @@ import pytest
 import sqlalchemy as sa
 from typer.testing import CliRunner
 
+from flows.cli.main import app
 from serving.log import prompt_hash
-from serving.store import completions, feedback, make_engine, read_arms
-from tasks.cli import app
-from tasks.editor import write_regions
-from tasks.procs import free_port, wait_until_up
+from tasks.core.procs import free_port, wait_until_up
+from tasks.core.store import completions, feedback, make_engine, read_arms
+from tasks.sim.editor import write_regions
 from tests.conftest import tiny_params
 
 runner = CliRunner()
@@ -32,7 +32,7 @@ def served(tmp_path, tiny_model_dir):
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tasks", "serve", "--model", str(tiny_model_dir), "--port", str(port), *sets],
+        [sys.executable, "-m", "flows.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port), *sets],
         cwd=ROOT,
         env=env,
         stdout=log,

@@ -12,8 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from serving.auth import add_key, set_opt_out
 from serving.gateway import create_app
-from serving.store import Arm, completions, feedback, init_schema, make_engine, replace_arms
-from tasks.fim import QWEN
+from tasks.core.fim import QWEN
+from tasks.core.store import Arm, completions, feedback, init_schema, make_engine, replace_arms
 from tests.conftest import tiny_params
 from tests.serving_util import serve_app
 

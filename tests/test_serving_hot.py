@@ -10,7 +10,7 @@ import httpx
 from bench.harness import editor_prompt, fast_backend_factory
 from serving.auth import add_key
 from serving.gateway import HotRoutes, create_app
-from serving.store import Arm, init_schema, make_engine, replace_arms
+from tasks.core.store import Arm, init_schema, make_engine, replace_arms
 from tests.conftest import tiny_params
 from tests.serving_util import serve_app
 

@@ -23,8 +23,8 @@ import sqlalchemy as sa
 from bench.harness import ROOT, editor_prompt, make_keys, seed_arms, start_process, stop_process
 from serving.auth import Caller, RedisRateLimiter, add_key, set_opt_out
 from serving.errors import ApiError
-from serving.store import CHALLENGER, CHAMPION, Arm, completions, make_engine, replace_arms
-from tasks.procs import free_port, wait_until_up
+from tasks.core.procs import free_port, wait_until_up
+from tasks.core.store import CHALLENGER, CHAMPION, Arm, completions, make_engine, replace_arms
 
 REDIS_URL = os.environ.get("TABRL_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 FAST = Arm(CHAMPION, "fast/1", "fast", "embedded", 1.0)
@@ -176,7 +176,7 @@ def test_tabrl_serve_workers_share_one_port_and_the_limits(store_url, redis_url,
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     refused = subprocess.run(
-        [sys.executable, "-m", "tasks", "serve", "--workers", "2", "--no-auth", *sets],
+        [sys.executable, "-m", "flows.cli", "serve", "--workers", "2", "--no-auth", *sets],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -187,7 +187,7 @@ def test_tabrl_serve_workers_share_one_port_and_the_limits(store_url, redis_url,
     log = open(tmp_path / "serve.log", "w")
     cmd = ["serve", "--workers", "2", "--no-auth", "--model", str(tiny_model_dir), "--port", str(port)]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tasks", *cmd, *sets, *_sets(f"serving.redis_url={redis_url}")],
+        [sys.executable, "-m", "flows.cli", *cmd, *sets, *_sets(f"serving.redis_url={redis_url}")],
         cwd=ROOT,
         env=env,
         stdout=log,

@@ -12,9 +12,9 @@ from serving.auth import Caller, Directory, RateLimiter, add_key, resolve_caller
 from serving.errors import ApiError
 from serving.gateway import CompletionRequest, Metrics, normalise_request
 from serving.router import FimRequest, stops_for
-from serving.store import init_schema, make_engine
-from tasks.config import ServingParams
-from tasks.fim import CODELLAMA, CODESTRAL, DEEPSEEK, PREFIX_ONLY, QWEN, STARCODER, FimPrompt
+from tasks.core.config import ServingParams
+from tasks.core.fim import CODELLAMA, CODESTRAL, DEEPSEEK, PREFIX_ONLY, QWEN, STARCODER, FimPrompt
+from tasks.core.store import init_schema, make_engine
 
 SERVING = ServingParams(max_tokens=48, temperature=0.7, max_prompt_chars=100)
 

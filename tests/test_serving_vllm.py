@@ -20,10 +20,10 @@ import sqlalchemy as sa
 
 from serving.auth import add_key
 from serving.gateway import create_app
-from serving.store import Arm, completions, init_schema, make_engine, replace_arms
-from tasks.fim import PREFIX_ONLY, QWEN
-from tasks.generate import ShowRule, generate, load_model
-from tasks.procs import free_port, wait_until_up
+from tasks.core.fim import PREFIX_ONLY, QWEN
+from tasks.core.generate import ShowRule, generate, load_model
+from tasks.core.procs import free_port, wait_until_up
+from tasks.core.store import Arm, completions, init_schema, make_engine, replace_arms
 from tests.conftest import tiny_params
 from tests.serving_util import post_completions, serve_app
 

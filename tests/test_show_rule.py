@@ -12,13 +12,13 @@ import sqlalchemy as sa
 
 from serving.auth import add_key
 from serving.gateway import create_app
-from serving.store import Arm, completions, init_schema, make_engine, replace_arms
-from tasks.acceptance import type_regions
-from tasks.config import ServingParams
-from tasks.fim import parse_completion
-from tasks.generate import ShowRule, generate, load_model, show_rule, stops_of
-from tasks.inference import InProcess
-from tasks.vllm import VllmError, generation_from_vllm
+from tasks.core.config import ServingParams
+from tasks.core.fim import parse_completion
+from tasks.core.generate import ShowRule, generate, load_model, show_rule, stops_of
+from tasks.core.inference import InProcess
+from tasks.core.store import Arm, completions, init_schema, make_engine, replace_arms
+from tasks.core.vllm import VllmError, generation_from_vllm
+from tasks.sim.acceptance import type_regions
 from tests.conftest import tiny_params
 from tests.serving_util import post_completions, serve_app
 

@@ -4,7 +4,7 @@ import pytest
 import sqlalchemy as sa
 
 from bench.harness import throwaway_schema
-from serving.store import (
+from tasks.core.store import (
     SCHEMA_VERSION,
     Arm,
     ArmError,

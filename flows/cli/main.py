@@ -3,8 +3,8 @@
 Every command reads params.yaml (``--params``) and takes ``--set section.key=value`` overrides;
 ``TABRL_SECTION__KEY`` environment variables override too. Run ``tabrl COMMAND --help``.
 
-The root app: each stage's commands live beside the stage (``tasks/*/cli.py``, ``serving/cli.py``,
-``flows/cli.py``) and share ``tasks/console.py``; this file imports them and names them.
+The root app: the commands live in ``flows/cli/``, one module per noun, and share ``flows/cli/console.py``;
+this file imports them and names them.
 """
 
 from __future__ import annotations
@@ -13,14 +13,15 @@ import json
 
 import typer
 
-from flows.cli import cycle_cmd, deploy_cmd, schedule_cmd
-from serving.cli import arms_cmd, import_continue_cmd, keys_app, purge_cmd, serve_cmd, simulate_cmd
-from tasks.config import DEFAULT_PARAMS_FILE
-from tasks.console import ParamsOpt, SetOpt, console, params_or_exit
-from tasks.deploy.cli import ab_status_cmd, export_cmd, model_retention_cmd, promote_cmd, rollback_cmd, vllm_app
-from tasks.evaluate.cli import acceptance_cmd, evaluate_cmd, headroom_cmd
-from tasks.ingest.cli import corpus_cmd, data_cmd, ingest_cmd
-from tasks.train.cli import build_base_cmd, import_model_cmd, train_cmd
+from flows.cli.console import ParamsOpt, SetOpt, console, params_or_exit
+from flows.cli.cycle import cycle_cmd, deploy_cmd, schedule_cmd
+from flows.cli.data import corpus_cmd, data_cmd, ingest_cmd
+from flows.cli.deploy import ab_status_cmd, export_cmd, model_retention_cmd, promote_cmd, rollback_cmd, vllm_app
+from flows.cli.evaluate import acceptance_cmd, evaluate_cmd, headroom_cmd
+from flows.cli.keys import keys_app, purge_cmd
+from flows.cli.serve import arms_cmd, import_continue_cmd, serve_cmd, simulate_cmd
+from flows.cli.train import build_base_cmd, import_model_cmd, train_cmd
+from tasks.core.config import DEFAULT_PARAMS_FILE
 
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 

@@ -1,4 +1,4 @@
-"""`tabrl serve | keys | arms | import-continue | simulate`: the serving side of the command line."""
+"""`tabrl serve | arms | import-continue | simulate`: the gateway, its arms, and traffic to it."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from tasks.config import DEFAULT_PARAMS_FILE
-from tasks.console import ParamsOpt, SetOpt, console, fail, params_or_exit, print_table
-
-keys_app = typer.Typer(help="API keys and the opt-in cohort.", no_args_is_help=True)
+from flows.cli.console import ParamsOpt, SetOpt, console, fail, params_or_exit, print_table
+from flows.cli.console import store_engine as _engine
+from tasks.core.config import DEFAULT_PARAMS_FILE
 
 
 def _params(path: Path, overrides: list[str] | None):
@@ -22,14 +21,6 @@ def _params(path: Path, overrides: list[str] | None):
 
 def _fail(message: str, code: int = 2) -> None:
     fail(message, code)
-
-
-def _engine(params):
-    from serving.store import init_schema, make_engine
-
-    engine = make_engine(params.paths.database_url)
-    init_schema(engine)
-    return engine
 
 
 def serve_cmd(
@@ -60,8 +51,8 @@ def serve_cmd(
 ) -> None:
     """Run the gateway (uvicorn): completions, feedback, A/B arms, a durable log."""
     from serving.gateway import serve
-    from serving.store import Arm, read_arms, replace_arms
-    from tasks.generate import describe_rule, show_rule
+    from tasks.core.generate import describe_rule, show_rule
+    from tasks.core.store import Arm, read_arms, replace_arms
 
     p = _params(params, [*(set_ or []), *(["serving.auth=false"] if no_auth else [])])
     if workers > 1 and not p.serving.redis_url:
@@ -93,45 +84,13 @@ def serve_cmd(
     serve(p, host or p.serving.host, port or p.serving.port, workers)
 
 
-@keys_app.command("add")
-def keys_add_cmd(
-    user: Annotated[str, typer.Argument(help="User id the key maps to.")],
-    params: ParamsOpt = DEFAULT_PARAMS_FILE,
-    set_: SetOpt = None,
-) -> None:
-    """Create an API key for USER and print it (only its hash is stored)."""
-    from serving.auth import add_key
-
-    p = _params(params, set_)
-    try:
-        key = add_key(_engine(p), user)
-    except ValueError as err:
-        _fail(str(err))
-    typer.echo(key)
-
-
-@keys_app.command("opt-out")
-def keys_opt_out_cmd(
-    user: Annotated[str, typer.Argument(help="User id.")],
-    undo: Annotated[bool, typer.Option("--undo", help="Opt the user back in.")] = False,
-    params: ParamsOpt = DEFAULT_PARAMS_FILE,
-    set_: SetOpt = None,
-) -> None:
-    """Stop logging USER's requests (they are still served); --undo logs them again."""
-    from serving.auth import set_opt_out
-
-    p = _params(params, set_)
-    set_opt_out(_engine(p), user, not undo)
-    console.print(f"{user}: {'opted in' if undo else 'opted out'}")
-
-
 ARM_FIELDS = {"name", "uri", "backend", "share", "version", "model", "adapter"}
 
 
 def parse_arm_spec(spec: str):
     """`name=champion,uri=models/x,share=0.5[,backend=embedded][,version=v1][,model=NAME][,adapter=DIR]` -> Arm
     (model: the name asked of the server, e.g. a vLLM adapter's; adapter: a LoRA adapter on uri's base)."""
-    from serving.store import Arm
+    from tasks.core.store import Arm
 
     fields = {}
     for part in spec.split(","):
@@ -179,7 +138,7 @@ def arms_cmd(
     set_: SetOpt = None,
 ) -> None:
     """Show the live A/B arms, or replace them (shares must sum to 1; gateways pick the change up without restart)."""
-    from serving.store import Arm, ArmError, read_arms, replace_arms
+    from tasks.core.store import Arm, ArmError, read_arms, replace_arms
 
     p = _params(params, set_)
     engine = _engine(p)
@@ -266,8 +225,8 @@ def simulate_cmd(
 
     from serving.auth import add_key
     from serving.simulate import SimulationError, run_simulation
-    from tasks.editor import read_regions
-    from tasks.simulated_users import make_users
+    from tasks.sim.editor import read_regions
+    from tasks.sim.users import make_users
 
     p = _params(params, set_)
     try:
@@ -321,33 +280,3 @@ def simulate_cmd(
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps({arm: s.as_dict() for arm, s in by_arm.items()}, indent=2) + "\n")
-
-
-def purge_cmd(
-    older_than: Annotated[
-        str,
-        typer.Option(
-            "--older-than", help="Delete completions and feedback older than this: NUMBER + s|m|h|d|w, e.g. 30d."
-        ),
-    ],
-    batch: Annotated[int, typer.Option(help="Rows deleted per transaction.", min=1)] = 1000,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only count what would be deleted.")] = False,
-    params: ParamsOpt = DEFAULT_PARAMS_FILE,
-    set_: SetOpt = None,
-) -> None:
-    """Retention: delete logged completions (with their feedback) and feedback older than --older-than."""
-    from serving.retention import DurationError, parse_duration, purge
-
-    try:
-        seconds = parse_duration(older_than)
-    except DurationError as err:
-        _fail(f"--older-than: {err}")
-    if seconds <= 0:
-        _fail("--older-than must be longer than 0 s")
-    p = _params(params, set_)
-    done = purge(_engine(p), seconds, batch=batch, dry_run=dry_run)
-    verb = "would delete" if dry_run else "deleted"
-    console.print(
-        f"{verb} {done.completions} completions, {done.feedback} feedback, {done.late_feedback} late feedback "
-        f"older than {older_than}"
-    )
