@@ -56,7 +56,7 @@ demo: base  ## data + base model, its held-out acceptance, then online RL cycles
 	$(BIN)/python -m flows.online_loop $(DEMO_ARGS)
 
 screenshot: install  ## PNG of the MLflow runs view of the demo's cycles (needs Debian's chromium): docs/mlflow-runs.png
-	$(BIN)/python bench/mlflow_screenshot.py --store sqlite:///state/demo/mlflow.db --out docs/mlflow-runs.png
+	$(BIN)/python -m bench.mlflow_screenshot --store sqlite:///state/demo/mlflow.db --out docs/mlflow-runs.png
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 bench-tools:  ## the HTTP load generators bench/gateway.py drives (hey, wrk: Debian packages)

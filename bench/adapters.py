@@ -36,7 +36,6 @@ from pathlib import Path
 import psutil
 from prefect import flow
 
-from bench.harness import start_process, stop_process
 from bench.loadgen import wrk_bodies
 from flows.cli.console import console, print_table
 from tasks.core.config import Params, load_params
@@ -49,6 +48,7 @@ from tasks.deploy.registry import ensure_champion, register_candidate, resolve_m
 from tasks.deploy.rollout import rollout
 from tasks.deploy.tracking import start_cycle_run
 from tasks.sim.editor import pause_requests, read_regions, regions_path
+from tests.support.harness import start_process, stop_process
 
 CPU_VLLM = ["--dtype", "float32", "--enforce-eager", "--enable-prefix-caching", "--logprobs-mode", "processed_logprobs"]
 MERGED = "merged"  # the third arm's name
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             "serving.rate_limit_per_minute=100000000",
             "--set",
             f"serving.window_chars={params.serving.window_chars}",
-            module="bench.harness",
+            module="tests.support.harness",
             timeout_s=120,
         )
         bodies = typing_bodies(params, 5000)

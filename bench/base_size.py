@@ -1,7 +1,7 @@
 """Which base size buys most per CPU hour?  Pre-train several shapes for the same wall-clock budget.
 
-    python bench/base_size.py                             # 3 shapes, 600 s each, 200 held-out requests
-    python bench/base_size.py --budget-s 1800 --shapes 128x4 256x4 --requests 300
+    python -m bench.base_size                             # 3 shapes, 600 s each, 200 held-out requests
+    python -m bench.base_size --budget-s 1800 --shapes 128x4 256x4 --requests 300
 
 Each shape (HIDDENxLAYERS; heads of 64 dims, half as many KV heads, MLP 2.75x hidden) is timed for a
 few real pre-training steps on this machine, given the number of steps that fills the budget, and
@@ -18,12 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def shape(spec: str) -> dict:

@@ -1,6 +1,6 @@
 """How many copies of a big checkpoint the registry makes, and what each step costs.
 
-    PYTHONPATH=$PWD python bench/deploy_registry.py --mb 512
+    python -m bench.deploy_registry --mb 512
 
 Builds a fake checkpoint (config.json + one random model.safetensors of --mb MiB) in a temp dir, a
 fresh MLflow SQLite store beside it, then times: log + register (the one copy into the artifact

@@ -1,8 +1,8 @@
 """Right rate vs pre-training steps: the headroom of each saved checkpoint on held-out editor traffic.
 
     tabrl build-base --snapshots                     # keeps models/tabrl-tiny.partial/step-N
-    python bench/headroom.py                         # every step-N there, 300 requests, pass@8
-    python bench/headroom.py --models A B --requests 500
+    python -m bench.headroom                         # every step-N there, 300 requests, pass@8
+    python -m bench.headroom --models A B --requests 500
 
 For each checkpoint: suggestion rate and right rate greedy (pass@1), right rate sampled at the
 serving temperature, pass@k, beside the noise floor, and the loss of the true continuation (nats per
@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def _steps(path: Path, built_steps: int | None = None) -> int:

@@ -1,7 +1,7 @@
 """Ingest throughput: N synthetic logged events in the log store -> one cleaned Parquet snapshot.
 
-    PYTHONPATH=. python bench/ingest.py --rows 1000000                  # SQLite
-    PYTHONPATH=. python bench/ingest.py --rows 200000 --backend postgres --postgres-url postgresql+psycopg://...
+    python -m bench.ingest --rows 1000000                  # SQLite
+    python -m bench.ingest --rows 200000 --backend postgres --postgres-url postgresql+psycopg://...
 
 Events look like editor traffic: prompts are windows of real stdlib code (so editor context repeats
 across requests, as it does for a user typing in one file), 10% abstentions, ~70% with feedback,
@@ -26,11 +26,10 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from tasks.core.store import completions, feedback, init_schema, make_engine, users
+from tasks.sim.corpus import stdlib_root
 
-from tasks.core.store import completions, feedback, init_schema, make_engine, users  # noqa: E402
-from tasks.sim.corpus import stdlib_root  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 COLUMNS = [
     "id",

@@ -1,8 +1,8 @@
 """Why does one PPO step sometimes move approx-KL from ~0.3 to ~50?  Step-by-step approx-KL of the update.
 
-    python bench/kl_probe.py                                 # shipped base, 3 seeds, the variants below
-    python bench/kl_probe.py --model DIR --rows 240 --seeds 0 1 2 --variants defaults lr=1e-4,epochs=2
-    python bench/kl_probe.py --snapshot S.rewarded.parquet --model DIR --seeds 0 --variants defaults
+    python -m bench.kl_probe                                 # shipped base, 3 seeds, the variants below
+    python -m bench.kl_probe --model DIR --rows 240 --seeds 0 1 2 --variants defaults lr=1e-4,epochs=2
+    python -m bench.kl_probe --snapshot S.rewarded.parquet --model DIR --seeds 0 --variants defaults
                                                              # a logged cycle's update, from its champion
 
 One online-like rollout per seed: simulated users type train-split regions and the model's suggestions
@@ -27,14 +27,10 @@ import argparse
 import json
 import math
 import random
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 # The settings before (2 epochs, embeddings trained), each change alone, and both (today's params.yaml).
 DEFAULT_VARIANTS = [

@@ -1,10 +1,10 @@
 """Does acceptance rise on held-out code? K online cycles per setting and seed, against a control.
 
-    python bench/learning.py --quick          # defaults vs control, 1 seed, 3 cycles
-    python bench/learning.py                  # defaults, rlinf, grpo, control; 3 seeds x 5 cycles
-    python bench/learning.py --corpus DIR     # held-out regions and samples from another code directory
-    python bench/learning.py --settings defaults control --variant t0.3:serving.temperature=0.3,train.lr=1e-4
-    python bench/learning.py --settings defaults control --cycles 10 --final-cycle 5 --report-only
+    python -m bench.learning --quick          # defaults vs control, 1 seed, 3 cycles
+    python -m bench.learning                  # defaults, rlinf, grpo, control; 3 seeds x 5 cycles
+    python -m bench.learning --corpus DIR     # held-out regions and samples from another code directory
+    python -m bench.learning --settings defaults control --variant t0.3:serving.temperature=0.3,train.lr=1e-4
+    python -m bench.learning --settings defaults control --cycles 10 --final-cycle 5 --report-only
                                               # a stored 10-cycle run, each seed's model after cycle 5
 
 Traffic and evaluation are editor-like (tasks/sim/editor.py): simulated users type regions of files and
@@ -53,7 +53,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 if TYPE_CHECKING:
     from tasks.core.intervals import Interval

@@ -1,7 +1,7 @@
 """Is the loop's lift more than a stricter show rule? The base at the suggestion rate of each learned model.
 
-    python bench/matched_rule.py --run bench/out/learning                    # defaults vs a stricter base
-    python bench/matched_rule.py --run bench/out/learning-x --set paths.data_dir=bench/out/learning-x/corpus-data
+    python -m bench.matched_rule --run bench/out/learning                    # defaults vs a stricter base
+    python -m bench.matched_rule --run bench/out/learning-x --set paths.data_dir=bench/out/learning-x/corpus-data
 
 bench/learning.py compares each setting's final model with the control (the base, unchanged) on held-out
 editor traffic. The learnt models show fewer suggestions, and a stricter show rule (serving.min_logprob nearer 0)
@@ -24,13 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.learning import TYPING, paired_differences  # noqa: E402
+from bench.learning import TYPING, paired_differences
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """Does stopping where the model is unsure help users? The show rule (serving.min_logprob), measured per threshold.
 
-    python bench/stop_rule.py                                   # the shipped base, 1000 requests
-    python bench/stop_rule.py --model DIR --requests 500 --thresholds -1 -2 -3
+    python -m bench.stop_rule                                   # the shipped base, 1000 requests
+    python -m bench.stop_rule --model DIR --requests 500 --thresholds -1 -2 -3
 
 Each held-out request (every pause of the first test-file regions, no Tab taken: the model-free
 request set of `bench/headroom.py`) gets the model's greedy suggestion with the log-prob of each of
@@ -23,11 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,6 @@ import yaml
 from scipy import stats as st
 from typer.testing import CliRunner
 
-from bench.harness import throwaway_schema
 from tasks.core.store import (
     CHALLENGER,
     CHAMPION,
@@ -28,6 +27,7 @@ from tasks.deploy.promote import NoChallengerError, promote, rollback
 from tasks.deploy.registry import ensure_champion, get_alias_version, register_candidate, set_alias
 from tasks.deploy.tracking import start_cycle_run, tracking_client
 from tests.conftest import tiny_params
+from tests.support.harness import throwaway_schema
 
 _ids = itertools.count()
 

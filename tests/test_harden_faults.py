@@ -20,18 +20,6 @@ import sqlalchemy as sa
 from prefect import flow
 
 import tasks.deploy.rollout as rollout_mod
-from bench.harness import (
-    ROOT,
-    drive_editors,
-    editor_prompt,
-    fast_backend_factory,
-    free_port,
-    make_keys,
-    seed_arms,
-    start_process,
-    stop_process,
-    store_problems,
-)
 from serving.auth import add_key
 from serving.gateway import create_app
 from serving.router import assign
@@ -45,6 +33,18 @@ from tasks.train.policy import RESULT_FILE
 from tests.conftest import tiny_params
 from tests.harden_util import start_backend
 from tests.serving_util import serve_app
+from tests.support.harness import (
+    ROOT,
+    drive_editors,
+    editor_prompt,
+    fast_backend_factory,
+    free_port,
+    make_keys,
+    seed_arms,
+    start_process,
+    stop_process,
+    store_problems,
+)
 from tests.test_train_job import snapshot  # noqa: F401  (fixture)
 
 FAST = Arm(CHAMPION, "fast/1", "fast", "embedded", 1.0)

@@ -11,7 +11,6 @@ import pytest
 import sqlalchemy as sa
 from typer.testing import CliRunner
 
-from bench.harness import editor_prompt, fast_backend_factory
 from flows.cli.main import app as cli
 from serving.auth import add_key, set_opt_out
 from serving.gateway import create_app
@@ -20,6 +19,7 @@ from serving.retention import DurationError, parse_duration, purge
 from tasks.core.store import Arm, completions, feedback, init_schema, make_engine, metadata, replace_arms
 from tests.conftest import tiny_params
 from tests.serving_util import serve_app
+from tests.support.harness import editor_prompt, fast_backend_factory
 
 SECRET = "AKIAZZZZSECRETPLANTED0000"  # planted in prompts: must never reach a log line
 

@@ -9,6 +9,9 @@
 A module may import its own floor and the floors below it, never one above. Every import counts,
 the lazy ones inside functions and under ``TYPE_CHECKING`` too, and no two modules import each
 other through any chain (a circle through a lazy import is still a circle a reader has to untangle).
+Beside the product: tests/ and bench/ may import any of it, and bench/ may import tests/support/, but
+no test imports bench/ (what both need lives in tests/support/ or the product), and no bench patches
+``sys.path`` (benches run as ``python -m bench.NAME`` from the repo root).
 Each failure prints its file, line and the rule it breaks.
 """
 
@@ -140,6 +143,25 @@ def circles(found: list[Import]) -> list[list[str]]:
     return sorted(components)
 
 
+def breaks_between_tests_and_benches(root: Path = ROOT) -> list[str]:
+    """Each test import of bench/ and each bench touching sys.path, as file:line and what it does."""
+    lines = []
+    for folder, rule in (("tests", "a test imports bench/"), ("bench", "a bench patches sys.path")):
+        for path in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if folder == "tests" and isinstance(node, ast.ImportFrom) and node.level == 0:
+                    names = [node.module or ""]
+                elif folder == "tests" and isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif folder == "bench" and isinstance(node, ast.Attribute) and node.attr == "path":
+                    names = ["sys.path"] if isinstance(node.value, ast.Name) and node.value.id == "sys" else []
+                else:
+                    continue
+                if any(n == "sys.path" or n.split(".")[0] == "bench" for n in names):
+                    lines.append(f"{path.relative_to(root)}:{node.lineno}: {rule}")
+    return lines
+
+
 def _report(title: str, lines: list[str]) -> str:
     return f"{len(lines)} {title}:\n  " + "\n  ".join(lines)
 
@@ -152,6 +174,22 @@ def test_imports_only_point_down_the_floors():
 def test_no_two_modules_import_each_other_through_any_chain():
     found = [" <-> ".join(c) for c in circles(imports())]
     assert not found, _report("import circles", found)
+
+
+def test_no_test_imports_a_bench_and_no_bench_patches_sys_path():
+    found = breaks_between_tests_and_benches()
+    assert not found, _report("breaks between tests/ and bench/", found)
+
+
+def test_the_apart_check_catches_a_bench_import_and_a_path_patch(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text("import os\n\n\ndef f():\n    from bench.harness import run\n")
+    (tmp_path / "bench" / "b.py").write_text("import sys\n\nsys.path.insert(0, '.')\n")
+    assert breaks_between_tests_and_benches(tmp_path) == [
+        "tests/test_x.py:5: a test imports bench/",
+        "bench/b.py:3: a bench patches sys.path",
+    ]
 
 
 def test_the_checks_catch_each_kind_of_break():

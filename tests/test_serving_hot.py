@@ -7,12 +7,12 @@ import json
 
 import httpx
 
-from bench.harness import editor_prompt, fast_backend_factory
 from serving.auth import add_key
 from serving.gateway import HotRoutes, create_app
 from tasks.core.store import Arm, init_schema, make_engine, replace_arms
 from tests.conftest import tiny_params
 from tests.serving_util import serve_app
+from tests.support.harness import editor_prompt, fast_backend_factory
 
 HEADERS = ("content-type", "x-tabrl-arm", "retry-after")
 

@@ -10,10 +10,10 @@ import time
 import pytest
 import sqlalchemy as sa
 
-from bench.harness import throwaway_schema
 from serving.auth import TtlCache
 from serving.log import InsertRow, LogWriter, Outcome, RecordFeedback, insert_completion, prompt_hash, record_outcome
 from tasks.core.store import completions, feedback, init_schema, make_engine
+from tests.support.harness import throwaway_schema
 
 
 def _row(cid: str, user: str) -> dict:

@@ -1,7 +1,7 @@
 """Gateway replicas on one log store and one Redis: the rate limits hold in total (not per replica), and arm
 changes and opt-outs reach every replica within serving.config_ttl_s; `tabrl serve --workers 2`.
 
-Real components: gateway processes on loopback (`python -m bench.harness gateway`, and `tabrl serve`), SQLite
+Real components: gateway processes on loopback (`python -m tests.support.harness gateway`, and `tabrl serve`), SQLite
 or PostgreSQL (store_url), Redis at TABRL_TEST_REDIS_URL (default redis://127.0.0.1:6379/0; skipped when it
 does not answer)."""
 
@@ -20,11 +20,11 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from bench.harness import ROOT, editor_prompt, make_keys, seed_arms, start_process, stop_process
 from serving.auth import Caller, RedisRateLimiter, add_key, set_opt_out
 from serving.errors import ApiError
 from tasks.core.procs import free_port, wait_until_up
 from tasks.core.store import CHALLENGER, CHAMPION, Arm, completions, make_engine, replace_arms
+from tests.support.harness import ROOT, editor_prompt, make_keys, seed_arms, start_process, stop_process
 
 REDIS_URL = os.environ.get("TABRL_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 FAST = Arm(CHAMPION, "fast/1", "fast", "embedded", 1.0)

@@ -3,7 +3,6 @@ import os
 import pytest
 import sqlalchemy as sa
 
-from bench.harness import throwaway_schema
 from tasks.core.store import (
     SCHEMA_VERSION,
     Arm,
@@ -15,6 +14,7 @@ from tasks.core.store import (
     replace_arms,
     schema_version,
 )
+from tests.support.harness import throwaway_schema
 
 
 def _engines(tmp_path):

@@ -1,8 +1,8 @@
 """What the benchmarks and the hardening tests share: a backend that answers at once, the gateway in its
 own process, throwaway stores, simulated editors under load and the store checks after them.
 
-    python -m bench.harness gateway --db URL --port P [--no-auth] [--workers N] [--set KEY=VALUE ...]
-    python -m bench.harness bare --port P
+    python -m tests.support.harness gateway --db URL --port P [--no-auth] [--workers N] [--set KEY=VALUE ...]
+    python -m tests.support.harness bare --port P
 
 * ``gateway``: the real gateway app in its own process (so it can be SIGKILLed). Arms whose backend
   is ``embedded`` answer with ``FastBackend`` (a fixed 8-token Generation, at once: load, fuzz and
@@ -43,7 +43,7 @@ from tasks.core.generate import Generation
 from tasks.core.procs import NotUp, free_port, wait_until_up
 from tasks.core.store import Arm, completions, feedback
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class FastBackend:
@@ -84,7 +84,7 @@ def _serve_gateway(db_url: str, port: int, auth: bool, overrides: list[str], wor
     engine = make_engine(db_url, timeout_s=params.serving.db_timeout_s)
     init_schema(engine)
     engine.dispose()
-    serve(params, "127.0.0.1", port, workers, factory="bench.harness:gateway_from_env")
+    serve(params, "127.0.0.1", port, workers, factory="tests.support.harness:gateway_from_env")
 
 
 def gateway_from_env():
@@ -154,7 +154,7 @@ def start_process(
     kind: str,
     port: int,
     *args: str,
-    module: str = "bench.harness",
+    module: str = "tests.support.harness",
     ready_path: str = "/v1/models",
     timeout_s: float = 60.0,
 ) -> subprocess.Popen:
