@@ -8,7 +8,8 @@ import json
 import httpx
 
 from serving.auth import add_key
-from serving.gateway import HotRoutes, create_app
+from serving.fast_path import HotRoutes
+from serving.gateway import create_app
 from tasks.core.store import Arm, init_schema, make_engine, replace_arms
 from tests.conftest import tiny_params
 from tests.serving_util import serve_app

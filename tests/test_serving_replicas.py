@@ -20,8 +20,9 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from serving.auth import Caller, RedisRateLimiter, add_key, set_opt_out
+from serving.auth import Caller, add_key, set_opt_out
 from serving.errors import ApiError
+from serving.limits import RedisRateLimiter
 from tasks.core.procs import free_port, wait_until_up
 from tasks.core.store import CHALLENGER, CHAMPION, Arm, completions, make_engine, replace_arms
 from tests.support.harness import ROOT, editor_prompt, make_keys, seed_arms, start_process, stop_process

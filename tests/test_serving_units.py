@@ -8,9 +8,12 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving.auth import Caller, Directory, RateLimiter, add_key, resolve_caller, set_opt_out
+from serving.auth import Caller, Directory, add_key, resolve_caller, set_opt_out
 from serving.errors import ApiError
-from serving.gateway import CompletionRequest, Metrics, normalise_request
+from serving.limits import RateLimiter
+from serving.metrics import Metrics
+from serving.normalise import normalise_request
+from serving.protocol import CompletionRequest
 from serving.router import FimRequest, stops_for
 from tasks.core.config import ServingParams
 from tasks.core.fim import CODELLAMA, CODESTRAL, DEEPSEEK, PREFIX_ONLY, QWEN, STARCODER, FimPrompt
