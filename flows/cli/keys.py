@@ -23,7 +23,7 @@ def _fail(message: str, code: int = 2) -> None:
     fail(message, code)
 
 
-@keys_app.command("add")
+@keys_app.command("add", epilog="Example: tabrl keys add alice")
 def keys_add_cmd(
     user: Annotated[str, typer.Argument(help="User id the key maps to.")],
     params: ParamsOpt = DEFAULT_PARAMS_FILE,
@@ -40,7 +40,7 @@ def keys_add_cmd(
     typer.echo(key)
 
 
-@keys_app.command("opt-out")
+@keys_app.command("opt-out", epilog="Example: tabrl keys opt-out alice")
 def keys_opt_out_cmd(
     user: Annotated[str, typer.Argument(help="User id.")],
     undo: Annotated[bool, typer.Option("--undo", help="Opt the user back in.")] = False,

@@ -1,15 +1,16 @@
-"""`tabrl`: the command line of the pipeline and the gateway.
+"""`tabrl`: online reinforcement learning for a code-completion service, on the command line.
 
 Every command reads params.yaml (``--params``) and takes ``--set section.key=value`` overrides;
-``TABRL_SECTION__KEY`` environment variables override too. Run ``tabrl COMMAND --help``.
-
-The root app: the commands live in ``flows/cli/``, one module per noun, and share ``flows/cli/console.py``;
-this file imports them and names them.
+``TABRL_SECTION__KEY`` environment variables override too. ``tabrl COMMAND --help`` shows one command with
+an example. Commands are grouped by job: data and models, the cycle, serving, deployment and schedules, keys
+and privacy.
 """
 
 from __future__ import annotations
 
 import json
+from importlib.metadata import version as installed_version
+from typing import Annotated
 
 import typer
 
@@ -23,10 +24,38 @@ from flows.cli.serve import arms_cmd, import_continue_cmd, serve_cmd, simulate_c
 from flows.cli.train import build_base_cmd, import_model_cmd, train_cmd
 from tasks.core.config import DEFAULT_PARAMS_FILE
 
-app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+HELP = """tabrl: online reinforcement learning for a code-completion service.
+
+Every command reads params.yaml (--params) and takes --set section.key=value overrides; TABRL_SECTION__KEY
+environment variables override too. Run `tabrl COMMAND --help` for one command and an example."""
+
+DATA, CYCLE, SERVING, DEPLOYMENT, KEYS = (
+    "Data and models",
+    "The cycle",
+    "Serving",
+    "Deployment and schedules",
+    "Keys and privacy",
+)
+
+app = typer.Typer(help=HELP, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
 
-@app.command("params")
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"tabrl {installed_version('tabrl')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", help="Print tabrl's version and exit.", callback=_print_version, is_eager=True)
+    ] = False,
+) -> None:
+    pass
+
+
+@app.command("params", rich_help_panel=DATA, epilog="Example: tabrl params --set train.lr=1e-4")
 def show_params(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -> None:
     """Print the resolved config (file + env + --set) as YAML-like dotted keys."""
     resolved = params_or_exit(params, set_)
@@ -34,28 +63,42 @@ def show_params(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) ->
         console.print(f"{key} = {json.dumps(value)}", highlight=False)
 
 
-# In the order `tabrl --help` lists them: the pipeline's order of work, then serving, then flows.
-app.command("corpus")(corpus_cmd)
-app.command("data")(data_cmd)
-app.command("build-base")(build_base_cmd)
-app.command("import-model")(import_model_cmd)
-app.command("acceptance")(acceptance_cmd)
-app.command("headroom")(headroom_cmd)
-app.command("evaluate")(evaluate_cmd)
-app.command("promote")(promote_cmd)
-app.command("rollback")(rollback_cmd)
-app.command("ab-status")(ab_status_cmd)
-app.command("model-retention")(model_retention_cmd)
-app.command("serve")(serve_cmd)
-app.command("arms")(arms_cmd)
-app.command("import-continue")(import_continue_cmd)
-app.command("simulate")(simulate_cmd)
-app.add_typer(keys_app, name="keys")
-app.command("train")(train_cmd)
-app.command("ingest")(ingest_cmd)
-app.command("cycle")(cycle_cmd)
-app.command("schedule")(schedule_cmd)
-app.command("deploy")(deploy_cmd)
-app.command("purge")(purge_cmd)
-app.add_typer(vllm_app, name="vllm")
-app.command("export")(export_cmd)
+# name, the function, its panel, one example ("": its docstring ends with one). In `tabrl --help`'s order.
+COMMANDS = (
+    ("corpus", corpus_cmd, DATA, "tabrl corpus --out data/corpus"),
+    ("data", data_cmd, DATA, "tabrl data --corpus data/corpus/files.parquet --out data/fim"),
+    ("build-base", build_base_cmd, DATA, "tabrl build-base --corpus data/corpus/files.parquet --out models/tabrl-tiny"),
+    ("import-model", import_model_cmd, DATA, "tabrl import-model --from ~/models/coder.gguf --out models/coder"),
+    ("export", export_cmd, DATA, ""),
+    ("model-retention", model_retention_cmd, DATA, ""),
+    ("ingest", ingest_cmd, CYCLE, "tabrl ingest --repo ."),
+    (
+        "train",
+        train_cmd,
+        CYCLE,
+        "tabrl train --from models/tabrl-tiny --snapshot data/interactions/S.parquet --out models/candidates/c1",
+    ),
+    ("evaluate", evaluate_cmd, CYCLE, "tabrl evaluate --model models/candidates/c1 --against models/tabrl-tiny"),
+    ("acceptance", acceptance_cmd, CYCLE, "tabrl acceptance --model models/tabrl-tiny --json state/acceptance.json"),
+    ("headroom", headroom_cmd, CYCLE, "tabrl headroom --model models/tabrl-tiny --k 8"),
+    ("cycle", cycle_cmd, CYCLE, "tabrl cycle --repo ."),
+    ("serve", serve_cmd, SERVING, "tabrl serve --port 8000"),
+    ("arms", arms_cmd, SERVING, "tabrl arms --arm name=champion,uri=models/tabrl-tiny,share=1"),
+    ("simulate", simulate_cmd, SERVING, "tabrl simulate --url http://127.0.0.1:8000 --users 10 --requests 200"),
+    (
+        "import-continue",
+        import_continue_cmd,
+        SERVING,
+        "tabrl import-continue ~/.continue/dev_data/0.2.0/autocomplete.jsonl",
+    ),
+    ("promote", promote_cmd, DEPLOYMENT, "tabrl promote"),
+    ("rollback", rollback_cmd, DEPLOYMENT, "tabrl rollback"),
+    ("ab-status", ab_status_cmd, DEPLOYMENT, ""),
+    ("schedule", schedule_cmd, DEPLOYMENT, "tabrl schedule --params params.yaml"),
+    ("deploy", deploy_cmd, DEPLOYMENT, "tabrl deploy --repo ."),
+    ("purge", purge_cmd, KEYS, "tabrl purge --older-than 30d --dry-run"),
+)
+for name, command, panel, example in COMMANDS:
+    app.command(name, rich_help_panel=panel, epilog=f"Example: {example}" if example else None)(command)
+app.add_typer(vllm_app, name="vllm", rich_help_panel=SERVING, epilog="Example: tabrl vllm status")
+app.add_typer(keys_app, name="keys", rich_help_panel=KEYS, epilog="Example: tabrl keys add alice")
