@@ -46,7 +46,7 @@ from serving.state import Gateway
 from serving.status import healthz, models
 from serving.status import metrics as render_metrics
 from tasks.core.config import Params
-from tasks.core.store import Arm, init_schema, make_engine
+from tasks.core.store import Arm, Store, init_schema
 
 log = logging.getLogger("tabrl.gateway")
 
@@ -67,7 +67,7 @@ def create_app(
     the benchmark passes its own to measure the gateway alone. The FastAPI app is its `.app`.
     """
     s = params.serving
-    engine = engine if engine is not None else make_engine(params.paths.database_url, timeout_s=s.db_timeout_s)
+    engine = engine if engine is not None else Store(params.paths.database_url, s.db_timeout_s).engine
     require_auth = s.auth if auth is None else auth
     gw = Gateway(params, engine, require_auth, backend_factory)
     completions, feedback = partial(complete, gw), partial(record_feedback, gw)

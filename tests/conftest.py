@@ -20,8 +20,8 @@ from tasks.sim.corpus import SourceFile, sample_spans, split_files, stdlib_root 
 # terminal, the worst case, whatever the machine's COLUMNS; `COLUMNS=300 pytest` must pass too.
 CLI_COLUMNS = os.environ.get("TABRL_TEST_COLUMNS", "40")
 
-# Fixtures shared by the serving tests (store_url: SQLite, and PostgreSQL when configured).
-pytest_plugins = ["tests.serving_util"]
+# Fixtures shared by the serving tests (store_url: SQLite, and PostgreSQL when configured) and `store` (a Store).
+pytest_plugins = ["tests.serving_util", "tests.support.store"]
 
 
 @pytest.fixture(autouse=True)

@@ -53,12 +53,3 @@ def params_or_exit(path: Path, overrides: list[str] | None) -> Params:
         return load_params(path, overrides or [])
     except ParamsError as err:
         fail(str(err), 2)
-
-
-def store_engine(params: Params):
-    """The log store's engine at paths.database_url, its schema created if missing."""
-    from tasks.core.store import init_schema, make_engine
-
-    engine = make_engine(params.paths.database_url)
-    init_schema(engine)
-    return engine

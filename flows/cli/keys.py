@@ -9,8 +9,8 @@ from typing import Annotated
 import typer
 
 from flows.cli.console import ParamsOpt, SetOpt, console, fail, params_or_exit
-from flows.cli.console import store_engine as _engine
 from tasks.core.config import DEFAULT_PARAMS_FILE
+from tasks.core.store import open_store
 
 keys_app = typer.Typer(help="API keys and the opt-in cohort.", no_args_is_help=True)
 
@@ -33,10 +33,11 @@ def keys_add_cmd(
     from serving.auth import add_key
 
     p = _params(params, set_)
-    try:
-        key = add_key(_engine(p), user)
-    except ValueError as err:
-        _fail(str(err))
+    with open_store(p.paths.database_url) as engine:
+        try:
+            key = add_key(engine, user)
+        except ValueError as err:
+            _fail(str(err))
     typer.echo(key)
 
 
@@ -51,7 +52,8 @@ def keys_opt_out_cmd(
     from serving.auth import set_opt_out
 
     p = _params(params, set_)
-    set_opt_out(_engine(p), user, not undo)
+    with open_store(p.paths.database_url) as engine:
+        set_opt_out(engine, user, not undo)
     console.print(f"{user}: {'opted in' if undo else 'opted out'}")
 
 
@@ -77,7 +79,8 @@ def purge_cmd(
     if seconds <= 0:
         _fail("--older-than must be longer than 0 s")
     p = _params(params, set_)
-    done = purge(_engine(p), seconds, batch=batch, dry_run=dry_run)
+    with open_store(p.paths.database_url) as engine:
+        done = purge(engine, seconds, batch=batch, dry_run=dry_run)
     verb = "would delete" if dry_run else "deleted"
     console.print(
         f"{verb} {done.completions} completions, {done.feedback} feedback, {done.late_feedback} late feedback "

@@ -11,8 +11,8 @@ import typer
 from rich.table import Table
 
 from flows.cli.console import ParamsOpt, SetOpt, console, fail, params_or_exit, print_table
-from flows.cli.console import store_engine as _engine
 from tasks.core.config import DEFAULT_PARAMS_FILE
+from tasks.core.store import open_store
 
 
 def _params(path: Path, overrides: list[str] | None):
@@ -60,19 +60,18 @@ def serve_cmd(
             f"--workers {workers}: each process would count the rate limits on its own; set serving.redis_url "
             "(e.g. --set serving.redis_url=redis://127.0.0.1:6379/0) so the replicas share them"
         )
-    engine = _engine(p)
-    if not read_arms(engine):
-        target = model or Path(p.model.base_dir)
-        if not (target / "config.json").is_file():
-            _fail(
-                f"the store has no arms and {target} is not a model directory; pass --model DIR "
-                "(or build the base model with `make base`)"
-            )
-        replace_arms(engine, [Arm("champion", target.name, str(target.resolve()), "embedded", 1.0)])
-        console.print(f"Seeded arm 'champion' -> {target}")
-    elif model is not None:
-        console.print(f"The store already has arms; --model {model} ignored (change arms with `tabrl arms`).")
-    engine.dispose()
+    with open_store(p.paths.database_url) as engine:
+        if not read_arms(engine):
+            target = model or Path(p.model.base_dir)
+            if not (target / "config.json").is_file():
+                _fail(
+                    f"the store has no arms and {target} is not a model directory; pass --model DIR "
+                    "(or build the base model with `make base`)"
+                )
+            replace_arms(engine, [Arm("champion", target.name, str(target.resolve()), "embedded", 1.0)])
+            console.print(f"Seeded arm 'champion' -> {target}")
+        elif model is not None:
+            console.print(f"The store already has arms; --model {model} ignored (change arms with `tabrl arms`).")
     console.print(describe_rule(show_rule(p.serving)), highlight=False)
     if p.serving.explore_fraction > 0:
         console.print(
@@ -141,27 +140,27 @@ def arms_cmd(
     from tasks.core.store import Arm, ArmError, read_arms, replace_arms
 
     p = _params(params, set_)
-    engine = _engine(p)
-    new = None
-    try:
-        if from_json is not None:
-            if not from_json.is_file():
-                _fail(f"{from_json} not found")
-            new = [Arm(**item) for item in json.loads(from_json.read_text())]
-        elif arm:
-            new = [parse_arm_spec(spec) for spec in arm]
-        if new is not None:
-            replace_arms(engine, new)
-    except (ArmError, ValueError, TypeError) as err:
-        _fail(str(err))
-    table = Table(title="A/B arms")
-    for col in ("name", "share", "backend", "model_version", "model_uri", "served as", "adapter"):
-        table.add_column(col)
-    for a in read_arms(engine):
-        table.add_row(
-            a.name, f"{a.share:g}", a.backend, a.model_version, a.model_uri, a.served_model or "-", a.adapter or "-"
-        )
-    print_table(table)
+    with open_store(p.paths.database_url) as engine:
+        new = None
+        try:
+            if from_json is not None:
+                if not from_json.is_file():
+                    _fail(f"{from_json} not found")
+                new = [Arm(**item) for item in json.loads(from_json.read_text())]
+            elif arm:
+                new = [parse_arm_spec(spec) for spec in arm]
+            if new is not None:
+                replace_arms(engine, new)
+        except (ArmError, ValueError, TypeError) as err:
+            _fail(str(err))
+        table = Table(title="A/B arms")
+        for col in ("name", "share", "backend", "model_version", "model_uri", "served as", "adapter"):
+            table.add_column(col)
+        for a in read_arms(engine):
+            table.add_row(
+                a.name, f"{a.share:g}", a.backend, a.model_version, a.model_uri, a.served_model or "-", a.adapter or "-"
+            )
+        print_table(table)
 
 
 def import_continue_cmd(
@@ -179,27 +178,27 @@ def import_continue_cmd(
     p = _params(params, set_)
     if not file.is_file():
         _fail(f"{file} not found")
-    engine = _engine(p)
-    counts = {"recorded": 0, "matched": 0, "duplicate": 0, "conflict": 0, "bad": 0}
-    bad_lines = []
-    with engine.begin() as conn:
-        for number, line in enumerate(file.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                event = json.loads(line)
-                if not isinstance(event, dict):
-                    raise CompatError(f"a line must be a JSON object, got {type(event).__name__}")
-                rec = record_outcome(outcome_from_continue(event, level, "import"), None, require_ours=False)(conn)
-            except (json.JSONDecodeError, CompatError) as err:
-                counts["bad"] += 1
-                bad_lines.append(f"line {number}: {err}")
-                continue
-            counts[rec.status] += 1
-            counts["matched"] += rec.status == "recorded" and rec.matched
-    for message in bad_lines[:10]:
-        console.print(f"skipped {message}", highlight=False)
-    console.print(f"Imported {file}: " + ", ".join(f"{k}={v}" for k, v in counts.items()), highlight=False)
+    with open_store(p.paths.database_url) as engine:
+        counts = {"recorded": 0, "matched": 0, "duplicate": 0, "conflict": 0, "bad": 0}
+        bad_lines = []
+        with engine.begin() as conn:
+            for number, line in enumerate(file.read_text().splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    event = json.loads(line)
+                    if not isinstance(event, dict):
+                        raise CompatError(f"a line must be a JSON object, got {type(event).__name__}")
+                    rec = record_outcome(outcome_from_continue(event, level, "import"), None, require_ours=False)(conn)
+                except (json.JSONDecodeError, CompatError) as err:
+                    counts["bad"] += 1
+                    bad_lines.append(f"line {number}: {err}")
+                    continue
+                counts[rec.status] += 1
+                counts["matched"] += rec.status == "recorded" and rec.matched
+        for message in bad_lines[:10]:
+            console.print(f"skipped {message}", highlight=False)
+        console.print(f"Imported {file}: " + ", ".join(f"{k}={v}" for k, v in counts.items()), highlight=False)
 
 
 def simulate_cmd(
@@ -237,8 +236,8 @@ def simulate_cmd(
     keys = None
     if not no_auth:
         # The simulator is an operator tool with store access: it mints keys for its own users.
-        engine = _engine(p)
-        keys = {u.user_id: add_key(engine, u.user_id) for u in sim_users}
+        with open_store(p.paths.database_url) as engine:
+            keys = {u.user_id: add_key(engine, u.user_id) for u in sim_users}
     base_url = url or f"http://{p.serving.host}:{p.serving.port}"
     with tqdm(total=requests, desc="simulated requests", unit="req") as bar:
         try:
