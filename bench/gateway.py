@@ -41,7 +41,7 @@ import sqlalchemy as sa
 from bench import loadgen
 from tasks.core.fim import QWEN
 from tasks.core.procs import free_port
-from tasks.core.store import Arm, completions, feedback, make_engine
+from tasks.core.store import Arm, Store, completions, feedback
 from tests.support.harness import bench_stores, make_keys, seed_arms, start_process, stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,7 +98,7 @@ def fsync_ms(directory: str, n: int = 200) -> float:
 
 
 def stored(db_url: str) -> tuple[int, int]:
-    engine = make_engine(db_url)
+    engine = Store(db_url).engine
     try:
         with engine.connect() as conn:
             n_c = conn.execute(sa.select(sa.func.count()).select_from(completions)).scalar_one()
@@ -109,7 +109,7 @@ def stored(db_url: str) -> tuple[int, int]:
 
 
 def clear(db_url: str) -> None:
-    engine = make_engine(db_url)
+    engine = Store(db_url).engine
     try:
         with engine.begin() as conn:
             conn.execute(feedback.delete())

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from tasks.core.store import completions, feedback, init_schema, make_engine, users
+from tasks.core.store import Store, completions, feedback, init_schema, users
 from tasks.sim.corpus import stdlib_root
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,7 +131,7 @@ FEEDBACK_COLUMNS = [
 
 
 def fill(url: str, n: int, chunk: int = 20_000) -> float:
-    engine = make_engine(url)
+    engine = Store(url).engine
     init_schema(engine)
     start = time.perf_counter()
     batch_c, batch_f = [], []
@@ -192,7 +192,7 @@ def child(url: str, out_dir: str, overrides: list[str]) -> None:
 
     params = load_params(None, [f"paths.data_dir={out_dir}", *overrides], environ={})
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    engine = make_engine(url)
+    engine = Store(url).engine
     start, cpu = time.perf_counter(), time.process_time()
     result = run_ingest(engine, params, Path(out_dir), now=2_000_000_000.0)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu

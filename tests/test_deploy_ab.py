@@ -14,10 +14,10 @@ from tasks.core.store import (
     CHALLENGER,
     CHAMPION,
     Arm,
+    Store,
     completions,
     feedback,
     init_schema,
-    make_engine,
     open_store,
     read_arms,
     replace_arms,
@@ -307,7 +307,7 @@ def test_cli_promote_without_challenger_exits_2_and_rollback_works(tmp_path, mlf
     params = tiny_params(tmp_path)
     path = _params_file(tmp_path, params)
     champion = ensure_champion(tiny_model_dir, params)
-    engine = make_engine(params.paths.database_url)
+    engine = Store(params.paths.database_url).engine
     init_schema(engine)
     replace_arms(engine, [Arm(CHAMPION, champion.label, "/models/champ", "embedded", 1.0)])
     runner = CliRunner()
@@ -340,7 +340,7 @@ def test_ab_decision_flow_continues_then_promotes(tmp_path, mlflow_store, tiny_m
     params = tiny_params(tmp_path, deploy={"min_samples": 30})
     path = str(_params_file(tmp_path, params))
     champion, challenger = _registry_with_challenger(params, tiny_model_dir)
-    engine = make_engine(params.paths.database_url)
+    engine = Store(params.paths.database_url).engine
     init_schema(engine)
     _live_arms(engine, champion, challenger)
     t0 = live_since(engine)

@@ -30,7 +30,7 @@ from mlflow import MlflowClient
 
 from serving.simulate import run_simulation
 from tasks.core.procs import free_port, wait_until_up
-from tasks.core.store import CHALLENGER, CHAMPION, Arm, completions, init_schema, make_engine, read_arms, replace_arms
+from tasks.core.store import CHALLENGER, CHAMPION, Arm, Store, completions, init_schema, read_arms, replace_arms
 from tasks.deploy.registry import ensure_champion, get_alias_version, resolve_model_dir
 from tasks.ingest.pull import read_watermark
 from tasks.sim.users import make_users
@@ -224,7 +224,7 @@ def test_cycle_trains_on_the_gpu_worker_and_survives_losing_it(
         )
         wait_until_up(f"{tracking}/health", mlflow_server, 120)
         champion = ensure_champion(tiny_model_dir, params)  # uploaded to the server: no path is shared
-        engine = make_engine(params.paths.database_url)
+        engine = Store(params.paths.database_url).engine
         init_schema(engine)
         champion_dir = resolve_model_dir(champion.uri, params)  # downloaded into the cycle side's state dir
         replace_arms(engine, [Arm(CHAMPION, champion.label, str(champion_dir), "embedded", 1.0)])

@@ -16,7 +16,7 @@ from serving.auth import add_key, set_opt_out
 from serving.gateway import create_app
 from serving.log import insert_completion, prompt_hash
 from serving.retention import DurationError, parse_duration, purge
-from tasks.core.store import Arm, completions, feedback, init_schema, make_engine, metadata, replace_arms
+from tasks.core.store import Arm, Store, completions, feedback, init_schema, metadata, replace_arms
 from tests.conftest import tiny_params
 from tests.serving_util import serve_app
 from tests.support.harness import editor_prompt, fast_backend_factory
@@ -26,7 +26,7 @@ SECRET = "AKIAZZZZSECRETPLANTED0000"  # planted in prompts: must never reach a l
 
 def _gateway(tmp_path, **serving):
     params = tiny_params(tmp_path, serving={"config_ttl_s": 0, "db_timeout_s": 0.5, **serving})
-    engine = make_engine(params.paths.database_url, timeout_s=params.serving.db_timeout_s)
+    engine = Store(params.paths.database_url, timeout_s=params.serving.db_timeout_s).engine
     init_schema(engine)
     replace_arms(engine, [Arm("champion", "fast/1", "fast", "embedded", 1.0)])
     return params, engine

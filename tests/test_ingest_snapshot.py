@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 import tasks.ingest.snapshot as snapshot_mod
 from tasks.core.schema import INTERACTION_SCHEMA
-from tasks.core.store import init_schema, make_engine, watermarks
+from tasks.core.store import Store, init_schema, watermarks
 from tasks.ingest.snapshot import IngestError, file_sha256, run_ingest
 from tests.conftest import tiny_params
 from tests.ingest_helpers import add_completions, add_feedback, completion_row, store
@@ -89,7 +89,7 @@ def test_a_racing_ingest_cannot_commit_twice(tmp_path, monkeypatch):
 
 
 def _log_at(url: str, rows: list[dict]) -> None:
-    engine = make_engine(url)
+    engine = Store(url).engine
     init_schema(engine)
     add_completions(engine, rows)
     engine.dispose()

@@ -10,7 +10,7 @@ import httpx
 from serving.auth import add_key
 from serving.fast_path import HotRoutes
 from serving.gateway import create_app
-from tasks.core.store import Arm, init_schema, make_engine, replace_arms
+from tasks.core.store import Arm, Store, init_schema, replace_arms
 from tests.conftest import tiny_params
 from tests.serving_util import serve_app
 from tests.support.harness import editor_prompt, fast_backend_factory
@@ -61,7 +61,7 @@ def test_hot_routes_answer_like_fastapi_alone(tmp_path):
             tmp_path / name,
             serving={"config_ttl_s": 60, "max_body_bytes": 4096, "rate_limit_per_key_per_minute": 3},
         )
-        engine = make_engine(params.paths.database_url)
+        engine = Store(params.paths.database_url).engine
         init_schema(engine)
         replace_arms(engine, [Arm("champion", "fast/1", "fast", "embedded", 1.0)])
         key = add_key(engine, "alice")

@@ -24,7 +24,7 @@ from serving.auth import Caller, add_key, set_opt_out
 from serving.errors import ApiError
 from serving.limits import RedisRateLimiter
 from tasks.core.procs import free_port, wait_until_up
-from tasks.core.store import CHALLENGER, CHAMPION, Arm, completions, make_engine, replace_arms
+from tasks.core.store import CHALLENGER, CHAMPION, Arm, Store, completions, replace_arms
 from tests.support.harness import ROOT, editor_prompt, make_keys, seed_arms, start_process, stop_process
 
 REDIS_URL = os.environ.get("TABRL_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -72,7 +72,7 @@ def _complete(url: str, key: str, i: int = 0) -> httpx.Response:
 
 
 def _count(store_url: str) -> int:
-    engine = make_engine(store_url)
+    engine = Store(store_url).engine
     try:
         with engine.connect() as conn:
             return conn.execute(sa.select(sa.func.count()).select_from(completions)).scalar_one()
@@ -136,7 +136,7 @@ def test_two_replicas_share_the_limits_the_arms_and_the_opt_outs(store_url, redi
 
         # An opt-out and an arm change reach both replicas within config_ttl_s, without a restart.
         assert [_complete(url, bob_key).json()["tabrl"]["logged"] for url in (a, b)] == [True, True]
-        engine = make_engine(store_url)
+        engine = Store(store_url).engine
         set_opt_out(engine, bob, True)
         replace_arms(engine, [Arm(CHALLENGER, "fast/2", "fast", "embedded", 1.0)])
 

@@ -17,7 +17,7 @@ from serving.protocol import CompletionRequest
 from serving.router import FimRequest, stops_for
 from tasks.core.config import ServingParams
 from tasks.core.fim import CODELLAMA, CODESTRAL, DEEPSEEK, PREFIX_ONLY, QWEN, STARCODER, FimPrompt
-from tasks.core.store import init_schema, make_engine
+from tasks.core.store import Store, init_schema
 
 SERVING = ServingParams(max_tokens=48, temperature=0.7, max_prompt_chars=100)
 
@@ -95,7 +95,7 @@ def test_finished_windows_are_forgotten_past_the_cap():
 
 
 def test_the_caller_is_the_keys_user_with_auth_and_the_claimed_user_without(tmp_path):
-    engine = make_engine(f"sqlite:///{tmp_path}/store.db")
+    engine = Store(f"sqlite:///{tmp_path}/store.db").engine
     init_schema(engine)
     key = add_key(engine, "dana")
     set_opt_out(engine, "erin", True)

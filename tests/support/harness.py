@@ -77,11 +77,11 @@ def fast_backend_factory(arm: Arm, timeout_s: float):
 def _serve_gateway(db_url: str, port: int, auth: bool, overrides: list[str], workers: int) -> None:
     from serving.gateway import serve
     from tasks.core.config import load_params
-    from tasks.core.store import init_schema, make_engine
+    from tasks.core.store import Store, init_schema
 
     auth_off = [] if auth else ["serving.auth=false"]
     params = load_params(None, [f"paths.database_url={db_url}", *overrides, *auth_off], environ={})
-    engine = make_engine(db_url, timeout_s=params.serving.db_timeout_s)
+    engine = Store(db_url, timeout_s=params.serving.db_timeout_s).engine
     init_schema(engine)
     engine.dispose()
     serve(params, "127.0.0.1", port, workers, factory="tests.support.harness:gateway_from_env")
@@ -339,9 +339,9 @@ def row_problems(rows, arms: set[str] | None = None) -> list[str]:
 def make_keys(db_url: str, users: int, prefix: str = "editor") -> list[tuple[str, str]]:
     """(user, API key) for `users` editors, created in the store (schema first)."""
     from serving.auth import add_key
-    from tasks.core.store import init_schema, make_engine
+    from tasks.core.store import Store, init_schema
 
-    engine = make_engine(db_url)
+    engine = Store(db_url).engine
     try:
         init_schema(engine)
         return [(f"{prefix}-{i}", add_key(engine, f"{prefix}-{i}")) for i in range(users)]
@@ -350,9 +350,9 @@ def make_keys(db_url: str, users: int, prefix: str = "editor") -> list[tuple[str
 
 
 def seed_arms(db_url: str, arms: list[Arm]) -> None:
-    from tasks.core.store import init_schema, make_engine, replace_arms
+    from tasks.core.store import Store, init_schema, replace_arms
 
-    engine = make_engine(db_url)
+    engine = Store(db_url).engine
     try:
         init_schema(engine)
         replace_arms(engine, arms)
@@ -363,7 +363,7 @@ def seed_arms(db_url: str, arms: list[Arm]) -> None:
 def run_load(db_url: str, users: int, total: int, feedback_rate: float = 0.7, seed: int = 0) -> tuple[dict, list[str]]:
     """The gateway in its own process on db_url, `users` editors (auth on) sharing `total` requests;
     returns (summary, store problems)."""
-    from tasks.core.store import make_engine
+    from tasks.core.store import Store
 
     seed_arms(db_url, [Arm("champion", "fast/1", "fast", "embedded", 1.0)])
     editors = make_keys(db_url, users)
@@ -382,7 +382,7 @@ def run_load(db_url: str, users: int, total: int, feedback_rate: float = 0.7, se
         result = asyncio.run(drive_editors(f"http://127.0.0.1:{port}", editors, total, feedback_rate, seed))
     finally:
         stop_process(proc)
-    engine = make_engine(db_url)
+    engine = Store(db_url).engine
     try:
         problems = store_problems(engine, result, {"champion"})
         with engine.connect() as conn:
