@@ -59,7 +59,7 @@ demo: base  ## data + base model, then online RL cycles, one live A/B test and t
 	$(BIN)/python -m flows.demo $(DEMO_ARGS)
 
 screenshot: install  ## PNG of the MLflow runs view of the demo's cycles (needs Debian's chromium): docs/img/mlflow-runs.png
-	$(BIN)/python bench/mlflow_screenshot.py --store sqlite:///state/demo/mlflow.db --out docs/img/mlflow-runs.png
+	$(BIN)/python -m bench.mlflow_screenshot --store sqlite:///state/demo/mlflow.db --out docs/img/mlflow-runs.png
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 bench-tools:  ## the HTTP load generators bench/gateway.py drives (hey, wrk: Debian packages)

@@ -36,19 +36,19 @@ from pathlib import Path
 import psutil
 from prefect import flow
 
-from bench.harness import start_process, stop_process
 from bench.loadgen import wrk_bodies
-from serving.store import CHALLENGER, CHAMPION, Arm, open_store, read_arms, replace_arms
-from tasks.config import Params, load_params
-from tasks.console import console, print_table
+from flows.cli.console import console, print_table
+from tasks.core.config import Params, load_params
+from tasks.core.generate import save_merged
+from tasks.core.procs import free_port
+from tasks.core.store import CHALLENGER, CHAMPION, Arm, open_store, read_arms, replace_arms
+from tasks.core.vllm import recorded_servers, stop_vllm
 from tasks.deploy.arms import serve_champion
 from tasks.deploy.registry import ensure_champion, register_candidate, resolve_model_dir
 from tasks.deploy.rollout import rollout
 from tasks.deploy.tracking import start_cycle_run
-from tasks.editor import pause_requests, read_regions, regions_path
-from tasks.generate import save_merged
-from tasks.procs import free_port
-from tasks.vllm import recorded_servers, stop_vllm
+from tasks.sim.editor import pause_requests, read_regions, regions_path
+from tests.support.harness import start_process, stop_process
 
 CPU_VLLM = ["--dtype", "float32", "--enforce-eager", "--enable-prefix-caching", "--logprobs-mode", "processed_logprobs"]
 MERGED = "merged"  # the third arm's name
@@ -65,9 +65,9 @@ def random_adapter(base_dir: Path, out: Path, params: Params) -> Path:
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from tasks.adapters import write_base
-    from tasks.fim import save_template
-    from tasks.generate import model_template
+    from tasks.core.adapters import write_base
+    from tasks.core.fim import save_template
+    from tasks.core.generate import model_template
     from tasks.train.policy import lora_config
 
     model = get_peft_model(
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             "serving.rate_limit_per_minute=100000000",
             "--set",
             f"serving.window_chars={params.serving.window_chars}",
-            module="bench.harness",
+            module="tests.support.harness",
             timeout_s=120,
         )
         bodies = typing_bodies(params, 5000)

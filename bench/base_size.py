@@ -1,14 +1,14 @@
 """Which base size buys most per CPU hour?  Pre-train several shapes for the same wall-clock budget.
 
-    python bench/base_size.py                             # 3 shapes, 600 s each, 200 held-out requests
-    python bench/base_size.py --budget-s 1800 --shapes 128x4 256x4 --requests 300
+    python -m bench.base_size                             # 3 shapes, 600 s each, 200 held-out requests
+    python -m bench.base_size --budget-s 1800 --shapes 128x4 256x4 --requests 300
 
 Each shape (HIDDENxLAYERS; heads of 64 dims, half as many KV heads, MLP 2.75x hidden) is timed for a
 few real pre-training steps on this machine, given the number of steps that fills the budget, and
 built with `build_base` (the same tokenizer, samples and schedule as the shipped base; only the shape
 and `model.pretrain_steps` differ). Each result is scored on held-out editor traffic (test files):
 the loss of the true continuation at each pause (nats per middle token, what more training lowers
-first) and the headroom right rates (``tasks.acceptance.headroom``). Run it on a quiet machine: the
+first) and the headroom right rates (``tasks.sim.acceptance.headroom``). Run it on a quiet machine: the
 budget is wall-clock.
 
 Prints a table, writes bench/out/base_size/results.json.
@@ -18,12 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def shape(spec: str) -> dict:
@@ -79,11 +75,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from rich.table import Table
 
-    from tasks.acceptance import headroom
-    from tasks.config import load_params
-    from tasks.console import console, print_table
-    from tasks.corpus import read_corpus
-    from tasks.editor import read_regions, regions_path
+    from flows.cli.console import console, print_table
+    from tasks.core.config import load_params
+    from tasks.sim.acceptance import headroom
+    from tasks.sim.corpus import read_corpus
+    from tasks.sim.editor import read_regions, regions_path
     from tasks.train.base import build_base
 
     params = load_params(args.params, args.set)

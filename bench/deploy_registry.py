@@ -1,6 +1,6 @@
 """How many copies of a big checkpoint the registry makes, and what each step costs.
 
-    PYTHONPATH=$PWD python bench/deploy_registry.py --mb 512
+    python -m bench.deploy_registry --mb 512
 
 Builds a fake checkpoint (config.json + one random model.safetensors of --mb MiB) in a temp dir, a
 fresh MLflow SQLite store beside it, then times: log + register (the one copy into the artifact
@@ -28,8 +28,8 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=512, help="size of the fake model.safetensors in MiB")
     args = ap.parse_args()
 
-    from serving.store import CHAMPION
-    from tasks.config import load_params
+    from tasks.core.config import load_params
+    from tasks.core.store import CHAMPION
     from tasks.deploy.registry import register_candidate, resolve_model_dir, set_alias
     from tasks.deploy.tracking import start_cycle_run
 

@@ -1,11 +1,11 @@
 """Gateway overhead: the gateway vs a bare server answering from the same instant backend, in one run.
 
     make bench-tools     # hey + wrk (Debian packages); without them a Python client stands in, with a warning
-    PYTHONPATH=. python bench/gateway.py [--seconds 8] [--completions 20000] [--concurrency 32]
+    python -m bench.gateway [--seconds 8] [--completions 20000] [--concurrency 32]
                                          [--postgres postgresql+psycopg://postgres@127.0.0.1:5432/test]
                                          [--redis redis://127.0.0.1:6379/0] [--workers 1 2]
 
-Every server is a uvicorn subprocess on loopback (`python -m bench.harness`) answered by the same
+Every server is a uvicorn subprocess on loopback (`python -m tests.support.harness`) answered by the same
 `FastBackend` (a fixed 8-token Generation, at once), so the difference is what the gateway adds: auth,
 rate limits, parsing, routing, metrics and the durable commit of every row before its answer.
 
@@ -38,14 +38,13 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench import loadgen
+from tasks.core.fim import QWEN
+from tasks.core.procs import free_port
+from tasks.core.store import Arm, Store, completions, feedback
+from tests.support.harness import bench_stores, make_keys, seed_arms, start_process, stop_process
 
-from bench import loadgen  # noqa: E402
-from bench.harness import bench_stores, make_keys, seed_arms, start_process, stop_process  # noqa: E402
-from serving.store import Arm, completions, feedback, make_engine  # noqa: E402
-from tasks.fim import QWEN  # noqa: E402
-from tasks.procs import free_port  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PROMPT = QWEN.render("def add(a, b):\n    ", "\n\nprint(add(1, 2))\n")
 UNLIMITED = ["serving.rate_limit_per_minute=100000000", "serving.rate_limit_per_key_per_minute=100000000"]
@@ -99,7 +98,7 @@ def fsync_ms(directory: str, n: int = 200) -> float:
 
 
 def stored(db_url: str) -> tuple[int, int]:
-    engine = make_engine(db_url)
+    engine = Store(db_url).engine
     try:
         with engine.connect() as conn:
             n_c = conn.execute(sa.select(sa.func.count()).select_from(completions)).scalar_one()
@@ -110,7 +109,7 @@ def stored(db_url: str) -> tuple[int, int]:
 
 
 def clear(db_url: str) -> None:
-    engine = make_engine(db_url)
+    engine = Store(db_url).engine
     try:
         with engine.begin() as conn:
             conn.execute(feedback.delete())

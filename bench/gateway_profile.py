@@ -1,7 +1,7 @@
 """Where a gateway request's time goes: CPU per request of the servers, and a py-spy profile under load.
 
     make bench-tools && pip install py-spy      # py-spy is for profiling only, not a tabrl dependency
-    PYTHONPATH=. python bench/gateway_profile.py [--completions 10000] [--concurrency 32] [--seconds 10]
+    python -m bench.gateway_profile [--completions 10000] [--concurrency 32] [--seconds 10]
                                                  [--postgres URL] [--set serving.redis_url=redis://...]
 
 For the bare server and the gateway (auth on, SQLite or PostgreSQL, `--set` overrides), back to back:
@@ -28,13 +28,12 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.gateway import UNLIMITED, body
+from tasks.core.procs import free_port
+from tasks.core.store import Arm
+from tests.support.harness import make_keys, seed_arms, start_process, stop_process
 
-from bench.gateway import UNLIMITED, body  # noqa: E402
-from bench.harness import make_keys, seed_arms, start_process, stop_process  # noqa: E402
-from serving.store import Arm  # noqa: E402
-from tasks.procs import free_port  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SITE = re.compile(r"/[^ ;]*/(site-packages|python3\.\d+)/")
 # Frames every sample of a thread passes through (process start, the event loop's run, thread bootstrap).
@@ -145,7 +144,7 @@ def main() -> None:
         stop_process(bare)
     with tempfile.TemporaryDirectory(prefix="tabrl-profile-") as tmp:
         if args.postgres:
-            from bench.harness import throwaway_schema
+            from tests.support.harness import throwaway_schema
 
             store = throwaway_schema(args.postgres)
             db_url = store.__enter__()

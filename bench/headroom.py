@@ -1,12 +1,12 @@
 """Right rate vs pre-training steps: the headroom of each saved checkpoint on held-out editor traffic.
 
     tabrl build-base --snapshots                     # keeps models/tabrl-tiny.partial/step-N
-    python bench/headroom.py                         # every step-N there, 300 requests, pass@8
-    python bench/headroom.py --models A B --requests 500
+    python -m bench.headroom                         # every step-N there, 300 requests, pass@8
+    python -m bench.headroom --models A B --requests 500
 
 For each checkpoint: suggestion rate and right rate greedy (pass@1), right rate sampled at the
 serving temperature, pass@k, beside the noise floor, and the loss of the true continuation (nats per
-token; smooth where a few hundred requests' right rates are not) (``tasks.acceptance.headroom``). All on the
+token; smooth where a few hundred requests' right rates are not) (``tasks.sim.acceptance.headroom``). All on the
 model-free request set: every pause of the first held-out regions (test files), no Tab taken.
 Prints a table, writes bench/out/headroom/results.json and curve.png.
 """
@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def _steps(path: Path, built_steps: int | None = None) -> int:
@@ -46,10 +45,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from rich.table import Table
 
-    from tasks.acceptance import headroom
-    from tasks.config import load_params
-    from tasks.console import console, print_table
-    from tasks.editor import read_regions, regions_path
+    from flows.cli.console import console, print_table
+    from tasks.core.config import load_params
+    from tasks.sim.acceptance import headroom
+    from tasks.sim.editor import read_regions, regions_path
 
     params = load_params(args.params, args.set)
     models = args.models or sorted((ROOT / "models" / "tabrl-tiny.partial").glob("step-*"), key=_steps)

@@ -6,10 +6,10 @@
 
 The same held-out typing sessions (regions of the shipped corpus's test files; the editor sends up to
 --prefix-chars of the file before the cursor, as an editor with a long context does) typed three ways
-by the same simulated users, greedy, through ``tasks.acceptance.type_regions`` (what the gate, `tabrl
+by the same simulated users, greedy, through ``tasks.sim.acceptance.type_regions`` (what the gate, `tabrl
 acceptance` and the learning bench run):
 
-1. in process: ``tasks.generate`` on this machine's cores, evaluate.batch_size prompts padded together;
+1. in process: ``tasks.core.generate`` on this machine's cores, evaluate.batch_size prompts padded together;
 2. vLLM, anchored window: every prompt of a batch in flight at once, the prefix cut to
    serving.window_chars at an anchor line (``window_prefix``), so successive prompts of a session share
    their start and the prefix cache serves it;
@@ -34,14 +34,14 @@ from pathlib import Path
 
 import httpx
 
-from tasks.acceptance import type_regions
-from tasks.config import Params, load_params
-from tasks.console import console, print_table
-from tasks.corpus import read_corpus
-from tasks.editor import pick_regions
-from tasks.inference import open_engine
-from tasks.intervals import interval, metric_fns
-from tasks.vllm import recorded_servers, stop_vllm
+from flows.cli.console import console, print_table
+from tasks.core.config import Params, load_params
+from tasks.core.inference import open_engine
+from tasks.core.intervals import interval, metric_fns
+from tasks.core.vllm import recorded_servers, stop_vllm
+from tasks.sim.acceptance import type_regions
+from tasks.sim.corpus import read_corpus
+from tasks.sim.editor import pick_regions
 
 CPU_VLLM = ["--dtype", "float32", "--enforce-eager", "--enable-prefix-caching", "--logprobs-mode", "processed_logprobs"]
 

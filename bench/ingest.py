@@ -1,7 +1,7 @@
 """Ingest throughput: N synthetic logged events in the log store -> one cleaned Parquet snapshot.
 
-    PYTHONPATH=. python bench/ingest.py --rows 1000000                  # SQLite
-    PYTHONPATH=. python bench/ingest.py --rows 200000 --backend postgres --postgres-url postgresql+psycopg://...
+    python -m bench.ingest --rows 1000000                  # SQLite
+    python -m bench.ingest --rows 200000 --backend postgres --postgres-url postgresql+psycopg://...
 
 Events look like editor traffic: prompts are windows of real stdlib code (so editor context repeats
 across requests, as it does for a user typing in one file), 10% abstentions, ~70% with feedback,
@@ -26,11 +26,10 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from tasks.core.store import Store, completions, feedback, init_schema, users
+from tasks.sim.corpus import stdlib_root
 
-from serving.store import completions, feedback, init_schema, make_engine, users  # noqa: E402
-from tasks.corpus import stdlib_root  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 COLUMNS = [
     "id",
@@ -132,7 +131,7 @@ FEEDBACK_COLUMNS = [
 
 
 def fill(url: str, n: int, chunk: int = 20_000) -> float:
-    engine = make_engine(url)
+    engine = Store(url).engine
     init_schema(engine)
     start = time.perf_counter()
     batch_c, batch_f = [], []
@@ -188,12 +187,12 @@ def fill(url: str, n: int, chunk: int = 20_000) -> float:
 
 def child(url: str, out_dir: str, overrides: list[str]) -> None:
     """Runs in its own process: one ingest cycle over everything, prints its numbers as JSON."""
-    from tasks.config import load_params
+    from tasks.core.config import load_params
     from tasks.ingest.snapshot import run_ingest
 
     params = load_params(None, [f"paths.data_dir={out_dir}", *overrides], environ={})
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    engine = make_engine(url)
+    engine = Store(url).engine
     start, cpu = time.perf_counter(), time.process_time()
     result = run_ingest(engine, params, Path(out_dir), now=2_000_000_000.0)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu

@@ -1,8 +1,8 @@
 """Why does one PPO step sometimes move approx-KL from ~0.3 to ~50?  Step-by-step approx-KL of the update.
 
-    python bench/kl_probe.py                                 # shipped base, 3 seeds, the variants below
-    python bench/kl_probe.py --model DIR --rows 240 --seeds 0 1 2 --variants defaults lr=1e-4,epochs=2
-    python bench/kl_probe.py --snapshot S.rewarded.parquet --model DIR --seeds 0 --variants defaults
+    python -m bench.kl_probe                                 # shipped base, 3 seeds, the variants below
+    python -m bench.kl_probe --model DIR --rows 240 --seeds 0 1 2 --variants defaults lr=1e-4,epochs=2
+    python -m bench.kl_probe --snapshot S.rewarded.parquet --model DIR --seeds 0 --variants defaults
                                                              # a logged cycle's update, from its champion
 
 One online-like rollout per seed: simulated users type train-split regions and the model's suggestions
@@ -27,14 +27,10 @@ import argparse
 import json
 import math
 import random
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 # The settings before (2 epochs, embeddings trained), each change alone, and both (today's params.yaml).
 DEFAULT_VARIANTS = [
@@ -49,11 +45,11 @@ DEFAULT_VARIANTS = [
 
 def rollout(model_dir: Path, params, rows: int, seed: int, out: Path) -> dict:
     """A rewarded snapshot of `rows` online-like requests: sampled suggestions, simulated users' outcomes."""
-    from tasks.editor import read_regions, regions_path, run_sessions
-    from tasks.generate import generate, load_model
-    from tasks.outcomes import reward_of
-    from tasks.schema import sampled_row, write_rewarded
-    from tasks.simulated_users import make_users
+    from tasks.core.generate import generate, load_model
+    from tasks.core.outcomes import reward_of
+    from tasks.core.schema import sampled_row, write_rewarded
+    from tasks.sim.editor import read_regions, regions_path, run_sessions
+    from tasks.sim.users import make_users
 
     lm = load_model(model_dir)
     regions = read_regions(regions_path(params.paths.data_dir, "train"))
@@ -133,7 +129,7 @@ class SnapshotTokens:
     def read(cls, model_dir: Path, model, snapshot: Path, params) -> SnapshotTokens:
         from transformers import AutoTokenizer
 
-        from tasks.generate import model_template, prompt_limit
+        from tasks.core.generate import model_template, prompt_limit
         from tasks.train.batching import build_examples, read_snapshot
 
         tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
@@ -219,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     from rich.table import Table
     from transformers import AutoModelForCausalLM
 
-    from tasks.config import load_params
-    from tasks.console import console, print_table
+    from flows.cli.console import console, print_table
+    from tasks.core.config import load_params
     from tasks.train import ppo
 
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,20 +1,20 @@
 """Does acceptance rise on held-out code? K online cycles per setting and seed, against a control.
 
-    python bench/learning.py --quick          # defaults vs control, 1 seed, 3 cycles
-    python bench/learning.py                  # defaults, rlinf, grpo, control; 3 seeds x 5 cycles
-    python bench/learning.py --corpus DIR     # held-out regions and samples from another code directory
-    python bench/learning.py --settings defaults control --variant t0.3:serving.temperature=0.3,train.lr=1e-4
-    python bench/learning.py --settings defaults control --cycles 10 --final-cycle 5 --report-only
+    python -m bench.learning --quick          # defaults vs control, 1 seed, 3 cycles
+    python -m bench.learning                  # defaults, rlinf, grpo, control; 3 seeds x 5 cycles
+    python -m bench.learning --corpus DIR     # held-out regions and samples from another code directory
+    python -m bench.learning --settings defaults control --variant t0.3:serving.temperature=0.3,train.lr=1e-4
+    python -m bench.learning --settings defaults control --cycles 10 --final-cycle 5 --report-only
                                               # a stored 10-cycle run, each seed's model after cycle 5
 
-Traffic and evaluation are editor-like (tasks/editor.py): simulated users type regions of files and
+Traffic and evaluation are editor-like (tasks/sim/editor.py): simulated users type regions of files and
 the model is asked at every pause. Online traffic types train files; every evaluation types
 held-out test files (evaluate.n_requests requests, greedy). After the last cycle the model each
 (setting, seed) ends with is typed through held-out regions no evaluation reached (the second half of
 the held-out regions: every gate types a window of the first half, evaluate.gate_windows, and stops at
 evaluate.n_requests, ~85 regions of 600 at 1000 requests, which the bench checks), 3000 requests of it
 (--final-requests), and its typing sessions are kept: every final metric gets a 95 % interval
-(bootstrap over seeds, then sessions, tasks/intervals.py) and each setting's difference from the
+(bootstrap over seeds, then sessions, tasks/core/intervals.py) and each setting's difference from the
 control says whether it excludes 0.
 Unseen requests matter: the gate kept each candidate that scored best on its held-out requests, so on
 those requests a final model's numbers are optimistic (the winner's curse); the report gives them too
@@ -53,10 +53,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 if TYPE_CHECKING:
-    from tasks.intervals import Interval
+    from tasks.core.intervals import Interval
 
 ONLINE = {
     "defaults": [],
@@ -85,7 +84,7 @@ def final_sessions(model_dir, seed: int, args) -> dict:
     window, which every gate types when evaluate.gate_windows is 1) and through regions no evaluation
     reached ("unseen"):
     per-session counts, and the final model's directory ("model")."""
-    from tasks.acceptance import typing_acceptance
+    from tasks.sim.acceptance import typing_acceptance
 
     params, regions = _final_params(seed, args)
     sessions = [list(s) for s in typing_acceptance(model_dir, regions, params).sessions]
@@ -102,8 +101,8 @@ def unseen_sessions(model_dir, seed: int, args, sessions: list) -> dict:
 
 
 def _unseen(model_dir, params, regions: list, sessions: list, args) -> list:
-    from tasks.acceptance import typing_acceptance, unseen_regions
-    from tasks.config import load_params
+    from tasks.core.config import load_params
+    from tasks.sim.acceptance import typing_acceptance, unseen_regions
 
     unseen = unseen_regions(regions)
     half, cycles_n = len(regions) - len(unseen), load_params(args.params, args.set).evaluate.n_requests
@@ -119,8 +118,8 @@ def _unseen(model_dir, params, regions: list, sessions: list, args) -> list:
 
 
 def _final_params(seed: int, args):
-    from tasks.config import load_params
-    from tasks.editor import read_regions, regions_path
+    from tasks.core.config import load_params
+    from tasks.sim.editor import read_regions, regions_path
 
     params = load_params(args.params, [*args.set, *final_set(args), *serving_state(args), f"simulator.seed={seed}"])
     return params, read_regions(regions_path(params.paths.data_dir, "test"))
@@ -177,11 +176,11 @@ def with_windows(curve: list[dict], windows: dict[int, int]) -> list[dict]:
 
 
 def run_grpo(seed, args, base_dir, test, base: dict) -> tuple[list[dict], dict]:
-    from tasks.acceptance import gate_regions
-    from tasks.config import load_params
-    from tasks.corpus import read_samples
-    from tasks.editor import read_regions, regions_path
+    from tasks.core.config import load_params
     from tasks.evaluate.evaluate import compare
+    from tasks.sim.acceptance import gate_regions
+    from tasks.sim.corpus import read_samples
+    from tasks.sim.editor import read_regions, regions_path
     from tasks.train.grpo import grpo_snapshot
     from tasks.train.launch import launch_train
     from tasks.train.ppo import TrainingDiverged
@@ -224,9 +223,9 @@ def corpus_data_dir(args) -> Path:
     traffic from the usual train split."""
     import shutil
 
-    from tasks.config import load_params
-    from tasks.corpus import iter_source_files, sample_spans, write_samples
-    from tasks.editor import pick_regions, regions_path, write_regions
+    from tasks.core.config import load_params
+    from tasks.sim.corpus import iter_source_files, sample_spans, write_samples
+    from tasks.sim.editor import pick_regions, regions_path, write_regions
 
     params = load_params(args.params, args.set)
     # relative when --out is: each run's interaction snapshots then land in its own DVC repo (an absolute
@@ -319,14 +318,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args, online: dict) -> int:
     """The settings and seeds of main's arguments, stored run by run, then the report."""
-    from tasks.procs import exit_on_sigterm
+    from tasks.core.procs import exit_on_sigterm
 
     exit_on_sigterm()  # a `kill` stops the gateway and Prefect server a run started; finished pairs are kept
 
-    from tasks.config import load_params
-    from tasks.corpus import read_samples
-    from tasks.editor import read_regions, regions_path
+    from tasks.core.config import load_params
     from tasks.evaluate.evaluate import evaluate_model
+    from tasks.sim.corpus import read_samples
+    from tasks.sim.editor import read_regions, regions_path
 
     if args.corpus:
         args.set = [*args.set, f"paths.data_dir={corpus_data_dir(args)}"]
@@ -334,7 +333,7 @@ def run(args, online: dict) -> int:
         args.set = [*args.set, f"model.base_dir={args.model.resolve()}"]
     params = load_params(args.params, args.set)
     if params.serving.backend == "vllm":  # one server of the base for the bench's own evaluations, stopped at the end
-        from tasks.vllm import base_server
+        from tasks.core.vllm import base_server
 
         base_server(params.model.base_dir, load_params(args.params, [*args.set, *serving_state(args)]))
     test = read_samples(Path(params.paths.data_dir) / "fim" / "test.parquet")[: params.evaluate.n_samples]
@@ -352,7 +351,7 @@ def run(args, online: dict) -> int:
     def base_window(seed: int, window: int) -> dict:
         """The base model typed by seed's users through gate window `window`, as a cycle's gate types it
         (window 0 is cycle 0 of every curve)."""
-        from tasks.acceptance import gate_regions
+        from tasks.sim.acceptance import gate_regions
 
         if (seed, window) not in base_windows:
             seeded = load_params(args.params, [*args.set, *serving_state(args), f"simulator.seed={seed}"])
@@ -455,8 +454,8 @@ def run(args, online: dict) -> int:
 
 def stop_bench_servers(args) -> None:
     """Stop the vLLM servers the bench's own evaluations started (serving_state)."""
-    from tasks.config import load_params
-    from tasks.vllm import recorded_servers, stop_vllm_at
+    from tasks.core.config import load_params
+    from tasks.core.vllm import recorded_servers, stop_vllm_at
 
     params = load_params(args.params, [*args.set, *serving_state(args)])
     for server in recorded_servers(params):
@@ -485,7 +484,7 @@ def champion_after(params, cycle: int, base_dir) -> str:
 def product_reward(entry: dict, reward) -> float:
     """Reward per request under params.yaml's (Cursor) rewards, whatever rewards the setting trained on
     (rlinf's evaluation reports its own 1 / 0 units): from the suggestion and per-shown accept rates."""
-    from tasks.outcomes import total_reward
+    from tasks.core.outcomes import total_reward
 
     shown, accepted = entry["suggest_rate"], entry["suggest_rate"] * entry["accept_rate"]
     return total_reward(1.0, shown, accepted, reward)  # rates: one request's worth
@@ -497,7 +496,7 @@ def run_key(params, args) -> str:
     changes (None holds its place, where the keys of runs stored before had it)."""
     import hashlib
 
-    from tasks.adapters import checkpoint_sha256
+    from tasks.core.adapters import checkpoint_sha256
 
     body = params.model_dump(mode="json")
     body.pop("paths")
@@ -520,7 +519,7 @@ def paired_differences(a: list, b: list, fns: dict) -> tuple[dict[str, Interval]
     """a - b for every TYPING metric and accept/shown relative (a / b - 1), paired 95 % intervals (seed k of a and
     of b typed the same held-out regions with the same users and noise draws), and their table cells
     (`*`: the interval excludes 0), the relative one last."""
-    from tasks.intervals import difference
+    from tasks.core.intervals import difference
 
     diffs = {k: difference(a, b, fns[k], paired=True) for k in TYPING}
     rel = difference(a, b, fns["accept_rate"], relative=True, paired=True)
@@ -531,7 +530,7 @@ def paired_differences(a: list, b: list, fns: dict) -> tuple[dict[str, Interval]
 
 def final_table(finals: dict[str, list[list]], reward) -> tuple[list[str], dict]:
     """Markdown rows: each setting's final metrics with 95 % intervals, and its difference from the control."""
-    from tasks.intervals import interval, metric_fns, pair_sessions
+    from tasks.core.intervals import interval, metric_fns, pair_sessions
 
     fns = metric_fns(reward)
     lines = [
@@ -573,7 +572,7 @@ def final_table(finals: dict[str, list[list]], reward) -> tuple[list[str], dict]
 def report(curves, finals, base, args, params, seconds) -> None:
     from rich.table import Table
 
-    from tasks.console import console, print_table
+    from flows.cli.console import console, print_table
 
     table = Table(
         title=f"held-out editor traffic per cycle (mean ± spread over seeds); base model: "

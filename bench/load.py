@@ -1,10 +1,10 @@
 """Load: N concurrent simulated editors, a fixed request count, against SQLite and PostgreSQL.
 
-    PYTHONPATH=. python bench/load.py [--users 32] [--requests 2000] [--feedback-rate 0.7]
+    python -m bench.load [--users 32] [--requests 2000] [--feedback-rate 0.7]
                                       [--postgres postgresql+psycopg://postgres@127.0.0.1:5432/test]
 
 The gateway runs in its own uvicorn process on loopback with auth on (one API key per editor) and
-the fast in-process backend (``bench.harness.FastBackend``), so the numbers are the gateway's
+the fast in-process backend (``tests.support.harness.FastBackend``), so the numbers are the gateway's
 and the store's. Each editor requests a completion, then sends feedback with probability
 ``--feedback-rate`` (else stays silent). Afterwards every acknowledged completion and feedback must
 be in the store, with the acknowledged answer, and the counts must match exactly.
@@ -20,10 +20,9 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from tests.support.harness import bench_stores, run_load
 
-from bench.harness import bench_stores, run_load  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Is the loop's lift more than a stricter show rule? The base at the suggestion rate of each learned model.
 
-    python bench/matched_rule.py --run bench/out/learning                    # defaults vs a stricter base
-    python bench/matched_rule.py --run bench/out/learning-x --set paths.data_dir=bench/out/learning-x/corpus-data
+    python -m bench.matched_rule --run bench/out/learning                    # defaults vs a stricter base
+    python -m bench.matched_rule --run bench/out/learning-x --set paths.data_dir=bench/out/learning-x/corpus-data
 
 bench/learning.py compares each setting's final model with the control (the base, unchanged) on held-out
 editor traffic. The learnt models show fewer suggestions, and a stricter show rule (serving.min_logprob nearer 0)
@@ -24,13 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.learning import TYPING, paired_differences  # noqa: E402
+from bench.learning import TYPING, paired_differences
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,8 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loosest", type=float, default=-3.0, help="the bisection's loosest min_logprob")
     args = parser.parse_args(argv)
 
-    from tasks.config import load_params
-    from tasks.generate import load_model
+    from tasks.core.config import load_params
+    from tasks.core.generate import load_model
 
     params = load_params(args.params, args.set)
     stored = {s: [_stored(args.run, s, k) for k in range(args.seeds)] for s in (args.setting, "control")}
@@ -67,10 +63,10 @@ def _stored(run: Path, setting: str, seed: int) -> list:
 
 
 def _summary(sessions: list, reward) -> dict:
-    """The typing metrics of a list of sessions (six counts each; tasks/intervals.py)."""
+    """The typing metrics of a list of sessions (six counts each; tasks/core/intervals.py)."""
     import numpy as np
 
-    from tasks.intervals import metric_fns
+    from tasks.core.intervals import metric_fns
 
     totals = np.asarray(sessions, dtype=float).reshape(-1, 6).sum(axis=0)
     return {k: float(f(totals)) for k, f in metric_fns(reward).items()}
@@ -78,10 +74,10 @@ def _summary(sessions: list, reward) -> dict:
 
 def match_seed(lm, seed: int, learnt: list, control: list, params, args) -> dict:
     """Bisect min_logprob so the base's suggestion rate meets the learnt model's; every typing run is kept."""
-    from tasks.acceptance import type_regions
-    from tasks.config import load_params
-    from tasks.editor import read_regions, regions_path
-    from tasks.inference import InProcess
+    from tasks.core.config import load_params
+    from tasks.core.inference import InProcess
+    from tasks.sim.acceptance import type_regions
+    from tasks.sim.editor import read_regions, regions_path
 
     default = params.serving.min_logprob
     if default is None:
@@ -121,8 +117,8 @@ def _nearest(runs: list[dict], target: float) -> dict:
 def report(per_seed: list[dict], stored: dict, args, params) -> None:
     from rich.table import Table
 
-    from tasks.console import console, print_table
-    from tasks.intervals import metric_fns
+    from flows.cli.console import console, print_table
+    from tasks.core.intervals import metric_fns
 
     fns = metric_fns(params.reward)
     table = Table(title=f"The base at each threshold tried vs the final models of {args.setting} (held-out traffic)")

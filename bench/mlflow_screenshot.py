@@ -1,8 +1,8 @@
 """The MLflow UI's runs view of an experiment as a PNG, taken in headless Chromium as a person sees it.
 
     make screenshot                          # the demo's store (state/demo/mlflow.db) -> docs/img/mlflow-runs.png
-    python bench/mlflow_screenshot.py --store sqlite:///state/shot/mlflow.db --out /tmp/runs.png
-    python bench/mlflow_screenshot.py --page models/tabrl-completion/versions/2 --wait-for "Source run" \
+    python -m bench.mlflow_screenshot --store sqlite:///state/shot/mlflow.db --out /tmp/runs.png
+    python -m bench.mlflow_screenshot --page models/tabrl-completion/versions/2 --wait-for "Source run" \
         --out docs/img/mlflow-version.png           # another page of the UI: a registered version
 
 Starts `mlflow server` on a free loopback port against the store (one worker, no job runner: two
@@ -40,10 +40,7 @@ from pathlib import Path
 import httpx
 from websockets.sync.client import ClientConnection, connect
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tasks.procs import free_port, wait_until_up  # noqa: E402
+from tasks.core.procs import free_port, wait_until_up
 
 # MLflow's own localStorage keys (its `useLocalStorage` hook stores JSON under `<key>_v<version>`).
 ASSISTANT_CLOSED = {"mlflow.assistant.panelOpen_v1": "false", "mlflow.assistant.fab.autoOpenedOnFirstLoad_v1": "true"}

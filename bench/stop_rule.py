@@ -1,7 +1,7 @@
 """Does stopping where the model is unsure help users? The show rule (serving.min_logprob), measured per threshold.
 
-    python bench/stop_rule.py                                   # the shipped base, 1000 requests
-    python bench/stop_rule.py --model DIR --requests 500 --thresholds -1 -2 -3
+    python -m bench.stop_rule                                   # the shipped base, 1000 requests
+    python -m bench.stop_rule --model DIR --requests 500 --thresholds -1 -2 -3
 
 Each held-out request (every pause of the first test-file regions, no Tab taken: the model-free
 request set of `bench/headroom.py`) gets the model's greedy suggestion with the log-prob of each of
@@ -12,7 +12,7 @@ plus their noise on the wrong ones) and characters saved (the characters a right
 over all the requests' true continuations; a model-free set, so the typing loop's jump is not modelled).
 "none" is the greedy suggestion whole.
 
---typing measures the rule as shipped instead (serving.min_logprob, tasks/generate.py ShowRule): the held-out
+--typing measures the rule as shipped instead (serving.min_logprob, tasks/core/generate.py ShowRule): the held-out
 evaluation itself (simulated users type the regions, Tab moves the cursor, greedy, log-probs under the
 serving temperature) once per threshold, with 95 % intervals over typing sessions.
 Prints a table, writes bench/out/stop_rule/results.json.
@@ -23,11 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,12 +43,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
-    from tasks.acceptance import noise_floor
-    from tasks.config import load_params
-    from tasks.console import console
-    from tasks.editor import covered_chars, pause_requests, read_regions, regions_path
-    from tasks.generate import ShowRule, cut_unsure, generate, load_model, stops_of
-    from tasks.simulated_users import is_right
+    from flows.cli.console import console
+    from tasks.core.config import load_params
+    from tasks.core.generate import ShowRule, cut_unsure, generate, load_model, stops_of
+    from tasks.sim.acceptance import noise_floor
+    from tasks.sim.editor import covered_chars, pause_requests, read_regions, regions_path
+    from tasks.sim.users import is_right
 
     params = load_params(args.params, args.set)
     model_dir = args.model or Path(params.model.base_dir)
@@ -123,7 +119,7 @@ def print_rows(title: str, columns: tuple[str, ...], rows: list[dict], cells: li
     """A table of one row per threshold: the threshold, its suggestion rate, then the given cells."""
     from rich.table import Table
 
-    from tasks.console import print_table
+    from flows.cli.console import print_table
 
     table = Table(title=title)
     for col in columns:
@@ -134,15 +130,15 @@ def print_rows(title: str, columns: tuple[str, ...], rows: list[dict], cells: li
 
 
 def typing(args: argparse.Namespace) -> int:
-    """The typing evaluation (tasks/acceptance.type_regions) once per serving.min_logprob."""
+    """The typing evaluation (tasks/sim/acceptance.type_regions) once per serving.min_logprob."""
 
-    from tasks.acceptance import type_regions
-    from tasks.config import load_params
-    from tasks.console import console
-    from tasks.editor import read_regions, regions_path
-    from tasks.generate import load_model
-    from tasks.inference import InProcess
-    from tasks.intervals import difference, metric_fns
+    from flows.cli.console import console
+    from tasks.core.config import load_params
+    from tasks.core.generate import load_model
+    from tasks.core.inference import InProcess
+    from tasks.core.intervals import difference, metric_fns
+    from tasks.sim.acceptance import type_regions
+    from tasks.sim.editor import read_regions, regions_path
 
     base = load_params(args.params, args.set)
     model_dir = args.model or Path(base.model.base_dir)

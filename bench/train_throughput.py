@@ -1,7 +1,7 @@
 """Training throughput: tabrl's update (packed rows, LM head on completion positions only) vs a plain loop.
 
-    python bench/train_throughput.py            # GPU: Qwen2.5-Coder-1.5B shapes, random init, bf16 autocast
-    python bench/train_throughput.py --cpu      # CPU: tiny shapes, same table
+    python -m bench.train_throughput            # GPU: Qwen2.5-Coder-1.5B shapes, random init, bf16 autocast
+    python -m bench.train_throughput --cpu      # CPU: tiny shapes, same table
 
 The plain loop pads each micro-batch to its longest sequence and runs the full-vocabulary
 log-softmax over every position. Both use the same model, data, loss (tasks/train/loss.py) and

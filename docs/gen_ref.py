@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-PARAMS_MODULE = "tasks.config"  # where `Params` (the root of the params tree) is defined
+PARAMS_MODULE = "tasks.core.config"  # where `Params` (the root of the params tree) is defined
 GATEWAY_MODULE = "serving.gateway"  # `create_app(params, engine=...)` builds the gateway
 PAGES = ("reference/params.md", "reference/cli.md", "reference/http.md")
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from serving.store import CHALLENGER, CHAMPION, ArmError, open_store
-from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
+from tasks.core.config import DEFAULT_PARAMS_FILE, Params, load_params
+from tasks.core.store import CHALLENGER, CHAMPION, ArmError, open_store
 from tasks.deploy import ab
 from tasks.deploy.arms import sync_adapters
 from tasks.deploy.errors import DeployError

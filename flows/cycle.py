@@ -25,10 +25,8 @@ import mlflow
 from prefect import flow, get_run_logger
 
 from flows.remote_training import TrainingLost, train_step
-from serving.store import CHALLENGER
-from tasks.acceptance import gate_regions
-from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
-from tasks.corpus import read_samples
+from tasks.core.config import DEFAULT_PARAMS_FILE, Params, load_params
+from tasks.core.store import CHALLENGER
 from tasks.deploy.model_retention import model_retention_task
 from tasks.deploy.registry import (
     CHARS_HOLDER_TAG,
@@ -41,10 +39,12 @@ from tasks.deploy.registry import (
 )
 from tasks.deploy.rollout import rollout
 from tasks.deploy.tracking import GATE_WINDOW_TAG, end_cycle_run, name_cycle_run, next_gate_window, start_cycle_run
-from tasks.editor import read_regions, regions_path
 from tasks.evaluate.evaluate import compare_task
 from tasks.ingest.task import commit_ingest_task, ingest_task
 from tasks.reward.task import reward_task
+from tasks.sim.acceptance import gate_regions
+from tasks.sim.corpus import read_samples
+from tasks.sim.editor import read_regions, regions_path
 from tasks.train.ppo import TrainingDiverged
 
 

@@ -33,18 +33,19 @@ from prefect import flow
 from scipy.stats import norm
 
 from flows.ab_decision import ab_decision
-from flows.online_loop import CycleRow, champion_dir, loop_overrides, run_online_loop, start_gateway
+from flows.loop_state import CycleRow
+from flows.online_loop import champion_dir, loop_overrides, run_online_loop, start_gateway
 from flows.report import print_report, print_story, print_ui_pointers
 from serving.simulate import run_simulation
-from serving.store import CHALLENGER, CHAMPION, open_store
-from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
+from tasks.core.config import DEFAULT_PARAMS_FILE, Params, load_params
+from tasks.core.procs import exit_on_sigterm, free_port
+from tasks.core.store import CHALLENGER, CHAMPION, open_store
 from tasks.deploy.ab import arm_stats, stats_from_counts
 from tasks.deploy.arms import serve_champion
 from tasks.deploy.registry import base_version, get_alias_version, model_version_of, resolve_model_dir, set_alias
 from tasks.deploy.rollout import rollout
-from tasks.editor import read_regions, regions_path
-from tasks.procs import exit_on_sigterm, free_port
-from tasks.simulated_users import make_users
+from tasks.sim.editor import read_regions, regions_path
+from tasks.sim.users import make_users
 
 # The gate's evaluations type 300 held-out requests per model (the product default is 1000) so that a cycle takes
 # about a minute; the closing table types CLOSING_REQUESTS per model, on requests no gate typed.
@@ -139,7 +140,7 @@ def run_ab_test(params_file: str, overrides: list[str], state: Path, plan: AbPla
 def print_ab(ab: dict) -> None:
     from rich.table import Table
 
-    from tasks.console import console, print_table
+    from flows.cli.console import console, print_table
 
     n = ab["numbers"]
     plan = ab["plan"]

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import sqlite3
+from dataclasses import dataclass
 from pathlib import Path
 
 CHECKPOINTS = "checkpoints"
@@ -76,3 +77,27 @@ def restore_checkpoint(state: Path, key: str) -> dict | None:
         entry.rename(state / entry.name)
     restored.rmdir()
     return meta
+
+
+@dataclass
+class CycleRow:
+    cycle: int
+    arms_served: str  # arm=version pairs that served this cycle's traffic
+    requests: int
+    suggest_rate: float  # online, all arms
+    accept_rate: float  # online, per shown suggestion
+    right_rate: float  # online, per shown suggestion, noise-free rule
+    chars_saved: float  # online, right-and-accepted characters per typed character
+    reward_per_request: float  # online
+    decision: str  # A/B decision taken after the traffic (or "-")
+    cycle_status: str  # deployed | gate_failed | skipped
+    eval_judge_mean: float | None  # held-out FIM spans, the cycle's candidate
+    eval_accept_rate: float | None  # held-out editor traffic (test files), the cycle's candidate
+    eval_chars_saved: float | None
+    eval_reward_per_request: float | None
+    champion_eval_reward_per_request: float | None
+    serving_eval: dict  # held-out metrics of the model serving after this cycle (empty when not evaluated)
+    traffic_s: float = 0.0  # seconds of simulated typing through the gateway (serving)
+    train_s: float = 0.0  # seconds of the update (0: the cycle trained nothing)
+    evaluate_s: float = 0.0  # seconds of the gate's evaluation (candidate, champion, the lineage's mark)
+    cycle_s: float = 0.0  # seconds of the whole cycle flow (ingest, reward, train, evaluate, register, roll out)

@@ -4,7 +4,7 @@
 
 Order of work, each cycle:
   1. simulated users type regions of train-split files through the gateway over HTTP (editor
-     traffic, tasks/editor.py): a request at every pause, Tab or type on;
+     traffic, tasks/sim/editor.py): a request at every pause, Tab or type on;
   2. wait out the feedback timeout, so every shown suggestion has an outcome;
   3. if a challenger is live: the A/B decision flow promotes it, rolls it back, or keeps collecting;
   4. online_rl_cycle: ingest -> reward -> train -> evaluate (held-out test files) -> register -> rollout.
@@ -23,57 +23,33 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from flows.ab_decision import ab_decision
 from flows.cycle import online_rl_cycle
-from flows.loop_state import restore_checkpoint, save_checkpoint
+from flows.loop_state import CycleRow, restore_checkpoint, save_checkpoint
 from flows.report import print_report, print_story, print_ui_pointers
 from serving.simulate import run_simulation
-from serving.store import CHAMPION, open_store
-from tasks.config import DEFAULT_PARAMS_FILE, Params, load_params
+from tasks.core.config import DEFAULT_PARAMS_FILE, Params, load_params
+from tasks.core.outcomes import reward_per_request
+from tasks.core.procs import NotUp, exit_on_sigterm, free_port, wait_until_up
+from tasks.core.store import CHAMPION, open_store
+from tasks.core.vllm import recorded_servers, restart_recorded, stop_vllm_at
 from tasks.deploy.arms import serve_champion, sync_adapters
 from tasks.deploy.registry import resolve_model_dir
-from tasks.editor import merge_typing, read_regions, regions_path
-from tasks.outcomes import reward_per_request
-from tasks.procs import NotUp, exit_on_sigterm, free_port, wait_until_up
-from tasks.simulated_users import make_users
-from tasks.vllm import recorded_servers, restart_recorded, stop_vllm_at
+from tasks.sim.editor import merge_typing, read_regions, regions_path
+from tasks.sim.users import make_users
 
 DEMO_OVERRIDES = [
     "serving.auth=false",  # the local demo only: simulated users are identified by the `user` field
 ]
 
 
-@dataclass
-class CycleRow:
-    cycle: int
-    arms_served: str  # arm=version pairs that served this cycle's traffic
-    requests: int
-    suggest_rate: float  # online, all arms
-    accept_rate: float  # online, per shown suggestion
-    right_rate: float  # online, per shown suggestion, noise-free rule
-    chars_saved: float  # online, right-and-accepted characters per typed character
-    reward_per_request: float  # online
-    decision: str  # A/B decision taken after the traffic (or "-")
-    cycle_status: str  # deployed | gate_failed | skipped
-    eval_judge_mean: float | None  # held-out FIM spans, the cycle's candidate
-    eval_accept_rate: float | None  # held-out editor traffic (test files), the cycle's candidate
-    eval_chars_saved: float | None
-    eval_reward_per_request: float | None
-    champion_eval_reward_per_request: float | None
-    serving_eval: dict  # held-out metrics of the model serving after this cycle (empty when not evaluated)
-    traffic_s: float = 0.0  # seconds of simulated typing through the gateway (serving)
-    train_s: float = 0.0  # seconds of the update (0: the cycle trained nothing)
-    evaluate_s: float = 0.0  # seconds of the gate's evaluation (candidate, champion, the lineage's mark)
-    cycle_s: float = 0.0  # seconds of the whole cycle flow (ingest, reward, train, evaluate, register, roll out)
-
-
 def start_gateway(params_file: str, overrides: list[str], port: int, log_path: Path) -> subprocess.Popen:
     """`tabrl serve` in its own process (as in production), returning once /healthz answers."""
     sets = [x for o in overrides for x in ("--set", o)]
-    cmd = [sys.executable, "-m", "tasks", "serve", "--no-auth", "--port", str(port), "--params", params_file, *sets]
+    cmd = [sys.executable, "-m", "flows.cli", "serve", "--no-auth", "--port", str(port), "--params", params_file, *sets]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     with contextlib.ExitStack() as stopped_unless_up:  # a failure or a SIGTERM while waiting stops it too

@@ -11,7 +11,7 @@ matplotlib.use("Agg")  # headless; set at import because pyplot is imported righ
 import matplotlib.pyplot as plt  # noqa: E402
 import mlflow  # noqa: E402
 
-from tasks.config import Params  # noqa: E402
+from tasks.core.config import Params  # noqa: E402
 from tasks.deploy.tracking import CYCLES_DESCRIPTION, experiment_id, tracking_client  # noqa: E402
 
 

@@ -29,7 +29,7 @@ from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 from prefect.states import Cancelled
 
-from tasks.config import Params
+from tasks.core.config import Params
 from tasks.deploy.registry import MODEL_ARTIFACT, ModelVersion, candidate_dir, resolve_model_dir, tracking_client
 from tasks.train.launch import read_result, train_task
 from tasks.train.ppo import TrainingDiverged, TrainResult

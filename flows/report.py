@@ -9,10 +9,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tasks.config import Params
+from tasks.core.config import Params
 
 if TYPE_CHECKING:
-    from flows.online_loop import CycleRow
+    from flows.loop_state import CycleRow
 
 STORY_METRICS = ("suggest_rate", "accept_rate", "right_rate", "chars_saved", "reward_per_request")
 STORY_NAMES = {
@@ -29,8 +29,8 @@ def print_report(rows: list[CycleRow], state: Path, params: Params, promoted_on_
     gate (no A/B test between cycles), which the table's title says."""
     from rich.table import Table
 
+    from flows.cli.console import console, print_table
     from flows.plots import plot_cycles
-    from tasks.console import console, print_table
 
     how = "promoted on the gate" if promoted_on_gate else "A/B decisions between cycles"
     table = Table(
@@ -71,10 +71,10 @@ def print_story(base_dir: Path, final_dir: Path, state: Path, params: Params) ->
     Typed through held-out regions no gate evaluation reached: the gate chose the champion on the others."""
     from rich.table import Table
 
-    from tasks.acceptance import noise_floor, typing_acceptance, unseen_regions
-    from tasks.console import console, print_table
-    from tasks.editor import read_regions, regions_path
-    from tasks.intervals import difference, interval, metric_fns
+    from flows.cli.console import console, print_table
+    from tasks.core.intervals import difference, interval, metric_fns
+    from tasks.sim.acceptance import noise_floor, typing_acceptance, unseen_regions
+    from tasks.sim.editor import read_regions, regions_path
 
     regions = unseen_regions(read_regions(regions_path(params.paths.data_dir, "test")))
     runs = {"base": typing_acceptance(base_dir, regions, params)}
@@ -131,7 +131,7 @@ def story_in_words(story: dict, same_model: bool = False) -> list[str]:
 
 def print_ui_pointers(params: Params) -> None:
     """How to open what the run recorded: MLflow's runs (named for their outcome) and the Prefect UI."""
-    from tasks.console import console
+    from flows.cli.console import console
     from tasks.deploy.tracking import runs_view_url
 
     console.print(

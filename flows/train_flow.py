@@ -16,7 +16,7 @@ from typing import Any
 from prefect import flow
 
 from flows.remote_training import TRAIN_FLOW, train_from_references
-from tasks.config import Params
+from tasks.core.config import Params
 
 
 @flow(name=TRAIN_FLOW, log_prints=True)

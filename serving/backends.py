@@ -1,6 +1,6 @@
 """How an arm generates: one interface, two implementations, chosen once per arm by `make_backend`.
 
-* ``EmbeddedBackend``: transformers in the gateway process (``tasks.generate``), run in a worker
+* ``EmbeddedBackend``: transformers in the gateway process (``tasks.core.generate``), run in a worker
   thread behind a lock so a slow generation never blocks the event loop (other requests, feedback
   and /healthz keep being answered while the model works).
 * ``VLLMBackend``: an OpenAI-compatible vLLM server, called with ``logprobs: 0`` and
@@ -8,7 +8,7 @@
   prompt is always sent: vLLM's ``suffix`` parameter is rejected for Qwen2.5-Coder.
 
 Both apply a request's ``ShowRule`` (cut at the first unsure token) to the log-probs they log, and
-return ``tasks.generate.Generation`` (text, token ids, per-token log-probs); both raise
+return ``tasks.core.generate.Generation`` (text, token ids, per-token log-probs); both raise
 ``BackendError`` with the reason when they cannot answer, which the gateway turns into a 502.
 Both say which FIM template their model speaks (``template``): the gateway renders every prompt in it.
 """
@@ -26,10 +26,9 @@ from typing import Protocol
 
 import httpx
 
-from serving.store import Arm
-from tasks.adapters import AdapterBaseError, check_base
-from tasks.fim import FimFormatError, FimTemplate, template_for_model_name
-from tasks.generate import (
+from tasks.core.adapters import AdapterBaseError, check_base
+from tasks.core.fim import FimFormatError, FimTemplate, template_for_model_name
+from tasks.core.generate import (
     Generation,
     LoadedModel,
     ModelLoadError,
@@ -38,7 +37,8 @@ from tasks.generate import (
     load_model,
     model_template,
 )
-from tasks.vllm import (
+from tasks.core.store import Arm
+from tasks.core.vllm import (
     VLLM_MAX_STOP,
     VllmError,
     base_of,

@@ -29,8 +29,8 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 
-from serving.store import completions, feedback
-from tasks.fim import QWEN
+from tasks.core.fim import QWEN
+from tasks.core.store import completions, feedback
 
 Op = Callable[[Connection], Any]
 

@@ -1,6 +1,6 @@
 """Simulated users over HTTP: they type real code and drive the gateway exactly as an editor does.
 
-Each user types regions of real files (typing sessions, ``tasks/editor.py``): at every pause the
+Each user types regions of real files (typing sessions, ``tasks/sim/editor.py``): at every pause the
 editor POSTs /v1/completions with the file up to the cursor as prefix and the file after the
 region as suffix; the user thinks for its persona's ``think_s``, then presses Tab (POST
 /v1/feedback accepted=true, the cursor jumps past the suggestion) when it is what they were about
@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 
 import httpx
 
-from tasks.config import TrafficParams
-from tasks.editor import Region, Session, Turn, TypingSummary, summarise_turns
-from tasks.simulated_users import SimUser
+from tasks.core.config import TrafficParams
+from tasks.sim.editor import Region, Session, Turn, TypingSummary, summarise_turns
+from tasks.sim.users import SimUser
 
 
 class SimulationError(RuntimeError):

@@ -13,15 +13,15 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from tasks.config import Params, load_params  # noqa: E402
-from tasks.corpus import SourceFile, sample_spans, split_files, stdlib_root  # noqa: E402
+from tasks.core.config import Params, load_params  # noqa: E402
+from tasks.sim.corpus import SourceFile, sample_spans, split_files, stdlib_root  # noqa: E402
 
 # CLI output must read the same at any terminal width (issue 13): every test runs in a narrow
 # terminal, the worst case, whatever the machine's COLUMNS; `COLUMNS=300 pytest` must pass too.
 CLI_COLUMNS = os.environ.get("TABRL_TEST_COLUMNS", "40")
 
-# Fixtures shared by the serving tests (store_url: SQLite, and PostgreSQL when configured).
-pytest_plugins = ["tests.serving_util"]
+# Fixtures shared by the serving tests (store_url: SQLite, and PostgreSQL when configured) and `store` (a Store).
+pytest_plugins = ["tests.serving_util", "tests.support.store"]
 
 
 @pytest.fixture(autouse=True)
@@ -100,7 +100,7 @@ def babbler_dir(tiny_model_dir, tmp_path_factory):
     """The tiny model unable to stop or emit whitespace: it always shows a (wrong) suggestion."""
     import torch
 
-    from tasks.generate import load_model, split_stops, stops_of
+    from tasks.core.generate import load_model, split_stops, stops_of
 
     model, tokenizer, template = load_model(tiny_model_dir)
     head = model.get_output_embeddings().weight  # tied to the input embeddings in tabrl-tiny
@@ -123,8 +123,8 @@ def fim_samples(stdlib_files) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def typing_regions(stdlib_files) -> list:
-    """Regions of real files that simulated users type (editor traffic, tasks/editor.py)."""
-    from tasks.editor import pick_regions
+    """Regions of real files that simulated users type (editor traffic, tasks/sim/editor.py)."""
+    from tasks.sim.editor import pick_regions
 
     return pick_regions(stdlib_files, 24, tiny_params().traffic, seed=1, tag="eval")
 

@@ -2,9 +2,9 @@
 
     python -m tests.harden_util backend --model DIR --port P
 
-``backend`` generates with the real tiny model (``tasks.generate``) in its own process (so it can be
+``backend`` generates with the real tiny model (``tasks.core.generate``) in its own process (so it can be
 killed), answering with token ids and log-probs the way vLLM does with ``return_token_ids`` and
-``logprobs: 0``. Everything the benchmarks share with the tests is in ``bench/harness.py``.
+``logprobs: 0``. Everything the benchmarks share with the tests is in ``tests/support/harness.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import uuid
 
 from fastapi import FastAPI, Request
 
-from bench.harness import start_process
+from tests.support.harness import start_process
 
 
 def _serve_backend(model_dir: str, port: int) -> None:

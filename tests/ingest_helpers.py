@@ -8,8 +8,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from bench.harness import throwaway_schema
-from serving.store import completions, feedback, open_store, users
+from tasks.core.store import completions, feedback, open_store, users
+from tests.support.harness import throwaway_schema
 
 AWS_KEY_LINE = 'aws_access_key_id = "AKIAIOSFODNN7EXAMPLE"'
 PRIVATE_KEY = (

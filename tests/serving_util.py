@@ -11,9 +11,9 @@ import httpx
 import pytest
 import uvicorn
 
-from bench.harness import throwaway_schema
 from serving.gateway import UVICORN_OPTIONS
-from tasks.procs import free_port
+from tasks.core.procs import free_port
+from tests.support.harness import throwaway_schema
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

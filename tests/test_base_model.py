@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tasks.fim import QWEN, SPECIAL_TOKENS
-from tasks.generate import generate, load_model
+from tasks.core.fim import QWEN, SPECIAL_TOKENS
+from tasks.core.generate import generate, load_model
 from tasks.train.base import encode_fim
 
 
@@ -64,7 +64,7 @@ def test_long_prompts_are_cut_from_the_oldest_context(tiny_model_dir):
     prompt = QWEN.render("value = compute(value)\n" * 400, "\n")
     gen = generate(model, tok, template, [prompt], max_new_tokens=4)[0]
     assert len(gen.token_ids) >= 1
-    from tasks.generate import encode_prompt, prompt_limit
+    from tasks.core.generate import encode_prompt, prompt_limit
 
     ids = encode_prompt(tok, prompt, prompt_limit(model, 4), template)
     assert len(ids) == model.config.max_position_embeddings - 4

@@ -1,10 +1,12 @@
 """The data -> base -> acceptance path through the `tabrl` CLI, as `dvc repro` and `make demo` run it."""
 
 import json
+import re
 
+import typer
 from typer.testing import CliRunner
 
-from tasks.cli import app
+from flows.cli.main import app
 from tests.conftest import TINY_MODEL, tiny_params
 
 runner = CliRunner()
@@ -108,3 +110,46 @@ def test_missing_model_is_a_clear_error(tmp_path):
         ],
     )
     assert r.exit_code == 2 and "nomodel is not a model directory" in r.output  # named before the data is read
+
+
+# `tabrl --help` and every command's help (issue 42): grouped by job, one example each, no code internals.
+PANELS = ("Data and models", "The cycle", "Serving", "Deployment and schedules", "Keys and privacy")
+INTERNALS = re.compile(r"\b(tasks|serving|flows|bench|tests)/|\.py\b|\b(tasks|flows)\.[a-z_]")
+
+
+def _plain(text: str) -> str:
+    """Help text without the boxes rich draws and the line breaks it wraps at."""
+    return " ".join(re.sub(r"[│╭╮╰╯─]", " ", text).split())
+
+
+def _command_paths(command, path=()):
+    for name, sub in getattr(command, "commands", {}).items():
+        yield (*path, name)
+        yield from _command_paths(sub, (*path, name))
+
+
+def test_the_root_help_groups_commands_by_job_and_says_nothing_of_the_code():
+    r = runner.invoke(app, ["--help"])
+    assert r.exit_code == 0, r.output
+    text = _plain(r.output)
+    for panel in PANELS:
+        assert panel in text
+    assert not INTERNALS.search(text), INTERNALS.search(text)
+
+
+def test_every_command_help_shows_one_example_and_no_code_internals():
+    paths = list(_command_paths(typer.main.get_command(app)))
+    assert ("keys", "add") in paths and ("vllm", "status") in paths and len(paths) > 25
+    for path in paths:
+        r = runner.invoke(app, [*path, "--help"])
+        assert r.exit_code == 0, (path, r.output)
+        text = _plain(r.output)
+        assert text.count("Example: tabrl ") == 1, (path, text)
+        assert f"Example: tabrl {' '.join(path)}" in text, (path, text)
+        found = INTERNALS.search(text)
+        assert not found, (path, found.group(0), text)
+
+
+def test_version():
+    r = runner.invoke(app, ["--version"])
+    assert r.exit_code == 0 and re.fullmatch(r"tabrl \d+\.\d+\.\d+\S*\n", r.output), r.output

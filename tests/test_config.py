@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from tasks.config import ParamsError, env_overrides, load_params, parse_override
+from tasks.core.config import ParamsError, env_overrides, load_params, parse_override
 
 REPO = Path(__file__).resolve().parents[1]
 

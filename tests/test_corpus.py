@@ -10,8 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from tasks.config import SHIPPED_CORPUS, load_params
-from tasks.corpus import (
+from tasks.core.config import SHIPPED_CORPUS, load_params
+from tasks.core.fim import QWEN
+from tasks.sim.corpus import (
     CorpusError,
     build_fim,
     read_corpus,
@@ -23,7 +24,6 @@ from tasks.corpus import (
     write_corpus,
     write_fim,
 )
-from tasks.fim import QWEN
 from tests.conftest import tiny_params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -166,7 +166,8 @@ def test_a_fresh_clone_builds_the_corpus_and_fim_data_dvc_lock_records(tmp_path)
     for name in PIPELINE_FILES:
         (clone / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(REPO / name, clone / name)
-    shutil.copytree(REPO / "tasks", clone / "tasks", ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("tasks", "serving", "flows"):  # `tabrl` is flows/cli/main.py
+        shutil.copytree(REPO / package, clone / package, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(["git", "init", "-q"], cwd=clone, check=True)
     env = os.environ | {
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # the venv's `tabrl`, as make's

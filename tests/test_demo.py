@@ -6,12 +6,12 @@ import pytest
 import yaml
 
 from flows.demo import AbPlan, base_reward_sd, plan_ab, run_ab_test, start_ab_test
-from flows.online_loop import CycleRow
+from flows.loop_state import CycleRow
 from flows.report import story_in_words
-from serving.store import CHALLENGER, CHAMPION, open_store, read_arms
+from tasks.core.store import CHALLENGER, CHAMPION, open_store, read_arms
 from tasks.deploy.registry import ensure_champion, get_alias_version, register_candidate, set_alias
 from tasks.deploy.tracking import end_cycle_run, start_cycle_run
-from tasks.editor import regions_path, write_regions
+from tasks.sim.editor import regions_path, write_regions
 from tests.conftest import tiny_params
 
 

@@ -10,15 +10,14 @@ import yaml
 from scipy import stats as st
 from typer.testing import CliRunner
 
-from bench.harness import throwaway_schema
-from serving.store import (
+from tasks.core.store import (
     CHALLENGER,
     CHAMPION,
     Arm,
+    Store,
     completions,
     feedback,
     init_schema,
-    make_engine,
     open_store,
     read_arms,
     replace_arms,
@@ -28,6 +27,7 @@ from tasks.deploy.promote import NoChallengerError, promote, rollback
 from tasks.deploy.registry import ensure_champion, get_alias_version, register_candidate, set_alias
 from tasks.deploy.tracking import start_cycle_run, tracking_client
 from tests.conftest import tiny_params
+from tests.support.harness import throwaway_schema
 
 _ids = itertools.count()
 
@@ -302,12 +302,12 @@ def _params_file(tmp_path, params):
 
 
 def test_cli_promote_without_challenger_exits_2_and_rollback_works(tmp_path, mlflow_store, tiny_model_dir):
-    from tasks.cli import app
+    from flows.cli.main import app
 
     params = tiny_params(tmp_path)
     path = _params_file(tmp_path, params)
     champion = ensure_champion(tiny_model_dir, params)
-    engine = make_engine(params.paths.database_url)
+    engine = Store(params.paths.database_url).engine
     init_schema(engine)
     replace_arms(engine, [Arm(CHAMPION, champion.label, "/models/champ", "embedded", 1.0)])
     runner = CliRunner()
@@ -340,7 +340,7 @@ def test_ab_decision_flow_continues_then_promotes(tmp_path, mlflow_store, tiny_m
     params = tiny_params(tmp_path, deploy={"min_samples": 30})
     path = str(_params_file(tmp_path, params))
     champion, challenger = _registry_with_challenger(params, tiny_model_dir)
-    engine = make_engine(params.paths.database_url)
+    engine = Store(params.paths.database_url).engine
     init_schema(engine)
     _live_arms(engine, champion, challenger)
     t0 = live_since(engine)

@@ -12,8 +12,10 @@ import sqlalchemy as sa
 from prefect import flow
 
 from serving.gateway import create_app
-from serving.store import CHALLENGER, CHAMPION, Arm, completions, open_store, read_arms, replace_arms
-from tasks.adapters import checkpoint_sha256
+from tasks.core.adapters import checkpoint_sha256
+from tasks.core.fim import QWEN
+from tasks.core.generate import generate, load_model
+from tasks.core.store import CHALLENGER, CHAMPION, Arm, completions, open_store, read_arms, replace_arms
 from tasks.deploy.errors import DeployError
 from tasks.deploy.promote import promote, rollback
 from tasks.deploy.registry import (
@@ -27,8 +29,6 @@ from tasks.deploy.registry import (
 )
 from tasks.deploy.rollout import rollout
 from tasks.deploy.tracking import start_cycle_run, tracking_client
-from tasks.fim import QWEN
-from tasks.generate import generate, load_model
 from tasks.train.ppo import train
 from tests.conftest import tiny_params
 from tests.serving_util import serve_app

@@ -10,8 +10,8 @@ from pathlib import Path
 import yaml
 from typer.testing import CliRunner
 
-from serving.store import CHALLENGER, CHAMPION, Arm, init_schema, make_engine, replace_arms
-from tasks.adapters import ADAPTER_CONFIG, BASE_FILE, write_base
+from tasks.core.adapters import ADAPTER_CONFIG, BASE_FILE, write_base
+from tasks.core.store import CHALLENGER, CHAMPION, Arm, Store, init_schema, replace_arms
 from tasks.deploy.model_retention import delete_retired, plan_model_retention
 from tasks.deploy.registry import (
     candidate_dir,
@@ -101,7 +101,7 @@ def _setup(tmp_path, retention_h: float = 24.0):
     for role, path in paths.items():
         if role != "young":
             _age(path, OLD_H)
-    engine = make_engine(params.paths.database_url)
+    engine = Store(params.paths.database_url).engine
     init_schema(engine)
     replace_arms(
         engine,
@@ -152,7 +152,7 @@ def test_retention_zero_deletes_a_retired_copy_at_once(tmp_path, mlflow_store):
 
 
 def test_cli_dry_run_lists_and_deletes_nothing_then_deletes(tmp_path, mlflow_store):
-    from tasks.cli import app
+    from flows.cli.main import app
 
     params, engine, paths = _setup(tmp_path)
     engine.dispose()

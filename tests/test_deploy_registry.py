@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from serving.store import CHALLENGER, CHAMPION
+from tasks.core.store import CHALLENGER, CHAMPION
 from tasks.deploy.errors import DeployError
 from tasks.deploy.registry import (
     CACHE_DONE,

@@ -4,7 +4,7 @@ import pytest
 from prefect import flow
 
 import tasks.deploy.rollout as rollout_mod
-from serving.store import CHALLENGER, CHAMPION, Arm, init_schema, make_engine, read_arms, replace_arms
+from tasks.core.store import CHALLENGER, CHAMPION, Arm, Store, init_schema, read_arms, replace_arms
 from tasks.deploy.errors import DeployError
 from tasks.deploy.registry import ensure_champion, get_alias_version, register_candidate
 from tasks.deploy.rollout import challenger_arms, rollout
@@ -13,7 +13,7 @@ from tests.conftest import tiny_params
 
 
 def _live(params, champion_dir):
-    engine = make_engine(params.paths.database_url)
+    engine = Store(params.paths.database_url).engine
     init_schema(engine)
     replace_arms(engine, [Arm(CHAMPION, "tabrl-completion/1", str(champion_dir), "embedded", 1.0)])
     return engine

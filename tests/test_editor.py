@@ -2,8 +2,8 @@
 
 import pytest
 
-from tasks.config import Persona, load_params
-from tasks.editor import (
+from tasks.core.config import Persona, load_params
+from tasks.sim.editor import (
     Region,
     Session,
     covered_chars,
@@ -16,7 +16,7 @@ from tasks.editor import (
     training_samples,
     write_regions,
 )
-from tasks.simulated_users import SimUser
+from tasks.sim.users import SimUser
 
 TRAFFIC = load_params(None, ["traffic.p_midword_pause=0"], environ={}).traffic
 FILE = "import os\n\ndef main(path):\n    value = os.path.join(path, 'x')\n    return value\n"
@@ -73,9 +73,9 @@ def test_an_oracle_saves_almost_everything_and_a_silent_model_nothing():
 
 
 def test_two_models_type_the_same_regions_in_the_same_order(typing_regions):
-    """What a paired comparison relies on (tasks/intervals.py): under the same request cap, the sessions two
+    """What a paired comparison relies on (tasks/core/intervals.py): under the same request cap, the sessions two
     models type are the same regions in the same order, one list a prefix of the other."""
-    from tasks.acceptance import session_stats
+    from tasks.sim.acceptance import session_stats
 
     users = [SimUser("u", STRICT), SimUser("n", Persona(name="noisy", p_accept_wrong=0.5))]
     oracle = lambda qs: [q["middle"][:12] for q in qs]  # noqa: E731 - right, and the cursor jumps

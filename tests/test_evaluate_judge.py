@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tasks.config import JudgeParams
+from tasks.core.config import JudgeParams
 from tasks.evaluate.judge import (
     JudgeCache,
     JudgeError,

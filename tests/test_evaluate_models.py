@@ -9,10 +9,10 @@ import mlflow
 import pytest
 from typer.testing import CliRunner
 
-from tasks.cli import app
-from tasks.corpus import write_samples
-from tasks.editor import write_regions
+from flows.cli.main import app
 from tasks.evaluate.evaluate import METRICS, compare, evaluate_model
+from tasks.sim.corpus import write_samples
+from tasks.sim.editor import write_regions
 from tests.conftest import tiny_params
 from tests.test_evaluate_judge import KEY_ENV, FakeJudge
 
@@ -73,7 +73,7 @@ def test_the_lineage_mark_is_typed_through_the_gates_own_requests(
 ):
     """The ancestor holding the lineage's characters-saved mark types the same requests as candidate and
     champion: its score there, not one carried over from other requests, is the mark."""
-    from tasks.acceptance import typing_acceptance
+    from tasks.sim.acceptance import typing_acceptance
 
     shipped = Path(__file__).resolve().parents[1] / "models" / "tabrl-tiny"  # right now and then: it saves some
     params = tiny_params(tmp_path, evaluate={"n_samples": 4, "n_requests": 200, "max_new_tokens": 8})
@@ -89,7 +89,7 @@ def test_the_lineage_mark_is_typed_through_the_gates_own_requests(
 
 
 def test_gates_take_turns_over_windows_of_the_first_half_never_the_unseen_half(typing_regions):
-    from tasks.acceptance import gate_regions, unseen_regions
+    from tasks.sim.acceptance import gate_regions, unseen_regions
 
     half = typing_regions[: len(typing_regions) // 2]
     unseen = {r.region_id for r in unseen_regions(typing_regions)}
@@ -192,8 +192,8 @@ def test_middle_loss_scores_each_continuation_token_after_what_came_before(tiny_
 
     import torch
 
-    from tasks.acceptance import middle_loss
-    from tasks.generate import load_model
+    from tasks.core.generate import load_model
+    from tasks.sim.acceptance import middle_loss
 
     lm = load_model(tiny_model_dir)
     requests = [dict(s) for s in fim_samples[:3]]
@@ -214,8 +214,8 @@ def test_the_demo_story_pairs_base_and_final_on_the_same_held_out_typing(
 ):
     """`make demo` ends with base vs final champion (flows/report.print_story); the change is paired."""
     from flows.report import print_story
-    from tasks.acceptance import typing_acceptance, unseen_regions
-    from tasks.editor import read_regions, regions_path
+    from tasks.sim.acceptance import typing_acceptance, unseen_regions
+    from tasks.sim.editor import read_regions, regions_path
 
     params = tiny_params(tmp_path, evaluate={"n_requests": 64, "max_new_tokens": 4})
     regions = write_regions(typing_regions, regions_path(params.paths.data_dir, "test"), params.traffic)

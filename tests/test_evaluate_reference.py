@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.config import EvaluateParams
+from tasks.core.config import EvaluateParams
 from tasks.evaluate.gate import gate
 from tasks.evaluate.judge import reference_judge
 from tasks.evaluate.reference import checks, edit_similarity, parses, reference_score

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tasks.fim import (
+from tasks.core.fim import (
     CODEGEMMA,
     CODELLAMA,
     CODESTRAL,

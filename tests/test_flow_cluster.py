@@ -29,11 +29,11 @@ import sqlalchemy as sa
 from mlflow import MlflowClient
 
 from serving.simulate import run_simulation
-from serving.store import CHALLENGER, CHAMPION, Arm, completions, init_schema, make_engine, read_arms, replace_arms
+from tasks.core.procs import free_port, wait_until_up
+from tasks.core.store import CHALLENGER, CHAMPION, Arm, Store, completions, init_schema, read_arms, replace_arms
 from tasks.deploy.registry import ensure_champion, get_alias_version, resolve_model_dir
 from tasks.ingest.pull import read_watermark
-from tasks.procs import free_port, wait_until_up
-from tasks.simulated_users import make_users
+from tasks.sim.users import make_users
 from tests.test_flow_cycle import ACCEPT_ALL, FAST_TRAIN, _dvc_repo, write_cycle_inputs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -224,13 +224,13 @@ def test_cycle_trains_on_the_gpu_worker_and_survives_losing_it(
         )
         wait_until_up(f"{tracking}/health", mlflow_server, 120)
         champion = ensure_champion(tiny_model_dir, params)  # uploaded to the server: no path is shared
-        engine = make_engine(params.paths.database_url)
+        engine = Store(params.paths.database_url).engine
         init_schema(engine)
         champion_dir = resolve_model_dir(champion.uri, params)  # downloaded into the cycle side's state dir
         replace_arms(engine, [Arm(CHAMPION, champion.label, str(champion_dir), "embedded", 1.0)])
         gateway = stack.enter_context(
             _process(
-                [sys.executable, "-m", "tasks", "serve", "--no-auth", "--params", str(params_file)],
+                [sys.executable, "-m", "flows.cli", "serve", "--no-auth", "--params", str(params_file)],
                 tmp_path,
                 env,
                 logs["gateway"],
@@ -239,7 +239,7 @@ def test_cycle_trains_on_the_gpu_worker_and_survives_losing_it(
         url = f"http://127.0.0.1:{gateway_port}"
         wait_until_up(f"{api}/health", prefect_server, 120)
         deployed = subprocess.run(
-            [sys.executable, "-m", "tasks", "deploy", "--params", str(params_file), "--repo", str(repo)],
+            [sys.executable, "-m", "flows.cli", "deploy", "--params", str(params_file), "--repo", str(repo)],
             cwd=tmp_path,
             env=env,
             capture_output=True,

@@ -21,8 +21,7 @@ from mlflow import MlflowClient
 from flows.cycle import online_rl_cycle
 from serving.gateway import create_app
 from serving.simulate import run_simulation
-from serving.store import CHALLENGER, CHAMPION, Arm, init_schema, make_engine, read_arms, replace_arms
-from tasks.corpus import write_samples
+from tasks.core.store import CHALLENGER, CHAMPION, Arm, Store, init_schema, read_arms, replace_arms
 from tasks.deploy.promote import rollback
 from tasks.deploy.registry import (
     candidate_dir,
@@ -32,8 +31,9 @@ from tasks.deploy.registry import (
     resolve_model_dir,
 )
 from tasks.deploy.tracking import next_gate_window
-from tasks.editor import regions_path, write_regions
-from tasks.simulated_users import make_users
+from tasks.sim.corpus import write_samples
+from tasks.sim.editor import regions_path, write_regions
+from tasks.sim.users import make_users
 from tests.conftest import tiny_params
 from tests.serving_util import serve_app
 
@@ -83,7 +83,7 @@ def champion_serving_traffic(base_dir, params, regions, n_users: int, n_requests
     """The base registered as champion and served alone, then n_requests of simulated typing through the gateway;
     returns (champion version, log store engine)."""
     champion = ensure_champion(base_dir, params)
-    engine = make_engine(params.paths.database_url)
+    engine = Store(params.paths.database_url).engine
     init_schema(engine)
     replace_arms(engine, [Arm(CHAMPION, champion.label, str(resolve_model_dir(champion.uri, params)), "embedded", 1.0)])
     with serve_app(create_app(params, engine=engine, auth=False)) as url:

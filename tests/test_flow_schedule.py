@@ -12,7 +12,7 @@ import httpx
 import pytest
 import yaml
 
-from tasks.procs import free_port, wait_until_up
+from tasks.core.procs import free_port, wait_until_up
 from tests.conftest import tiny_params
 
 
@@ -56,7 +56,7 @@ def test_schedule_serves_both_flows_and_runs_a_manual_run(tmp_path, prefect_serv
     params_file.write_text(yaml.safe_dump(params.model_dump(mode="json")))
     log = open(tmp_path / "runner.log", "w")
     runner = subprocess.Popen(
-        [sys.executable, "-m", "tasks", "schedule", "--params", str(params_file)],
+        [sys.executable, "-m", "flows.cli", "schedule", "--params", str(params_file)],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -20,7 +20,20 @@ import sqlalchemy as sa
 from prefect import flow
 
 import tasks.deploy.rollout as rollout_mod
-from bench.harness import (
+from serving.auth import add_key
+from serving.gateway import create_app
+from serving.router import assign
+from tasks.core.store import CHALLENGER, CHAMPION, Arm, Store, completions, init_schema, read_arms, replace_arms
+from tasks.deploy.errors import DeployError
+from tasks.deploy.registry import ensure_champion, get_alias_version, register_candidate
+from tasks.deploy.tracking import start_cycle_run
+from tasks.evaluate.evaluate import compare
+from tasks.evaluate.judge import JudgeUnavailable
+from tasks.train.policy import RESULT_FILE
+from tests.conftest import tiny_params
+from tests.harden_util import start_backend
+from tests.serving_util import serve_app
+from tests.support.harness import (
     ROOT,
     drive_editors,
     editor_prompt,
@@ -32,19 +45,6 @@ from bench.harness import (
     stop_process,
     store_problems,
 )
-from serving.auth import add_key
-from serving.gateway import create_app
-from serving.router import assign
-from serving.store import CHALLENGER, CHAMPION, Arm, completions, init_schema, make_engine, read_arms, replace_arms
-from tasks.deploy.errors import DeployError
-from tasks.deploy.registry import ensure_champion, get_alias_version, register_candidate
-from tasks.deploy.tracking import start_cycle_run
-from tasks.evaluate.evaluate import compare
-from tasks.evaluate.judge import JudgeUnavailable
-from tasks.train.policy import RESULT_FILE
-from tests.conftest import tiny_params
-from tests.harden_util import start_backend
-from tests.serving_util import serve_app
 from tests.test_train_job import snapshot  # noqa: F401  (fixture)
 
 FAST = Arm(CHAMPION, "fast/1", "fast", "embedded", 1.0)
@@ -84,7 +84,7 @@ def test_backend_killed_mid_load_fails_over_to_the_champion_then_502(tmp_path, t
             == 200
         )  # the model is loaded before the load starts
         params = tiny_params(tmp_path, serving={"config_ttl_s": 0, "backend_timeout_s": 10})
-        engine = make_engine(params.paths.database_url)
+        engine = Store(params.paths.database_url).engine
         init_schema(engine)
         arms = [Arm(CHAMPION, "fast/1", "fast", "embedded", 0.5), Arm(CHALLENGER, "tiny/2", url_b, "vllm", 0.5)]
         replace_arms(engine, arms)
@@ -132,7 +132,7 @@ def test_gateway_sigkilled_mid_load_loses_no_acknowledged_row(store_url):  # noq
         assert gateway.wait(5) == -signal.SIGKILL
         assert result.statuses["conn"] > 0 and len(result.acked) >= 20, result.statuses
         gateway = start_process("gateway", port, "--db", store_url)  # restart on the same store
-        engine = make_engine(store_url)
+        engine = Store(store_url).engine
         assert store_problems(engine, result, {CHAMPION}) == []  # every acknowledged row survived
         stored = _count(engine)
         assert stored >= len(result.acked)  # (a row committed whose answer the kill cut off may be extra)
@@ -151,7 +151,7 @@ def test_sqlite_locked_answers_503_with_retry_after_and_recovers(tmp_path):
     """Real: another process's connection holds the SQLite write lock (BEGIN EXCLUSIVE) for 3 s, as a
     long migration, backup or `sqlite3` shell would; writes time out after serving.db_timeout_s."""
     params = tiny_params(tmp_path, serving={"db_timeout_s": 0.5, "config_ttl_s": 60})
-    engine = make_engine(params.paths.database_url, timeout_s=params.serving.db_timeout_s)
+    engine = Store(params.paths.database_url, timeout_s=params.serving.db_timeout_s).engine
     init_schema(engine)
     replace_arms(engine, [FAST])
     key = add_key(engine, "alice")
@@ -193,7 +193,7 @@ def test_postgres_connections_terminated_answer_503_and_recover(tmp_path):
     url = f"{base}?options=-csearch_path%3D{schema}&application_name={schema}"
     try:
         params = tiny_params(tmp_path, paths={"database_url": url}, serving={"db_timeout_s": 2, "config_ttl_s": 0})
-        engine = make_engine(url, timeout_s=2)
+        engine = Store(url, timeout_s=2).engine
         init_schema(engine)
         replace_arms(engine, [FAST])
         app = create_app(params, engine=engine, auth=False, backend_factory=fast_backend_factory)
@@ -342,7 +342,7 @@ def _rollout_flow(version, model_dir, params):
 
 def _deploy_setup(tmp_path, tiny_model_dir):
     params = tiny_params(tmp_path)
-    engine = make_engine(params.paths.database_url)
+    engine = Store(params.paths.database_url).engine
     init_schema(engine)
     replace_arms(engine, [Arm(CHAMPION, "tabrl-completion/1", str(tiny_model_dir), "embedded", 1.0)])
     ensure_champion(tiny_model_dir, params)

@@ -11,12 +11,12 @@ import sqlalchemy as sa
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-from bench.harness import editor_prompt, fast_backend_factory, row_problems
 from serving.auth import add_key
 from serving.gateway import create_app
-from serving.store import Arm, completions, feedback, init_schema, make_engine, replace_arms
+from tasks.core.store import Arm, Store, completions, feedback, init_schema, replace_arms
 from tests.conftest import tiny_params
 from tests.serving_util import serve_app
+from tests.support.harness import editor_prompt, fast_backend_factory, row_problems
 
 FEEDBACK_PATHS = ("/v1/feedback", "/api/training/submit", "/api/continue/events")
 EXAMPLES = 20  # per operation and mode: 7 operations x 2 modes x 2 auth settings, about 30 s in all
@@ -53,7 +53,7 @@ def test_fuzzed_requests_never_5xx_nor_corrupt_the_store(tmp_path, auth):
             "config_ttl_s": 0,
         },
     )
-    engine = make_engine(params.paths.database_url)
+    engine = Store(params.paths.database_url).engine
     init_schema(engine)
     replace_arms(engine, [Arm("champion", "fast/1", "fast", "embedded", 1.0)])
     key = add_key(engine, "fuzzer")

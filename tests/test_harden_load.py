@@ -1,6 +1,6 @@
 """Load (bounded): concurrent editors against SQLite and PostgreSQL; nothing acknowledged is lost."""
 
-from bench.harness import run_load
+from tests.support.harness import run_load
 
 
 def test_concurrent_editors_lose_nothing(store_url):  # noqa: F811

@@ -11,22 +11,22 @@ import pytest
 import sqlalchemy as sa
 from typer.testing import CliRunner
 
-from bench.harness import editor_prompt, fast_backend_factory
+from flows.cli.main import app as cli
 from serving.auth import add_key, set_opt_out
 from serving.gateway import create_app
 from serving.log import insert_completion, prompt_hash
 from serving.retention import DurationError, parse_duration, purge
-from serving.store import Arm, completions, feedback, init_schema, make_engine, metadata, replace_arms
-from tasks.cli import app as cli
+from tasks.core.store import Arm, Store, completions, feedback, init_schema, metadata, replace_arms
 from tests.conftest import tiny_params
 from tests.serving_util import serve_app
+from tests.support.harness import editor_prompt, fast_backend_factory
 
 SECRET = "AKIAZZZZSECRETPLANTED0000"  # planted in prompts: must never reach a log line
 
 
 def _gateway(tmp_path, **serving):
     params = tiny_params(tmp_path, serving={"config_ttl_s": 0, "db_timeout_s": 0.5, **serving})
-    engine = make_engine(params.paths.database_url, timeout_s=params.serving.db_timeout_s)
+    engine = Store(params.paths.database_url, timeout_s=params.serving.db_timeout_s).engine
     init_schema(engine)
     replace_arms(engine, [Arm("champion", "fast/1", "fast", "embedded", 1.0)])
     return params, engine

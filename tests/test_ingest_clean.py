@@ -3,7 +3,7 @@
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.config import IngestParams
+from tasks.core.config import IngestParams
 from tasks.ingest.clean import RULES, Cleaner, SecretScanner
 from tasks.ingest.snapshot import run_ingest
 from tests.conftest import tiny_params

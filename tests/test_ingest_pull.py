@@ -4,7 +4,7 @@ import pyarrow.parquet as pq
 import pytest
 import sqlalchemy as sa
 
-from serving.store import late_feedback, snapshots, watermarks
+from tasks.core.store import late_feedback, snapshots, watermarks
 from tasks.ingest.pull import outcome_of
 from tasks.ingest.snapshot import file_sha256, run_ingest
 from tests.conftest import tiny_params

@@ -10,9 +10,9 @@ import yaml
 from typer.testing import CliRunner
 
 import tasks.ingest.snapshot as snapshot_mod
-from serving.store import init_schema, make_engine, watermarks
+from tasks.core.schema import INTERACTION_SCHEMA
+from tasks.core.store import Store, init_schema, watermarks
 from tasks.ingest.snapshot import IngestError, file_sha256, run_ingest
-from tasks.schema import INTERACTION_SCHEMA
 from tests.conftest import tiny_params
 from tests.ingest_helpers import add_completions, add_feedback, completion_row, store
 
@@ -89,7 +89,7 @@ def test_a_racing_ingest_cannot_commit_twice(tmp_path, monkeypatch):
 
 
 def _log_at(url: str, rows: list[dict]) -> None:
-    engine = make_engine(url)
+    engine = Store(url).engine
     init_schema(engine)
     add_completions(engine, rows)
     engine.dispose()
@@ -204,7 +204,7 @@ def test_an_uncommitted_snapshot_is_written_again_with_the_same_rows(tmp_path):
 
 
 def test_cli_prints_the_report_and_snapshot_path(tmp_path):
-    from tasks.cli import app
+    from flows.cli.main import app
 
     params = tiny_params(tmp_path)
     params_file = tmp_path / "params.yaml"

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from tasks.config import RewardParams
-from tasks.intervals import difference, interval, metric_fns, pair_sessions
+from tasks.core.config import RewardParams
+from tasks.core.intervals import difference, interval, metric_fns, pair_sessions
 
 FNS = metric_fns(RewardParams())
 

@@ -1,78 +1,115 @@
-"""The import graph of the product code keeps its layers one-way (issue 15).
+"""The product's imports point down three floors (issue 41), with no whitelist.
 
-    entry points   tasks/cli.py, tasks/__main__.py, flows/
-    stages         tasks/{ingest,reward,train,evaluate,deploy}/   (never import one another)
-    online side    serving/                                         (imports no stage)
-    libraries      tasks/*.py            (import no stage, and nothing of serving/ but the store)
+    flows/      top      the flows, the demo driver, the root CLI (flows/cli/, one module per noun)
+    serving/    middle   the gateway; imports only the core and the simulated users
+    tasks/      bottom   stages   tasks/{ingest,reward,train,evaluate,deploy}/  (never import one another)
+                         sim      tasks/sim/   the corpus, the simulated editor and users, held-out acceptance
+                         core     tasks/core/  config, FIM, schema, outcomes, the log store, generation, processes
 
-Every import counts, the lazy ones inside functions too: a circle through a lazy import is still a
-circle a reader has to untangle.
+A module may import its own floor and the floors below it, never one above. Every import counts,
+the lazy ones inside functions and under ``TYPE_CHECKING`` too, and no two modules import each
+other through any chain (a circle through a lazy import is still a circle a reader has to untangle).
+Beside the product: tests/ and bench/ may import any of it, and bench/ may import tests/support/, but
+no test imports bench/ (what both need lives in tests/support/ or the product), and no bench patches
+``sys.path`` (benches run as ``python -m bench.NAME`` from the repo root).
+Each failure prints its file, line and the rule it breaks.
 """
 
 from __future__ import annotations
 
 import ast
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("tasks", "serving", "flows")
 STAGES = ("ingest", "reward", "train", "evaluate", "deploy")
-ENTRY_POINTS = {"tasks.cli", "tasks.__main__"}
+# Lowest first. A package's own __init__ (tasks, tasks.core, ...) sits on the floor of what it holds.
+FLOORS = ("core", "sim", "stage", "serving", "flows")
 
 
-def _module(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+@dataclass(frozen=True)
+class Import:
+    src: str
+    dst: str
+    where: str  # path:line, for the message
+
+
+def _module(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the product modules it imports (resolved to the longest existing module name)."""
-    files = {_module(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
-    graph: dict[str, set[str]] = {}
-    for name, path in files.items():
-        targets: set[str] = set()
+def _resolve(candidate: str, known: set[str]) -> str | None:
+    while candidate and candidate not in known:
+        candidate = candidate.rpartition(".")[0]
+    return candidate or None
+
+
+def imports(root: Path = ROOT) -> list[Import]:
+    """Every import of one product module by another, module-level or lazy, with where it is written."""
+    files = {_module(p, root): p for pkg in PACKAGES for p in (root / pkg).rglob("*.py")}
+    known = set(files)
+    found = []
+    for name, path in sorted(files.items()):
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                candidates = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from .x import y
+                    anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join([*anchor, *([base] if base else [])])
+                candidates = [f"{base}.{a.name}" for a in node.names] + [base]
             elif isinstance(node, ast.Import):
                 candidates = [a.name for a in node.names]
             else:
                 continue
-            for candidate in candidates:
-                while candidate and candidate not in files:
-                    candidate = candidate.rpartition(".")[0]
-                if candidate and candidate != name and candidate.split(".")[0] in PACKAGES:
-                    targets.add(candidate)
-        graph[name] = targets
-    return graph
-
-
-def _stage(module: str) -> str | None:
-    parts = module.split(".")
-    return parts[1] if len(parts) > 2 and parts[0] == "tasks" and parts[1] in STAGES else None
-
-
-def layer_violations(graph: dict[str, set[str]]) -> list[str]:
-    found = []
-    for src, targets in sorted(graph.items()):
-        if src in ENTRY_POINTS or src.startswith("flows"):
-            continue
-        for dst in sorted(targets):
-            if dst in ENTRY_POINTS or dst.startswith("flows"):
-                found.append(f"{src} -> {dst}: imports an entry point")
-            elif _stage(src) and _stage(dst) and _stage(src) != _stage(dst):
-                found.append(f"{src} -> {dst}: a stage imports another stage")
-            elif src.startswith("serving") and _stage(dst):
-                found.append(f"{src} -> {dst}: serving imports a stage")
-            elif src.startswith("tasks") and dst.startswith("serving") and dst != "serving.store":
-                found.append(f"{src} -> {dst}: tasks import serving beyond the store")
-            elif src.startswith("tasks") and not _stage(src) and _stage(dst):
-                found.append(f"{src} -> {dst}: a library module imports a stage")
+            where = f"{path.relative_to(root)}:{node.lineno}"
+            for dst in {_resolve(c, known) for c in candidates} - {None, name}:
+                found.append(Import(name, str(dst), where))
     return found
 
 
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Every elementary circle's node set, found once (Tarjan's strongly connected components > 1)."""
+def floor(module: str) -> str | None:
+    """The floor a module lives on, or None for a module that is on no floor (a misplaced file)."""
+    parts = module.split(".")
+    if parts[0] in ("flows", "serving"):
+        return parts[0]
+    if parts[0] != "tasks":
+        return None
+    if len(parts) == 1 or parts[1] == "core":
+        return "core"
+    if parts[1] == "sim":
+        return "sim"
+    if parts[1] in STAGES:
+        return "stage"
+    return None
+
+
+def violations(found: list[Import]) -> list[str]:
+    """One line per import that breaks a floor rule, saying where and why."""
+    lines = []
+    for name in sorted({i.src for i in found} | {i.dst for i in found}):
+        if floor(name) is None:
+            lines.append(f"{name}: on no floor (tasks/ holds core/, sim/ and the stages {', '.join(STAGES)})")
+    for i in sorted(found, key=lambda i: (i.where, i.dst)):
+        src, dst = floor(i.src), floor(i.dst)
+        if src is None or dst is None:
+            continue
+        if FLOORS.index(dst) > FLOORS.index(src):
+            lines.append(f"{i.where}: {i.src} ({src}) imports {i.dst} ({dst}), a floor above it")
+        elif src == dst == "stage" and i.src.split(".")[1] != i.dst.split(".")[1]:
+            lines.append(f"{i.where}: {i.src} imports {i.dst}: a stage imports another stage")
+        elif src == "serving" and dst == "stage":
+            lines.append(f"{i.where}: {i.src} imports {i.dst}: serving imports only the core and the simulated users")
+    return lines
+
+
+def circles(found: list[Import]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    graph: dict[str, set[str]] = {}
+    for i in found:
+        graph.setdefault(i.src, set()).add(i.dst)
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -83,7 +120,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         index[v] = low[v] = len(index)
         stack.append(v)
         on_stack.add(v)
-        for w in graph.get(v, ()):
+        for w in sorted(graph.get(v, ())):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -103,28 +140,83 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     for v in sorted(graph):
         if v not in index:
             visit(v)
-    return components
+    return sorted(components)
 
 
-def test_the_product_imports_have_no_circle():
-    assert cycles(import_graph()) == []
+def breaks_between_tests_and_benches(root: Path = ROOT) -> list[str]:
+    """Each test import of bench/ and each bench touching sys.path, as file:line and what it does."""
+    lines = []
+    for folder, rule in (("tests", "a test imports bench/"), ("bench", "a bench patches sys.path")):
+        for path in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if folder == "tests" and isinstance(node, ast.ImportFrom) and node.level == 0:
+                    names = [node.module or ""]
+                elif folder == "tests" and isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif folder == "bench" and isinstance(node, ast.Attribute) and node.attr == "path":
+                    names = ["sys.path"] if isinstance(node.value, ast.Name) and node.value.id == "sys" else []
+                else:
+                    continue
+                if any(n == "sys.path" or n.split(".")[0] == "bench" for n in names):
+                    lines.append(f"{path.relative_to(root)}:{node.lineno}: {rule}")
+    return lines
 
 
-def test_imports_only_go_down_the_layers():
-    assert layer_violations(import_graph()) == []
+def _report(title: str, lines: list[str]) -> str:
+    return f"{len(lines)} {title}:\n  " + "\n  ".join(lines)
 
 
-def test_the_checks_catch_a_circle_and_an_upward_import():
-    graph = {
-        "tasks.a": {"tasks.b"},
-        "tasks.b": {"tasks.a"},
-        "serving.gateway": {"tasks.reward.reward"},
-        "tasks.train.ppo": {"tasks.evaluate.gate", "serving.store"},
-        "tasks.fim": {"tasks.cli"},
-    }
-    assert cycles(graph) == [["tasks.a", "tasks.b"]]
-    assert layer_violations(graph) == [
-        "serving.gateway -> tasks.reward.reward: serving imports a stage",
-        "tasks.fim -> tasks.cli: imports an entry point",
-        "tasks.train.ppo -> tasks.evaluate.gate: a stage imports another stage",
+def test_imports_only_point_down_the_floors():
+    found = violations(imports())
+    assert not found, _report("imports break the floors", found)
+
+
+def test_no_two_modules_import_each_other_through_any_chain():
+    found = [" <-> ".join(c) for c in circles(imports())]
+    assert not found, _report("import circles", found)
+
+
+def test_no_test_imports_a_bench_and_no_bench_patches_sys_path():
+    found = breaks_between_tests_and_benches()
+    assert not found, _report("breaks between tests/ and bench/", found)
+
+
+def test_the_apart_check_catches_a_bench_import_and_a_path_patch(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text("import os\n\n\ndef f():\n    from bench.harness import run\n")
+    (tmp_path / "bench" / "b.py").write_text("import sys\n\nsys.path.insert(0, '.')\n")
+    assert breaks_between_tests_and_benches(tmp_path) == [
+        "tests/test_x.py:5: a test imports bench/",
+        "bench/b.py:3: a bench patches sys.path",
+    ]
+
+
+def test_the_checks_catch_each_kind_of_break():
+    def imp(src: str, dst: str) -> Import:
+        return Import(src, dst, f"{src.replace('.', '/')}.py:1")
+
+    found = [
+        imp("tasks.core.a", "tasks.core.b"),
+        imp("tasks.core.b", "tasks.core.a"),
+        imp("tasks.core.fim", "tasks.sim.editor"),
+        imp("tasks.sim.editor", "tasks.core.fim"),
+        imp("tasks.train.ppo", "tasks.evaluate.gate"),
+        imp("tasks.train.ppo", "tasks.train.loss"),
+        imp("serving.gateway", "tasks.reward.reward"),
+        imp("serving.gateway", "tasks.sim.editor"),
+        imp("tasks.ingest.pull", "serving.log"),
+        imp("serving.log", "flows.cli"),
+        imp("flows.cli", "tasks.deploy.ab"),
+        imp("tasks.helpers", "tasks.core.fim"),
+    ]
+    assert circles(found) == [["tasks.core.a", "tasks.core.b"], ["tasks.core.fim", "tasks.sim.editor"]]
+    assert violations(found) == [
+        "tasks.helpers: on no floor (tasks/ holds core/, sim/ and the stages ingest, reward, train, evaluate, deploy)",
+        "serving/gateway.py:1: serving.gateway imports tasks.reward.reward: serving imports only the core and the "
+        "simulated users",
+        "serving/log.py:1: serving.log (serving) imports flows.cli (flows), a floor above it",
+        "tasks/core/fim.py:1: tasks.core.fim (core) imports tasks.sim.editor (sim), a floor above it",
+        "tasks/ingest/pull.py:1: tasks.ingest.pull (stage) imports serving.log (serving), a floor above it",
+        "tasks/train/ppo.py:1: tasks.train.ppo imports tasks.evaluate.gate: a stage imports another stage",
     ]

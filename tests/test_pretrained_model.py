@@ -21,9 +21,9 @@ from sqlalchemy import select
 from transformers import AutoConfig, AutoTokenizer
 
 from flows.cycle import online_rl_cycle
-from serving.store import CHALLENGER, completions
+from tasks.core.fim import PREFIX_ONLY, parse_completion, read_template
+from tasks.core.store import CHALLENGER, completions
 from tasks.deploy.registry import get_alias_version, register_candidate, resolve_model_dir
-from tasks.fim import PREFIX_ONLY, parse_completion, read_template
 from tasks.train.import_model import ImportModelError, import_model
 from tests.test_flow_cycle import ACCEPT_ALL, _dvc_repo, champion_serving_traffic, write_cycle_inputs
 

@@ -1,4 +1,4 @@
-"""tasks.procs: waiting for a started server says what went wrong when it never comes up."""
+"""tasks.core.procs: waiting for a started server says what went wrong when it never comes up."""
 
 import os
 import signal
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.procs import NotUp, free_port, wait_until_up
+from tasks.core.procs import NotUp, free_port, wait_until_up
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,7 +61,7 @@ def test_sigterm_runs_the_finally_blocks_that_stop_child_servers():
     """A CLI that called exit_on_sigterm stops the server it started when it is killed with SIGTERM."""
     script = (
         "import subprocess, sys, time\n"
-        "from tasks.procs import exit_on_sigterm\n"
+        "from tasks.core.procs import exit_on_sigterm\n"
         "exit_on_sigterm()\n"
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
         "try:\n"

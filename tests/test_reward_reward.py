@@ -4,11 +4,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.config import RewardParams
+from tasks.core.config import RewardParams
+from tasks.core.schema import REWARDED_SCHEMA
 from tasks.ingest.snapshot import run_ingest
 from tasks.reward.reward import ADVANTAGES, cycle_summary, reward_metrics, reward_of, reward_snapshot
-from tasks.schema import REWARDED_SCHEMA
-from tasks.simulated_users import Summary
+from tasks.sim.users import Summary
 from tests.conftest import tiny_params
 from tests.ingest_helpers import add_completions, add_feedback, completion_row, store
 

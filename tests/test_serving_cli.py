@@ -12,11 +12,11 @@ import pytest
 import sqlalchemy as sa
 from typer.testing import CliRunner
 
+from flows.cli.main import app
 from serving.log import prompt_hash
-from serving.store import completions, feedback, make_engine, read_arms
-from tasks.cli import app
-from tasks.editor import write_regions
-from tasks.procs import free_port, wait_until_up
+from tasks.core.procs import free_port, wait_until_up
+from tasks.core.store import Store, completions, feedback, read_arms
+from tasks.sim.editor import write_regions
 from tests.conftest import tiny_params
 
 runner = CliRunner()
@@ -32,7 +32,7 @@ def served(tmp_path, tiny_model_dir):
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tasks", "serve", "--model", str(tiny_model_dir), "--port", str(port), *sets],
+        [sys.executable, "-m", "flows.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port), *sets],
         cwd=ROOT,
         env=env,
         stdout=log,
@@ -78,7 +78,7 @@ def test_serve_and_simulate_over_http(served, tmp_path, typing_regions):
     summary = json.loads((tmp_path / "sim.json").read_text())
     n_requests = summary["champion"]["requests"]
     assert list(summary) == ["champion"] and n_requests == 12
-    engine = make_engine(db)
+    engine = Store(db).engine
     with engine.connect() as conn:
         rows = conn.execute(sa.select(completions.c.user_id, completions.c.id)).all()
         n_feedback = conn.execute(sa.select(sa.func.count()).select_from(feedback)).scalar()
@@ -129,7 +129,7 @@ def test_keys_and_import_continue(tmp_path):
     added = runner.invoke(app, ["keys", "add", "alice", *sets])
     assert added.exit_code == 0 and added.output.strip().startswith("tabrl-")
     assert runner.invoke(app, ["keys", "opt-out", "alice", *sets]).exit_code == 0
-    engine = make_engine(db)
+    engine = Store(db).engine
     with engine.begin() as conn:  # one completion the gateway had logged
         conn.execute(
             completions.insert().values(

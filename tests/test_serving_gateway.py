@@ -12,8 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from serving.auth import add_key, set_opt_out
 from serving.gateway import create_app
-from serving.store import Arm, completions, feedback, init_schema, make_engine, replace_arms
-from tasks.fim import QWEN
+from tasks.core.fim import QWEN
+from tasks.core.store import Arm, Store, completions, feedback, init_schema, replace_arms
 from tests.conftest import tiny_params
 from tests.serving_util import serve_app
 
@@ -48,7 +48,7 @@ class Gateway:
 
 def _start(store_url, tmp_path, model_dir, auth=True, **serving):
     params = tiny_params(tmp_path, serving={"config_ttl_s": 0, "max_tokens": 8, "max_prompt_chars": 4000, **serving})
-    engine = make_engine(store_url)
+    engine = Store(store_url).engine
     init_schema(engine)
     replace_arms(engine, [Arm("champion", "tiny/1", str(model_dir), "embedded", 1.0)])
     return params, engine, create_app(params, engine=engine, auth=auth)

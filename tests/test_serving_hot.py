@@ -7,12 +7,13 @@ import json
 
 import httpx
 
-from bench.harness import editor_prompt, fast_backend_factory
 from serving.auth import add_key
-from serving.gateway import HotRoutes, create_app
-from serving.store import Arm, init_schema, make_engine, replace_arms
+from serving.fast_path import HotRoutes
+from serving.gateway import create_app
+from tasks.core.store import Arm, Store, init_schema, replace_arms
 from tests.conftest import tiny_params
 from tests.serving_util import serve_app
+from tests.support.harness import editor_prompt, fast_backend_factory
 
 HEADERS = ("content-type", "x-tabrl-arm", "retry-after")
 
@@ -60,7 +61,7 @@ def test_hot_routes_answer_like_fastapi_alone(tmp_path):
             tmp_path / name,
             serving={"config_ttl_s": 60, "max_body_bytes": 4096, "rate_limit_per_key_per_minute": 3},
         )
-        engine = make_engine(params.paths.database_url)
+        engine = Store(params.paths.database_url).engine
         init_schema(engine)
         replace_arms(engine, [Arm("champion", "fast/1", "fast", "embedded", 1.0)])
         key = add_key(engine, "alice")

@@ -10,10 +10,10 @@ import time
 import pytest
 import sqlalchemy as sa
 
-from bench.harness import throwaway_schema
 from serving.auth import TtlCache
 from serving.log import InsertRow, LogWriter, Outcome, RecordFeedback, insert_completion, prompt_hash, record_outcome
-from serving.store import completions, feedback, init_schema, make_engine
+from tasks.core.store import Store, completions, feedback, init_schema
+from tests.support.harness import throwaway_schema
 
 
 def _row(cid: str, user: str) -> dict:
@@ -37,7 +37,7 @@ def _row(cid: str, user: str) -> dict:
 
 
 def _seeded(url: str):
-    engine = make_engine(url)
+    engine = Store(url).engine
     init_schema(engine)
     with engine.begin() as conn:
         for cid, user in [("c1", "alice"), ("c2", "bob"), ("c3", "alice"), ("c4", "carol")]:
@@ -100,7 +100,7 @@ def test_batched_feedback_answers_like_record_outcome_one_by_one(two_stores):
 
 
 def test_one_bad_row_does_not_fail_its_neighbours(store_url):
-    engine = make_engine(store_url)
+    engine = Store(store_url).engine
     init_schema(engine)
     with engine.begin() as conn:
         insert_completion(_row("taken", "alice"))(conn)

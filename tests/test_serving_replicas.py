@@ -1,7 +1,7 @@
 """Gateway replicas on one log store and one Redis: the rate limits hold in total (not per replica), and arm
 changes and opt-outs reach every replica within serving.config_ttl_s; `tabrl serve --workers 2`.
 
-Real components: gateway processes on loopback (`python -m bench.harness gateway`, and `tabrl serve`), SQLite
+Real components: gateway processes on loopback (`python -m tests.support.harness gateway`, and `tabrl serve`), SQLite
 or PostgreSQL (store_url), Redis at TABRL_TEST_REDIS_URL (default redis://127.0.0.1:6379/0; skipped when it
 does not answer)."""
 
@@ -20,11 +20,12 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from bench.harness import ROOT, editor_prompt, make_keys, seed_arms, start_process, stop_process
-from serving.auth import Caller, RedisRateLimiter, add_key, set_opt_out
+from serving.auth import Caller, add_key, set_opt_out
 from serving.errors import ApiError
-from serving.store import CHALLENGER, CHAMPION, Arm, completions, make_engine, replace_arms
-from tasks.procs import free_port, wait_until_up
+from serving.limits import RedisRateLimiter
+from tasks.core.procs import free_port, wait_until_up
+from tasks.core.store import CHALLENGER, CHAMPION, Arm, Store, completions, replace_arms
+from tests.support.harness import ROOT, editor_prompt, make_keys, seed_arms, start_process, stop_process
 
 REDIS_URL = os.environ.get("TABRL_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 FAST = Arm(CHAMPION, "fast/1", "fast", "embedded", 1.0)
@@ -71,7 +72,7 @@ def _complete(url: str, key: str, i: int = 0) -> httpx.Response:
 
 
 def _count(store_url: str) -> int:
-    engine = make_engine(store_url)
+    engine = Store(store_url).engine
     try:
         with engine.connect() as conn:
             return conn.execute(sa.select(sa.func.count()).select_from(completions)).scalar_one()
@@ -135,7 +136,7 @@ def test_two_replicas_share_the_limits_the_arms_and_the_opt_outs(store_url, redi
 
         # An opt-out and an arm change reach both replicas within config_ttl_s, without a restart.
         assert [_complete(url, bob_key).json()["tabrl"]["logged"] for url in (a, b)] == [True, True]
-        engine = make_engine(store_url)
+        engine = Store(store_url).engine
         set_opt_out(engine, bob, True)
         replace_arms(engine, [Arm(CHALLENGER, "fast/2", "fast", "embedded", 1.0)])
 
@@ -176,7 +177,7 @@ def test_tabrl_serve_workers_share_one_port_and_the_limits(store_url, redis_url,
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     refused = subprocess.run(
-        [sys.executable, "-m", "tasks", "serve", "--workers", "2", "--no-auth", *sets],
+        [sys.executable, "-m", "flows.cli", "serve", "--workers", "2", "--no-auth", *sets],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -187,7 +188,7 @@ def test_tabrl_serve_workers_share_one_port_and_the_limits(store_url, redis_url,
     log = open(tmp_path / "serve.log", "w")
     cmd = ["serve", "--workers", "2", "--no-auth", "--model", str(tiny_model_dir), "--port", str(port)]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tasks", *cmd, *sets, *_sets(f"serving.redis_url={redis_url}")],
+        [sys.executable, "-m", "flows.cli", *cmd, *sets, *_sets(f"serving.redis_url={redis_url}")],
         cwd=ROOT,
         env=env,
         stdout=log,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from serving.router import assign, champion_of
-from serving.store import Arm
+from tasks.core.store import Arm
 
 ARMS = [Arm("champion", "m/1", "/a", "embedded", 0.7), Arm("challenger", "m/2", "/b", "embedded", 0.3)]
 

@@ -8,13 +8,16 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving.auth import Caller, Directory, RateLimiter, add_key, resolve_caller, set_opt_out
+from serving.auth import Caller, Directory, add_key, resolve_caller, set_opt_out
 from serving.errors import ApiError
-from serving.gateway import CompletionRequest, Metrics, normalise_request
+from serving.limits import RateLimiter
+from serving.metrics import Metrics
+from serving.normalise import normalise_request
+from serving.protocol import CompletionRequest
 from serving.router import FimRequest, stops_for
-from serving.store import init_schema, make_engine
-from tasks.config import ServingParams
-from tasks.fim import CODELLAMA, CODESTRAL, DEEPSEEK, PREFIX_ONLY, QWEN, STARCODER, FimPrompt
+from tasks.core.config import ServingParams
+from tasks.core.fim import CODELLAMA, CODESTRAL, DEEPSEEK, PREFIX_ONLY, QWEN, STARCODER, FimPrompt
+from tasks.core.store import Store, init_schema
 
 SERVING = ServingParams(max_tokens=48, temperature=0.7, max_prompt_chars=100)
 
@@ -92,7 +95,7 @@ def test_finished_windows_are_forgotten_past_the_cap():
 
 
 def test_the_caller_is_the_keys_user_with_auth_and_the_claimed_user_without(tmp_path):
-    engine = make_engine(f"sqlite:///{tmp_path}/store.db")
+    engine = Store(f"sqlite:///{tmp_path}/store.db").engine
     init_schema(engine)
     key = add_key(engine, "dana")
     set_opt_out(engine, "erin", True)

@@ -20,10 +20,10 @@ import sqlalchemy as sa
 
 from serving.auth import add_key
 from serving.gateway import create_app
-from serving.store import Arm, completions, init_schema, make_engine, replace_arms
-from tasks.fim import PREFIX_ONLY, QWEN
-from tasks.generate import ShowRule, generate, load_model
-from tasks.procs import free_port, wait_until_up
+from tasks.core.fim import PREFIX_ONLY, QWEN
+from tasks.core.generate import ShowRule, generate, load_model
+from tasks.core.procs import free_port, wait_until_up
+from tasks.core.store import Arm, Store, completions, init_schema, replace_arms
 from tests.conftest import tiny_params
 from tests.serving_util import post_completions, serve_app
 
@@ -82,7 +82,7 @@ def vllm_url(vllm_python, tiny_model_dir, tmp_path_factory):
 
 def test_vllm_arm_logs_token_ids_and_behaviour_logprobs(vllm_url, tiny_model_dir, tmp_path, fim_samples):
     params = tiny_params(tmp_path, serving={"config_ttl_s": 0, "max_tokens": 12})
-    engine = make_engine(params.paths.database_url)
+    engine = Store(params.paths.database_url).engine
     init_schema(engine)
     replace_arms(engine, [Arm("champion", "tiny/vllm", vllm_url, "vllm", 1.0)])
     key = add_key(engine, "alice")
@@ -107,7 +107,7 @@ def test_vllm_arm_logs_token_ids_and_behaviour_logprobs(vllm_url, tiny_model_dir
 @pytest.mark.slow
 def test_vllm_arm_serves_smollm2_with_its_own_template(vllm_python, smollm2_dir, tmp_path, fim_samples):
     params = tiny_params(tmp_path, serving={"config_ttl_s": 0, "max_tokens": 8})
-    engine = make_engine(params.paths.database_url)
+    engine = Store(params.paths.database_url).engine
     init_schema(engine)
     key = add_key(engine, "alice")
     samples = fim_samples[:2]
@@ -136,7 +136,7 @@ def test_a_vllm_arm_cuts_at_the_first_unsure_token_as_the_embedded_model_does(vl
     base = Path(__file__).resolve().parents[1] / "models" / "tabrl-tiny"
     rule = ShowRule(-1.0, 1.0)
     params = tiny_params(tmp_path, serving={"config_ttl_s": 0, "max_tokens": 12, "temperature": 0, "min_logprob": -1.0})
-    engine = make_engine(params.paths.database_url)
+    engine = Store(params.paths.database_url).engine
     init_schema(engine)
     key = add_key(engine, "alice")
     model, tokenizer, template = load_model(base)

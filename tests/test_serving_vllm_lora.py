@@ -26,8 +26,9 @@ from prefect import flow
 from flows.cycle import online_rl_cycle
 from serving.gateway import create_app
 from serving.simulate import run_simulation
-from serving.store import CHALLENGER, CHAMPION, completions, open_store, read_arms
-from tasks.adapters import is_adapter
+from tasks.core.adapters import is_adapter
+from tasks.core.store import CHALLENGER, CHAMPION, completions, open_store, read_arms
+from tasks.core.vllm import recorded_servers, served_models, start_vllm, stop_vllm
 from tasks.deploy.arms import serve_champion, sync_adapters
 from tasks.deploy.promote import rollback
 from tasks.deploy.registry import (
@@ -38,8 +39,7 @@ from tasks.deploy.registry import (
 )
 from tasks.deploy.rollout import rollout
 from tasks.deploy.tracking import tracking_client
-from tasks.simulated_users import make_users
-from tasks.vllm import recorded_servers, served_models, start_vllm, stop_vllm
+from tasks.sim.users import make_users
 from tests.serving_util import serve_app
 from tests.test_flow_cycle import ACCEPT_ALL, _dvc_repo, write_cycle_inputs
 

@@ -12,13 +12,13 @@ import sqlalchemy as sa
 
 from serving.auth import add_key
 from serving.gateway import create_app
-from serving.store import Arm, completions, init_schema, make_engine, replace_arms
-from tasks.acceptance import type_regions
-from tasks.config import ServingParams
-from tasks.fim import parse_completion
-from tasks.generate import ShowRule, generate, load_model, show_rule, stops_of
-from tasks.inference import InProcess
-from tasks.vllm import VllmError, generation_from_vllm
+from tasks.core.config import ServingParams
+from tasks.core.fim import parse_completion
+from tasks.core.generate import ShowRule, generate, load_model, show_rule, stops_of
+from tasks.core.inference import InProcess
+from tasks.core.store import Arm, Store, completions, init_schema, replace_arms
+from tasks.core.vllm import VllmError, generation_from_vllm
+from tasks.sim.acceptance import type_regions
 from tests.conftest import tiny_params
 from tests.serving_util import post_completions, serve_app
 
@@ -128,7 +128,7 @@ def test_a_vllm_cut_that_splits_a_character_shows_nothing_and_missing_strings_ar
 def _serve_base(tmp_path, prompts, serving: dict) -> tuple[list, dict, str]:
     """POST prompts to a real gateway whose one arm is the shipped base: (answers, logged rows by id, /metrics)."""
     params = tiny_params(tmp_path, serving={"config_ttl_s": 0, "max_tokens": 12, **serving})
-    engine = make_engine(params.paths.database_url)
+    engine = Store(params.paths.database_url).engine
     init_schema(engine)
     replace_arms(engine, [Arm("champion", "base/1", str(BASE), "embedded", 1.0)])
     key = add_key(engine, "alice")

@@ -2,8 +2,8 @@ import random
 
 import pytest
 
-from tasks.config import Persona, load_params
-from tasks.simulated_users import SimUser, is_right, make_users, normalise, replay, right_if_cut, summarise
+from tasks.core.config import Persona, load_params
+from tasks.sim.users import SimUser, is_right, make_users, normalise, replay, right_if_cut, summarise
 
 MIDDLE = "self.assertEqual(result, expected)\n        return result"
 STRICT = Persona(name="strict", min_accept_chars=4)

@@ -3,11 +3,11 @@ import os
 import pytest
 import sqlalchemy as sa
 
-from bench.harness import throwaway_schema
-from serving.store import (
+from tasks.core.store import (
     SCHEMA_VERSION,
     Arm,
     ArmError,
+    Store,
     init_schema,
     make_engine,
     open_store,
@@ -15,6 +15,7 @@ from serving.store import (
     replace_arms,
     schema_version,
 )
+from tests.support.harness import throwaway_schema
 
 
 def _engines(tmp_path):
@@ -78,3 +79,30 @@ def test_a_store_of_schema_1_is_migrated_in_place_and_keeps_its_arms(tmp_path):
         replace_arms(engine, [adapter_arm])
         assert read_arms(engine) == [adapter_arm]
         engine.dispose()
+
+
+def test_a_store_creates_its_tables_on_entry_and_disposes_its_engine_once_on_exit(tmp_path):
+    disposed = []
+    store = Store(f"sqlite:///{tmp_path}/store.db")
+    sa.event.listen(store.engine, "engine_disposed", lambda engine: disposed.append(engine))
+    with store as opened:
+        assert opened is store and read_arms(store.engine) == []  # the tables exist
+        assert disposed == []
+    assert disposed == [store.engine]
+
+
+def test_a_store_that_cannot_create_its_tables_disposes_its_engine(tmp_path):
+    disposed = []
+    store = Store(f"sqlite:///{tmp_path}/store.db")
+    with store.engine.begin() as conn:  # a store written by a newer tabrl
+        conn.execute(sa.text("CREATE TABLE schema_version (version INTEGER PRIMARY KEY, applied_at FLOAT NOT NULL)"))
+        conn.execute(sa.text(f"INSERT INTO schema_version VALUES ({SCHEMA_VERSION + 1}, 0)"))
+    sa.event.listen(store.engine, "engine_disposed", lambda engine: disposed.append(engine))
+    with pytest.raises(RuntimeError, match="newer"), store:
+        pass
+    assert disposed == [store.engine]
+
+
+def test_the_store_fixture_is_open_for_the_test(store):
+    replace_arms(store.engine, [Arm("champion", "m/1", "/models/a", "embedded", 1.0)])
+    assert [a.name for a in read_arms(store.engine)] == ["champion"]

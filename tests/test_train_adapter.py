@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tasks.adapters import (
+from tasks.core.adapters import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     BASE_FILE,
@@ -19,8 +19,8 @@ from tasks.adapters import (
     checkpoint_sha256,
     read_base,
 )
-from tasks.fim import read_template
-from tasks.generate import generate, load_model
+from tasks.core.fim import read_template
+from tasks.core.generate import generate, load_model
 from tasks.train.launch import launch_train
 from tasks.train.policy import StartError
 from tasks.train.ppo import train

@@ -6,10 +6,10 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from tasks.cli import app
-from tasks.corpus import write_samples
-from tasks.fim import QWEN
-from tasks.generate import generate, load_model
+from flows.cli.main import app
+from tasks.core.fim import QWEN
+from tasks.core.generate import generate, load_model
+from tasks.sim.corpus import write_samples
 from tasks.train.grpo import group_advantages
 from tests.conftest import tiny_params
 

@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from tasks.config import TrainParams
-from tasks.fim import QWEN
-from tasks.generate import generate, load_model, prompt_limit, split_stops, stops_of
-from tasks.schema import REWARDED_SCHEMA
+from tasks.core.config import TrainParams
+from tasks.core.fim import QWEN
+from tasks.core.generate import generate, load_model, prompt_limit, split_stops, stops_of
+from tasks.core.schema import REWARDED_SCHEMA
 from tasks.train.batching import Example, SnapshotError, build_examples, pack, plan_epoch, read_snapshot
 from tasks.train.engines import CompletionPolicy, first_token_logp, row_log_softmax, token_logp
 from tasks.train.launch import launch_train

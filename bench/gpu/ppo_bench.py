@@ -58,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-from tasks.config import Params, TrainParams, load_params
+from tasks.core.config import Params, TrainParams, load_params
 from tasks.train.batching import Example, Packed, pack
 from tasks.train.engines import (
     CompletionPolicy,

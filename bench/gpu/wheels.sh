@@ -16,7 +16,7 @@ mkdir -p "$WHEELS"
 echo ">> DeepSpeed 0.19.8: a wheel from its source archive"
 DS_BUILD_OPS=0 "$PYTHON" -m pip wheel --quiet --no-deps --no-build-isolation -w "$WHEELS" deepspeed==0.19.8
 
-echo ">> DeepSpeed's dependencies, pydantic and PyYAML (tasks/config.py): cp312 manylinux x86_64 wheels"
+echo ">> DeepSpeed's dependencies, pydantic and PyYAML (tasks/core/config.py): cp312 manylinux x86_64 wheels"
 "$PYTHON" -m pip download --quiet --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d "$WHEELS" \
   hjson==3.1.0 py-cpuinfo==9.0.0 msgpack==1.2.4 ninja==1.13.2 einops==0.8.2 psutil==7.2.2 packaging==26.4 \

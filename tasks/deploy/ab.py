@@ -45,10 +45,10 @@ import sqlalchemy as sa
 from scipy import stats as st
 from sqlalchemy.engine import Connection, Engine
 
-from serving.store import CHALLENGER, CHAMPION, completions, feedback
-from serving.store import arms as arms_table
-from tasks.config import Params, RewardParams
-from tasks.outcomes import total_reward, total_squared_reward
+from tasks.core.config import Params, RewardParams
+from tasks.core.outcomes import total_reward, total_squared_reward
+from tasks.core.store import CHALLENGER, CHAMPION, completions, feedback
+from tasks.core.store import arms as arms_table
 
 Action = Literal["promote", "rollback", "continue"]
 

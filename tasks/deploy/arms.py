@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import logging
 
-from serving.store import CHAMPION, Arm, open_store, read_arms, replace_arms
-from tasks.adapters import is_adapter
-from tasks.config import Params
+from tasks.core.adapters import is_adapter
+from tasks.core.config import Params
+from tasks.core.store import CHAMPION, Arm, open_store, read_arms, replace_arms
+from tasks.core.vllm import adapter_name, base_server, load_adapter, served_models
 from tasks.deploy.registry import base_version, ensure_champion, resolve_model_dir
-from tasks.vllm import adapter_name, base_server, load_adapter, served_models
 
 log = logging.getLogger(__name__)
 

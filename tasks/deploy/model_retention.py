@@ -37,9 +37,9 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from sqlalchemy.engine import Engine
 
-from serving.store import CHALLENGER, CHAMPION, open_store, read_arms
-from tasks.adapters import AdapterBaseError, is_adapter, read_base
-from tasks.config import Params
+from tasks.core.adapters import AdapterBaseError, is_adapter, read_base
+from tasks.core.config import Params
+from tasks.core.store import CHALLENGER, CHAMPION, open_store, read_arms
 from tasks.deploy.registry import (
     CANDIDATES,
     RUN_CACHE,

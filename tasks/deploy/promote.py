@@ -28,15 +28,15 @@ from mlflow.entities import Metric
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from serving.store import CHALLENGER, CHAMPION, Arm, ArmError, read_arms, replace_arms
-from tasks.adapters import AdapterBaseError, check_base
-from tasks.config import Params
+from tasks.core.adapters import AdapterBaseError, check_base
+from tasks.core.config import Params
+from tasks.core.store import CHALLENGER, CHAMPION, Arm, ArmError, read_arms, replace_arms
+from tasks.core.vllm import VllmError, base_of
 from tasks.deploy.ab import ArmStats, Decision, arm_stats, decide
 from tasks.deploy.errors import DeployError
 from tasks.deploy.registry import ModelVersion, append_version_description, delete_alias, get_alias_version, set_alias
 from tasks.deploy.rollout import retire
 from tasks.deploy.tracking import as_flat_tags, experiment_id, tracking_client
-from tasks.vllm import VllmError, base_of
 
 DECISIONS_DESCRIPTION = (
     "tabrl A/B decisions: one run per look at the live test (promote, rollback or continue), with the "

@@ -1,7 +1,7 @@
 """The MLflow model registry side of deploy: one registered model, its versions, aliases, local model dirs.
 
 * A candidate checkpoint (a Hugging Face directory, or a LoRA adapter on a registered base version:
-  ``tasks/adapters.py``) becomes a new version of ``deploy.registered_model``. An adapter version is
+  ``tasks/core/adapters.py``) becomes a new version of ``deploy.registered_model``. An adapter version is
   tagged with its base (``tabrl.base_version``, ``tabrl.base_sha256``), and one whose recorded base
   is not that version's weights is refused.
   MLflow 3.17's ``register_model('runs:/..')`` refuses plain folders (it wants an MLmodel file), so the
@@ -38,9 +38,9 @@ from mlflow.entities import Run
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 
-from serving.store import CHAMPION
-from tasks.adapters import AdapterBaseError, check_base, is_adapter
-from tasks.config import Params
+from tasks.core.adapters import AdapterBaseError, check_base, is_adapter
+from tasks.core.config import Params
+from tasks.core.store import CHAMPION
 from tasks.deploy.errors import DeployError
 from tasks.deploy.tracking import as_flat_tags, end_cycle_run, get_run, start_cycle_run, tracking_client
 

@@ -6,7 +6,7 @@ Steps, each a task whose `on_rollback` hook undoes it when a later step fails:
 
 1. `serve_version`: where the new version will be served, made ready before any user is routed to it.
    * a LoRA adapter on a vLLM arm (serving.adapter_serving: lora): the base's one server (started
-     once, `tasks/vllm.py`) loads it at runtime under a name never used before, then answers one
+     once, `tasks/core/vllm.py`) loads it at runtime under a name never used before, then answers one
      probe request. Rollback unloads it. No new process: a version is live within a second.
    * a full checkpoint on a vLLM arm (or an adapter with adapter_serving: merged, merged first): a
      `vllm serve` process of its own on a free port, health-checked (blue/green: the old process
@@ -35,13 +35,11 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.transactions import get_transaction, transaction
 
-from serving.store import CHALLENGER, CHAMPION, Arm, open_store, read_arms, replace_arms
-from tasks.adapters import AdapterBaseError, check_base, is_adapter
-from tasks.config import Params
-from tasks.deploy.errors import DeployError
-from tasks.deploy.registry import ModelVersion, delete_alias, get_alias_version, set_alias
-from tasks.generate import save_merged
-from tasks.vllm import (
+from tasks.core.adapters import AdapterBaseError, check_base, is_adapter
+from tasks.core.config import Params
+from tasks.core.generate import save_merged
+from tasks.core.store import CHALLENGER, CHAMPION, Arm, open_store, read_arms, replace_arms
+from tasks.core.vllm import (
     VllmError,
     adapter_name,
     base_server,
@@ -52,6 +50,8 @@ from tasks.vllm import (
     stop_vllm_at,
     unload_adapter,
 )
+from tasks.deploy.errors import DeployError
+from tasks.deploy.registry import ModelVersion, delete_alias, get_alias_version, set_alias
 
 log = logging.getLogger(__name__)
 

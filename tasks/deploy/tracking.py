@@ -28,7 +28,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH, MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
 
-from tasks.config import Params
+from tasks.core.config import Params
 from tasks.deploy.errors import DeployError
 
 KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
@@ -167,7 +167,7 @@ def gated_cycle_runs(params: Params, max_results: int = 10_000) -> list:
 
 
 def next_gate_window(params: Params, windows: int) -> int:
-    """The window of held-out regions the next gate types (`tasks.acceptance.gate_regions`): the one after the
+    """The window of held-out regions the next gate types (`tasks.sim.acceptance.gate_regions`): the one after the
     last gated cycle's (its `tabrl.gate_window` tag), round the `windows`; 0 before the first gate. Counted
     by gates, not cycles: skipped cycles do not make two gates in a row type the same window."""
     runs = gated_cycle_runs(params, max_results=1)

@@ -5,7 +5,7 @@
 Two held-out workloads, both from test files only, the same for both models:
 
 * editor traffic: the same simulated users type the same held-out regions, the model asked at
-  every pause (greedy, batched across sessions: ``tasks.acceptance.type_regions``), about
+  every pause (greedy, batched across sessions: ``tasks.sim.acceptance.type_regions``), about
   ``evaluate.n_requests`` requests. The headline and the gate's reward:
 
     eval/typing/suggest_rate        shown / requests
@@ -47,15 +47,15 @@ import mlflow
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.acceptance import TypingRun, complete_samples, type_regions, typing_acceptance
-from tasks.config import Params
-from tasks.editor import Region, TypingSummary
+from tasks.core.config import Params
+from tasks.core.inference import open_engine
+from tasks.core.outcomes import reward_of, reward_per_request
 from tasks.evaluate.gate import GateDecision, gate
 from tasks.evaluate.judge import JudgeRun, JudgeUnavailable, Verdict, judge
 from tasks.evaluate.reference import checks
-from tasks.inference import open_engine
-from tasks.outcomes import reward_of, reward_per_request
-from tasks.simulated_users import make_users, replay, summarise
+from tasks.sim.acceptance import TypingRun, complete_samples, type_regions, typing_acceptance
+from tasks.sim.editor import Region, TypingSummary
+from tasks.sim.users import make_users, replay, summarise
 
 METRICS = (
     "eval/judge_mean",

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from tasks.config import EvaluateParams
+from tasks.core.config import EvaluateParams
 
 T = TypeVar("T")
 

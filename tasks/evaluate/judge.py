@@ -38,7 +38,7 @@ from pathlib import Path
 import openai
 from tqdm import tqdm
 
-from tasks.config import JudgeParams
+from tasks.core.config import JudgeParams
 from tasks.evaluate.reference import LEVELS, checks, reference_score
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 Checks computed for every sample (they are also the reference metrics of an evaluation):
 
 * ``exact``: the completion equals the middle, trailing whitespace aside (invisible in an editor);
-* ``same_code``: equal after collapsing whitespace runs (``tasks.simulated_users.normalise``);
+* ``same_code``: equal after collapsing whitespace runs (``tasks.sim.users.normalise``);
 * ``prefix``: the normalised completion is a prefix of the normalised middle covering at least
   half of its non-blank characters (a right start that does real work; what a simulated user
   would take with Tab);
@@ -32,7 +32,7 @@ import difflib
 import warnings
 from dataclasses import dataclass
 
-from tasks.simulated_users import nonblank, normalise
+from tasks.sim.users import nonblank, normalise
 
 LEVELS = (0, 3, 6, 8, 10)
 # Similarity thresholds of the mapping above (documented in the module docstring).

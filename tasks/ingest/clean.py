@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from detect_secrets.core.plugins.util import get_mapping_from_secret_type_to_class
 from detect_secrets.plugins.base import RegexBasedDetector
 
-from tasks.config import IngestParams
+from tasks.core.config import IngestParams
 
 RULES = ("not_trainable", "opted_out", "too_long", "duplicate", "secret", "per_user_cap")
 

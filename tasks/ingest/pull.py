@@ -26,8 +26,8 @@ from typing import NamedTuple
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from serving.store import completions, feedback, users, watermarks
-from tasks.config import IngestParams
+from tasks.core.config import IngestParams
+from tasks.core.store import completions, feedback, users, watermarks
 
 WATERMARK = "ingest"  # watermarks.name of this stage
 

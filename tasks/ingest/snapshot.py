@@ -25,7 +25,7 @@ byte-identical (same rows in order, same row groups, no timestamps in the file);
 finishes steps 3 and 4. No row is ever in two snapshots. (One thing can change the re-run: a
 user who opted out in between is dropped, and the file is replaced with a warning.)
 
-The Parquet schema is ``tasks.schema.INTERACTION_SCHEMA``.
+The Parquet schema is ``tasks.core.schema.INTERACTION_SCHEMA``.
 """
 
 from __future__ import annotations
@@ -47,12 +47,12 @@ import sqlalchemy as sa
 import yaml
 from sqlalchemy.engine import Engine
 
-from serving.store import completions, feedback, late_feedback, snapshots, watermarks
-from tasks.config import IngestParams, Params
+from tasks.core.config import IngestParams, Params
+from tasks.core.schema import INTERACTION_SCHEMA
+from tasks.core.store import completions, feedback, late_feedback, snapshots, watermarks
 from tasks.ingest.clean import Cleaner
 from tasks.ingest.pull import WATERMARK, Decided, Watermark, count_after, pull_decided, read_watermark
-from tasks.schema import INTERACTION_SCHEMA
-from tasks.simulated_users import Summary, merge, summarise
+from tasks.sim.users import Summary, merge, summarise
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import mlflow
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from serving.store import open_store
-from tasks.config import Params
+from tasks.core.config import Params
+from tasks.core.store import open_store
 from tasks.ingest.snapshot import (
     IngestResult,
     PendingIngest,

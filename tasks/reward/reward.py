@@ -18,7 +18,7 @@ shown token loses probability and the model mostly learns to show less. Against 
 mean, accepted and rejected rows pull with equal total weight (0.9 each way at 10 %): what moves is
 which suggestions the model is sure of, not how often it is sure.
 
-The rewarded snapshot has ``tasks.schema.REWARDED_SCHEMA``.
+The rewarded snapshot has ``tasks.core.schema.REWARDED_SCHEMA``.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.config import RewardParams
-from tasks.outcomes import OUTCOMES, reward_of, reward_per_request
+from tasks.core.config import RewardParams
+from tasks.core.outcomes import OUTCOMES, reward_of, reward_per_request
+from tasks.core.schema import REWARDED_SCHEMA
 from tasks.reward.typed import continuations
-from tasks.schema import REWARDED_SCHEMA
-from tasks.simulated_users import Summary, summarise
+from tasks.sim.users import Summary, summarise
 
 STD_EPS = 1e-8  # keeps whitening finite; far below any reward spread that carries signal
 

@@ -8,9 +8,9 @@ import mlflow
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.config import RewardParams
+from tasks.core.config import RewardParams
 from tasks.reward.reward import RewardResult, reward_metrics, reward_snapshot
-from tasks.simulated_users import Summary
+from tasks.sim.users import Summary
 
 
 @task(name="reward", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)

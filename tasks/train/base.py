@@ -6,7 +6,7 @@ The result is an ordinary Hugging Face checkpoint directory (config.json, model.
 tokenizer.json) with Qwen2.5-Coder's special tokens, so the rest of tabrl cannot tell it from
 Qwen2.5-Coder. Pre-training is PSM fill-in-the-middle with the loss on every token (the tiny model
 has to learn the language and the format at once), on samples from the train files only: most cut
-where an editor asks (typing-session pauses, mid-identifier too; ``tasks/editor.py``), the rest
+where an editor asks (typing-session pauses, mid-identifier too; ``tasks/sim/editor.py``), the rest
 classic line spans.
 
 Resumable: every ``model.checkpoint_every`` steps the model, optimiser, scheduler and step go to
@@ -31,10 +31,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from tasks.config import FimParams, ModelParams, TrafficParams
-from tasks.corpus import SourceFile, sample_spans
-from tasks.editor import pick_regions, training_samples
-from tasks.fim import QWEN, SPECIAL_TOKENS, save_template
+from tasks.core.config import FimParams, ModelParams, TrafficParams
+from tasks.core.fim import QWEN, SPECIAL_TOKENS, save_template
+from tasks.sim.corpus import SourceFile, sample_spans
+from tasks.sim.editor import pick_regions, training_samples
 
 # The tiny base speaks Qwen2.5-Coder's FIM format: its tokenizer is trained with those special tokens,
 # and the template is recorded with the checkpoint like any imported model's.

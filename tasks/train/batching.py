@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from tasks.config import TrainParams
-from tasks.fim import FimTemplate
-from tasks.generate import encode_prompt
+from tasks.core.config import TrainParams
+from tasks.core.fim import FimTemplate
+from tasks.core.generate import encode_prompt
 
 SNAPSHOT_COLUMNS = ("prompt", "token_ids", "logprobs", "temperature", "advantage")
 
@@ -41,7 +41,7 @@ class Example:
 
 
 def read_snapshot(path: str | Path) -> list[dict]:
-    """Rows of a reward-labelled snapshot (tasks/schema.py REWARDED_SCHEMA)."""
+    """Rows of a reward-labelled snapshot (tasks/core/schema.py REWARDED_SCHEMA)."""
     import pyarrow.parquet as pq  # here, not at the top: pack() also runs on GPU images without pyarrow
 
     path = Path(path)
@@ -68,7 +68,7 @@ def sampled_by_another_model(row: dict, tokenizer) -> bool:
 
 def demo_text(continuation: str) -> str | None:
     """The rest of the line a user typed after a request (None when the continuation holds no whole line)."""
-    from tasks.editor import stop_of  # here, not at the top: tasks.editor needs pyarrow, which pack() does not
+    from tasks.sim.editor import stop_of  # here, not at the top: tasks.sim.editor needs pyarrow, which pack() does not
 
     end = stop_of(continuation, "line", 1)
     return continuation[:end] if end < len(continuation) and continuation[:end].strip() else None

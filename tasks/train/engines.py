@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tasks.config import TrainParams
+from tasks.core.config import TrainParams
 
 T = TypeVar("T")
 

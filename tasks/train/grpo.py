@@ -1,8 +1,8 @@
 """Offline GRPO (RLinf's check): G samples per FIM train prompt, scored by the simulated user's rule.
 
-The result is an ordinary rewarded snapshot (tasks/schema.py REWARDED_SCHEMA), so the same job
+The result is an ordinary rewarded snapshot (tasks/core/schema.py REWARDED_SCHEMA), so the same job
 and the same loss train on it (`tasks/train/ppo.py`). Completions are sampled at the serving
-temperature; the reward is the noise-free accept rule (`tasks.simulated_users.is_right`, K of the most
+temperature; the reward is the noise-free accept rule (`tasks.sim.users.is_right`, K of the most
 common persona) with params.reward's values; the advantage is the reward normalised within its
 group. Groups whose G rewards are all equal carry no signal and are dropped (DAPO's filter).
 """
@@ -15,11 +15,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from tasks.config import Params
-from tasks.generate import generate, load_model
-from tasks.outcomes import reward_of
-from tasks.schema import sampled_row, write_rewarded
-from tasks.simulated_users import is_right
+from tasks.core.config import Params
+from tasks.core.generate import generate, load_model
+from tasks.core.outcomes import reward_of
+from tasks.core.schema import sampled_row, write_rewarded
+from tasks.sim.users import is_right
 
 
 def score(text: str, middle: str, params: Params) -> tuple[str, float]:

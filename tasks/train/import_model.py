@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from tasks.fim import FimTemplate, save_template
-from tasks.generate import model_template
+from tasks.core.fim import FimTemplate, save_template
+from tasks.core.generate import model_template
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

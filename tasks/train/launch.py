@@ -26,9 +26,9 @@ import torch
 import yaml
 from prefect import task
 
-from tasks.adapters import AdapterBaseError, is_adapter
-from tasks.config import Params
-from tasks.procs import free_port
+from tasks.core.adapters import AdapterBaseError, is_adapter
+from tasks.core.config import Params
+from tasks.core.procs import free_port
 from tasks.train.policy import RESULT_FILE, StartError
 from tasks.train.ppo import SnapshotError, TrainingDiverged, TrainResult, inputs_digest, train
 

@@ -4,7 +4,7 @@ train.adapter = none: the update changes every weight (but the frozen embeddings
 checkpoint, as tabrl-tiny's versions are.
 
 train.adapter = lora: the update trains a PEFT LoRA adapter on the base and saves only the adapter
-(``tasks/adapters.py``: PEFT's files, the FIM template, the base's identity). From a full checkpoint
+(``tasks/core/adapters.py``: PEFT's files, the FIM template, the base's identity). From a full checkpoint
 a fresh adapter starts (B = 0: the starting policy is the base itself); from an adapter version (the
 champion after the first promotion) the update continues that adapter, on the base it records, with
 the rank and targets it was made with. Either way the proximal and reference log-probs are those of
@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from tasks.adapters import BASE_FILE, base_dir_of, is_adapter, write_base
-from tasks.config import TrainParams
-from tasks.fim import FimTemplate, save_template
-from tasks.generate import model_template
+from tasks.core.adapters import BASE_FILE, base_dir_of, is_adapter, write_base
+from tasks.core.config import TrainParams
+from tasks.core.fim import FimTemplate, save_template
+from tasks.core.generate import model_template
 
 RESULT_FILE = "train_result.json"
 

@@ -45,9 +45,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from tasks.adapters import AdapterBaseError, file_sha256
-from tasks.config import Params, TrainParams, load_params
-from tasks.generate import prompt_limit, split_stops, stops_of
+from tasks.core.adapters import AdapterBaseError, file_sha256
+from tasks.core.config import Params, TrainParams, load_params
+from tasks.core.generate import prompt_limit, split_stops, stops_of
 from tasks.train.batching import (
     Example,
     Packed,

@@ -9,8 +9,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.generate import generate, load_model
-from tasks.schema import REWARDED_SCHEMA
+from tasks.core.generate import generate, load_model
+from tasks.core.schema import REWARDED_SCHEMA
 
 
 def rewarded_row(prompt, text, ids, logps, advantage, temperature, outcome="rejected") -> dict:

@@ -23,9 +23,9 @@ from typing import NamedTuple
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from tasks.adapters import base_dir_of, is_adapter
-from tasks.config import ServingParams
-from tasks.fim import FimTemplate, infer_template, parse_completion, read_template, save_template
+from tasks.core.adapters import base_dir_of, is_adapter
+from tasks.core.config import ServingParams
+from tasks.core.fim import FimTemplate, infer_template, parse_completion, read_template, save_template
 
 
 class ModelLoadError(ValueError):

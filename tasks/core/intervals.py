@@ -2,7 +2,7 @@
 
 Requests inside one typing session are not independent (the cursor jumps after a Tab, the same
 line is asked about again), so the unit resampled is the session, and seeds are resampled above
-it (hierarchical bootstrap). A session is a row of counts (``tasks.acceptance.session_stats``):
+it (hierarchical bootstrap). A session is a row of counts (``tasks.sim.acceptance.session_stats``):
 
     requests, shown, accepted, right, saved chars, typed chars
 
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tasks.config import RewardParams
-from tasks.outcomes import total_reward
+from tasks.core.config import RewardParams
+from tasks.core.outcomes import total_reward
 
 REQ, SHOWN, ACC, RIGHT, SAVED, TYPED = range(6)
 Sessions = Sequence[Sequence[Sequence[int]]]  # per seed: per session: the six counts

@@ -9,8 +9,8 @@ from typing import Annotated
 
 import typer
 
-from tasks.config import DEFAULT_PARAMS_FILE
-from tasks.console import ParamsOpt, SetOpt, console, params_or_exit
+from flows.cli.console import ParamsOpt, SetOpt, console, params_or_exit
+from tasks.core.config import DEFAULT_PARAMS_FILE
 
 
 def cycle_cmd(

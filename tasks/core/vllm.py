@@ -34,11 +34,11 @@ from pathlib import Path
 
 import httpx
 
-from tasks.adapters import AdapterBaseError, checkpoint_sha256
-from tasks.config import Params
-from tasks.fim import parse_completion
-from tasks.generate import Generation, ShowRule, cut_unsure
-from tasks.procs import NotUp, free_port, wait_until_up
+from tasks.core.adapters import AdapterBaseError, checkpoint_sha256
+from tasks.core.config import Params
+from tasks.core.fim import parse_completion
+from tasks.core.generate import Generation, ShowRule, cut_unsure
+from tasks.core.procs import NotUp, free_port, wait_until_up
 
 LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 VLLM_MAX_STOP = 4  # vLLM takes at most 4 stop strings (OpenAI's limit); the full list is applied to the text

@@ -1,6 +1,6 @@
 """The pieces every `tabrl` command shares: the console, tables, errors, and the params options.
 
-A leaf: it imports no command module, and every command module imports it (``tasks/cli.py``, the
+A leaf: it imports no command module, and every command module imports it (``flows/cli/main.py``, the
 root app, imports the command modules), so the CLI has no import circle.
 
 Output that a person or a script reads must not depend on the terminal's width: text is printed
@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from tasks.config import Params, ParamsError, load_params
+from tasks.core.config import Params, ParamsError, load_params
 
 console = Console(soft_wrap=True)
 

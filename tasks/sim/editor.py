@@ -37,8 +37,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.config import TrafficParams
-from tasks.simulated_users import SimUser, Summary, is_right, nonblank, user_rng
+from tasks.core.config import TrafficParams
+from tasks.sim.users import SimUser, Summary, is_right, nonblank, user_rng
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def _line_offsets(lines: Sequence[str]) -> list[int]:
 def pick_regions(files: Sequence, n: int, traffic: TrafficParams, seed: int, tag: str) -> list[Region]:
     """n distinct regions (1..traffic.region_lines whole lines from a line with code), uniform over files.
 
-    ``files`` are objects with ``path`` and ``text`` (``tasks.corpus.SourceFile``). A region
+    ``files`` are objects with ``path`` and ``text`` (``tasks.sim.corpus.SourceFile``). A region
     starts at its first line's first non-blank character (the editor indented the empty line)."""
     if not files:
         raise ValueError(f"no files to type {tag} regions from")

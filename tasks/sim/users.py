@@ -18,7 +18,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tasks.config import Persona, SimulatorParams
+from tasks.core.config import Persona, SimulatorParams
 
 _WS = re.compile(r"\s+")
 

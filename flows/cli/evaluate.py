@@ -10,8 +10,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from tasks.config import DEFAULT_PARAMS_FILE
-from tasks.console import ParamsOpt, RegionsOpt, SetOpt, console, fail, params_or_exit, print_table
+from flows.cli.console import ParamsOpt, RegionsOpt, SetOpt, console, fail, params_or_exit, print_table
+from tasks.core.config import DEFAULT_PARAMS_FILE
 
 ModelOpt = Annotated[Path, typer.Option("--model", help="Model directory to evaluate (the candidate).")]
 AgainstOpt = Annotated[Path | None, typer.Option("--against", help="Champion model directory to compare with.")]
@@ -34,11 +34,11 @@ def evaluate_cmd(
 ) -> None:
     """Score a model on held-out editor traffic (simulated users typing test files) and FIM samples
     (judge, reference metrics); with --against, compare it with the champion and print the gate decision."""
-    from tasks.corpus import CorpusError, read_samples
-    from tasks.editor import read_regions
+    from tasks.core.generate import ModelLoadError, check_model_dir
     from tasks.evaluate.evaluate import METRICS, compare, evaluate_model
     from tasks.evaluate.judge import JudgeError
-    from tasks.generate import ModelLoadError, check_model_dir
+    from tasks.sim.corpus import CorpusError, read_samples
+    from tasks.sim.editor import read_regions
 
     p = params_or_exit(params, set_)
     try:
@@ -98,12 +98,12 @@ def acceptance_cmd(
 
     Prints suggestion rate, accept/shown (persona noise included), right/shown without noise, and
     characters saved, each with a 95 % bootstrap interval over typing sessions."""
-    from tasks.acceptance import noise_floor, typing_acceptance
-    from tasks.adapters import AdapterBaseError
-    from tasks.editor import read_regions
-    from tasks.generate import ModelLoadError, check_model_dir, describe_rule, show_rule
-    from tasks.intervals import interval, metric_fns
-    from tasks.vllm import VllmError
+    from tasks.core.adapters import AdapterBaseError
+    from tasks.core.generate import ModelLoadError, check_model_dir, describe_rule, show_rule
+    from tasks.core.intervals import interval, metric_fns
+    from tasks.core.vllm import VllmError
+    from tasks.sim.acceptance import noise_floor, typing_acceptance
+    from tasks.sim.editor import read_regions
 
     p = params_or_exit(params, set_)
     console.print(describe_rule(show_rule(p.serving)), highlight=False)
@@ -160,9 +160,9 @@ def headroom_cmd(
 ) -> None:
     """What a checkpoint could earn: right rate greedy and at the serving temperature, pass@k, noise floor, and the
     loss of the true continuation."""
-    from tasks.acceptance import headroom
-    from tasks.editor import read_regions
-    from tasks.generate import ModelLoadError, check_model_dir
+    from tasks.core.generate import ModelLoadError, check_model_dir
+    from tasks.sim.acceptance import headroom
+    from tasks.sim.editor import read_regions
 
     p = params_or_exit(params, set_)
     try:

@@ -3,7 +3,7 @@
 Corpus files (``data/corpus/files.parquet``): ``path`` (relative to the corpus root), ``split``
 ("train" | "test", by path hash), ``text``.
 
-FIM samples (``data/fim/{train,test}.parquet``), built by ``tasks/corpus.py``:
+FIM samples (``data/fim/{train,test}.parquet``), built by ``tasks/sim/corpus.py``:
 
     sample_id   string   stable id: sha1 of (path, span start, span end)
     path        string   source file, relative to the corpus root (the split key)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Final, Protocol
 
-from tasks.config import RewardParams
+from tasks.core.config import RewardParams
 
 OUTCOMES: Final = ("accepted", "rejected", "abstained")
 

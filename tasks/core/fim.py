@@ -11,7 +11,7 @@ and its repo-level form puts ``<|repo_name|>{repo}\\n<|file_sep|>{path}\\n{conte
 final ``<|fim_prefix|>``; that context is kept verbatim (``FimPrompt.context``) and re-rendered with
 another family's markers when another family serves it.
 
-A model's template travels with its checkpoint (``fim_template.json``, see ``tasks.generate``);
+A model's template travels with its checkpoint (``fim_template.json``, see ``tasks.core.generate``);
 ``infer_template`` finds it from the tokenizer's special tokens when the file is absent, and
 ``template_for_model_name`` from a model name as Continue does.
 """

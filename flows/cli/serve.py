@@ -1,4 +1,4 @@
-"""`tabrl serve | keys | arms | import-continue | simulate`: the serving side of the command line."""
+"""`tabrl serve | arms | import-continue | simulate`: the gateway, its arms, and traffic to it."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from tasks.config import DEFAULT_PARAMS_FILE
-from tasks.console import ParamsOpt, SetOpt, console, fail, params_or_exit, print_table
-
-keys_app = typer.Typer(help="API keys and the opt-in cohort.", no_args_is_help=True)
+from flows.cli.console import ParamsOpt, SetOpt, console, fail, params_or_exit, print_table
+from tasks.core.config import DEFAULT_PARAMS_FILE
+from tasks.core.store import open_store
 
 
 def _params(path: Path, overrides: list[str] | None):
@@ -22,14 +21,6 @@ def _params(path: Path, overrides: list[str] | None):
 
 def _fail(message: str, code: int = 2) -> None:
     fail(message, code)
-
-
-def _engine(params):
-    from serving.store import init_schema, make_engine
-
-    engine = make_engine(params.paths.database_url)
-    init_schema(engine)
-    return engine
 
 
 def serve_cmd(
@@ -60,8 +51,8 @@ def serve_cmd(
 ) -> None:
     """Run the gateway (uvicorn): completions, feedback, A/B arms, a durable log."""
     from serving.gateway import serve
-    from serving.store import Arm, read_arms, replace_arms
-    from tasks.generate import describe_rule, show_rule
+    from tasks.core.generate import describe_rule, show_rule
+    from tasks.core.store import Arm, read_arms, replace_arms
 
     p = _params(params, [*(set_ or []), *(["serving.auth=false"] if no_auth else [])])
     if workers > 1 and not p.serving.redis_url:
@@ -69,19 +60,18 @@ def serve_cmd(
             f"--workers {workers}: each process would count the rate limits on its own; set serving.redis_url "
             "(e.g. --set serving.redis_url=redis://127.0.0.1:6379/0) so the replicas share them"
         )
-    engine = _engine(p)
-    if not read_arms(engine):
-        target = model or Path(p.model.base_dir)
-        if not (target / "config.json").is_file():
-            _fail(
-                f"the store has no arms and {target} is not a model directory; pass --model DIR "
-                "(or build the base model with `make base`)"
-            )
-        replace_arms(engine, [Arm("champion", target.name, str(target.resolve()), "embedded", 1.0)])
-        console.print(f"Seeded arm 'champion' -> {target}")
-    elif model is not None:
-        console.print(f"The store already has arms; --model {model} ignored (change arms with `tabrl arms`).")
-    engine.dispose()
+    with open_store(p.paths.database_url) as engine:
+        if not read_arms(engine):
+            target = model or Path(p.model.base_dir)
+            if not (target / "config.json").is_file():
+                _fail(
+                    f"the store has no arms and {target} is not a model directory; pass --model DIR "
+                    "(or build the base model with `make base`)"
+                )
+            replace_arms(engine, [Arm("champion", target.name, str(target.resolve()), "embedded", 1.0)])
+            console.print(f"Seeded arm 'champion' -> {target}")
+        elif model is not None:
+            console.print(f"The store already has arms; --model {model} ignored (change arms with `tabrl arms`).")
     console.print(describe_rule(show_rule(p.serving)), highlight=False)
     if p.serving.explore_fraction > 0:
         console.print(
@@ -93,45 +83,13 @@ def serve_cmd(
     serve(p, host or p.serving.host, port or p.serving.port, workers)
 
 
-@keys_app.command("add")
-def keys_add_cmd(
-    user: Annotated[str, typer.Argument(help="User id the key maps to.")],
-    params: ParamsOpt = DEFAULT_PARAMS_FILE,
-    set_: SetOpt = None,
-) -> None:
-    """Create an API key for USER and print it (only its hash is stored)."""
-    from serving.auth import add_key
-
-    p = _params(params, set_)
-    try:
-        key = add_key(_engine(p), user)
-    except ValueError as err:
-        _fail(str(err))
-    typer.echo(key)
-
-
-@keys_app.command("opt-out")
-def keys_opt_out_cmd(
-    user: Annotated[str, typer.Argument(help="User id.")],
-    undo: Annotated[bool, typer.Option("--undo", help="Opt the user back in.")] = False,
-    params: ParamsOpt = DEFAULT_PARAMS_FILE,
-    set_: SetOpt = None,
-) -> None:
-    """Stop logging USER's requests (they are still served); --undo logs them again."""
-    from serving.auth import set_opt_out
-
-    p = _params(params, set_)
-    set_opt_out(_engine(p), user, not undo)
-    console.print(f"{user}: {'opted in' if undo else 'opted out'}")
-
-
 ARM_FIELDS = {"name", "uri", "backend", "share", "version", "model", "adapter"}
 
 
 def parse_arm_spec(spec: str):
     """`name=champion,uri=models/x,share=0.5[,backend=embedded][,version=v1][,model=NAME][,adapter=DIR]` -> Arm
     (model: the name asked of the server, e.g. a vLLM adapter's; adapter: a LoRA adapter on uri's base)."""
-    from serving.store import Arm
+    from tasks.core.store import Arm
 
     fields = {}
     for part in spec.split(","):
@@ -179,30 +137,30 @@ def arms_cmd(
     set_: SetOpt = None,
 ) -> None:
     """Show the live A/B arms, or replace them (shares must sum to 1; gateways pick the change up without restart)."""
-    from serving.store import Arm, ArmError, read_arms, replace_arms
+    from tasks.core.store import Arm, ArmError, read_arms, replace_arms
 
     p = _params(params, set_)
-    engine = _engine(p)
-    new = None
-    try:
-        if from_json is not None:
-            if not from_json.is_file():
-                _fail(f"{from_json} not found")
-            new = [Arm(**item) for item in json.loads(from_json.read_text())]
-        elif arm:
-            new = [parse_arm_spec(spec) for spec in arm]
-        if new is not None:
-            replace_arms(engine, new)
-    except (ArmError, ValueError, TypeError) as err:
-        _fail(str(err))
-    table = Table(title="A/B arms")
-    for col in ("name", "share", "backend", "model_version", "model_uri", "served as", "adapter"):
-        table.add_column(col)
-    for a in read_arms(engine):
-        table.add_row(
-            a.name, f"{a.share:g}", a.backend, a.model_version, a.model_uri, a.served_model or "-", a.adapter or "-"
-        )
-    print_table(table)
+    with open_store(p.paths.database_url) as engine:
+        new = None
+        try:
+            if from_json is not None:
+                if not from_json.is_file():
+                    _fail(f"{from_json} not found")
+                new = [Arm(**item) for item in json.loads(from_json.read_text())]
+            elif arm:
+                new = [parse_arm_spec(spec) for spec in arm]
+            if new is not None:
+                replace_arms(engine, new)
+        except (ArmError, ValueError, TypeError) as err:
+            _fail(str(err))
+        table = Table(title="A/B arms")
+        for col in ("name", "share", "backend", "model_version", "model_uri", "served as", "adapter"):
+            table.add_column(col)
+        for a in read_arms(engine):
+            table.add_row(
+                a.name, f"{a.share:g}", a.backend, a.model_version, a.model_uri, a.served_model or "-", a.adapter or "-"
+            )
+        print_table(table)
 
 
 def import_continue_cmd(
@@ -220,27 +178,27 @@ def import_continue_cmd(
     p = _params(params, set_)
     if not file.is_file():
         _fail(f"{file} not found")
-    engine = _engine(p)
-    counts = {"recorded": 0, "matched": 0, "duplicate": 0, "conflict": 0, "bad": 0}
-    bad_lines = []
-    with engine.begin() as conn:
-        for number, line in enumerate(file.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                event = json.loads(line)
-                if not isinstance(event, dict):
-                    raise CompatError(f"a line must be a JSON object, got {type(event).__name__}")
-                rec = record_outcome(outcome_from_continue(event, level, "import"), None, require_ours=False)(conn)
-            except (json.JSONDecodeError, CompatError) as err:
-                counts["bad"] += 1
-                bad_lines.append(f"line {number}: {err}")
-                continue
-            counts[rec.status] += 1
-            counts["matched"] += rec.status == "recorded" and rec.matched
-    for message in bad_lines[:10]:
-        console.print(f"skipped {message}", highlight=False)
-    console.print(f"Imported {file}: " + ", ".join(f"{k}={v}" for k, v in counts.items()), highlight=False)
+    with open_store(p.paths.database_url) as engine:
+        counts = {"recorded": 0, "matched": 0, "duplicate": 0, "conflict": 0, "bad": 0}
+        bad_lines = []
+        with engine.begin() as conn:
+            for number, line in enumerate(file.read_text().splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    event = json.loads(line)
+                    if not isinstance(event, dict):
+                        raise CompatError(f"a line must be a JSON object, got {type(event).__name__}")
+                    rec = record_outcome(outcome_from_continue(event, level, "import"), None, require_ours=False)(conn)
+                except (json.JSONDecodeError, CompatError) as err:
+                    counts["bad"] += 1
+                    bad_lines.append(f"line {number}: {err}")
+                    continue
+                counts[rec.status] += 1
+                counts["matched"] += rec.status == "recorded" and rec.matched
+        for message in bad_lines[:10]:
+            console.print(f"skipped {message}", highlight=False)
+        console.print(f"Imported {file}: " + ", ".join(f"{k}={v}" for k, v in counts.items()), highlight=False)
 
 
 def simulate_cmd(
@@ -266,8 +224,8 @@ def simulate_cmd(
 
     from serving.auth import add_key
     from serving.simulate import SimulationError, run_simulation
-    from tasks.editor import read_regions
-    from tasks.simulated_users import make_users
+    from tasks.sim.editor import read_regions
+    from tasks.sim.users import make_users
 
     p = _params(params, set_)
     try:
@@ -278,8 +236,8 @@ def simulate_cmd(
     keys = None
     if not no_auth:
         # The simulator is an operator tool with store access: it mints keys for its own users.
-        engine = _engine(p)
-        keys = {u.user_id: add_key(engine, u.user_id) for u in sim_users}
+        with open_store(p.paths.database_url) as engine:
+            keys = {u.user_id: add_key(engine, u.user_id) for u in sim_users}
     base_url = url or f"http://{p.serving.host}:{p.serving.port}"
     with tqdm(total=requests, desc="simulated requests", unit="req") as bar:
         try:
@@ -321,33 +279,3 @@ def simulate_cmd(
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps({arm: s.as_dict() for arm, s in by_arm.items()}, indent=2) + "\n")
-
-
-def purge_cmd(
-    older_than: Annotated[
-        str,
-        typer.Option(
-            "--older-than", help="Delete completions and feedback older than this: NUMBER + s|m|h|d|w, e.g. 30d."
-        ),
-    ],
-    batch: Annotated[int, typer.Option(help="Rows deleted per transaction.", min=1)] = 1000,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only count what would be deleted.")] = False,
-    params: ParamsOpt = DEFAULT_PARAMS_FILE,
-    set_: SetOpt = None,
-) -> None:
-    """Retention: delete logged completions (with their feedback) and feedback older than --older-than."""
-    from serving.retention import DurationError, parse_duration, purge
-
-    try:
-        seconds = parse_duration(older_than)
-    except DurationError as err:
-        _fail(f"--older-than: {err}")
-    if seconds <= 0:
-        _fail("--older-than must be longer than 0 s")
-    p = _params(params, set_)
-    done = purge(_engine(p), seconds, batch=batch, dry_run=dry_run)
-    verb = "would delete" if dry_run else "deleted"
-    console.print(
-        f"{verb} {done.completions} completions, {done.feedback} feedback, {done.late_feedback} late feedback "
-        f"older than {older_than}"
-    )

@@ -114,7 +114,7 @@ class ModelParams(Section):
     pretrain_samples_per_file: int = Field(40, ge=1)
     """FIM spans drawn per train file for pre-training (more spans, more variety)."""
     pretrain_editor_share: float = Field(0.75, ge=0, le=1)
-    """Share of pre-training samples cut where an editor asks (typing-session pauses, tasks/editor.py);
+    """Share of pre-training samples cut where an editor asks (typing-session pauses, tasks/sim/editor.py);
     the rest are classic line spans (fim.span_weights)."""
     checkpoint_every: int = Field(250, ge=1)
     """Pre-training saves a resumable checkpoint every this many steps (a killed build resumes there)."""
@@ -168,7 +168,7 @@ class SimulatorParams(Section):
 
 
 class TrafficParams(Section):
-    """Editor-like traffic (tasks/editor.py): typing sessions over regions of real files."""
+    """Editor-like traffic (tasks/sim/editor.py): typing sessions over regions of real files."""
 
     region_lines: int = Field(3, ge=1)
     """A session types 1..region_lines whole lines."""
@@ -363,7 +363,7 @@ class EvaluateParams(Section):
     absolute 0.005 it replaced at the standard library's ~0.022-0.025; 1 or more: never refuses on it). params.yaml
     sets 0.05, the A/B decision's deploy.chars_tolerance (docs/lab, "The 5 % tolerance again")."""
     gate_windows: int = Field(3, ge=1)
-    """Windows the gate's half of the held-out regions is cut into (`tasks.acceptance.gate_regions`): each gate
+    """Windows the gate's half of the held-out regions is cut into (`tasks.sim.acceptance.gate_regions`): each gate
     types the window after the last gate's, so candidate and champion are compared on requests the champion
     was not chosen on. 1: every gate types the same requests, where a champion's lucky score there is the
     bar every later candidate must clear (the winner's curse; docs/lab, "On requests the gate never
@@ -438,7 +438,7 @@ class ServingParams(Section):
     min_logprob: float | None = Field(None, le=0)
     """Show a suggestion only up to the model's first unsure token: cut before the first token whose log-prob
     under logits / temperature is below this (nothing left: no suggestion). None shows every suggestion whole.
-    The gateway's arms (embedded and vLLM) and the held-out evaluation apply the same rule (tasks/generate.py)."""
+    The gateway's arms (embedded and vLLM) and the held-out evaluation apply the same rule (tasks/core/generate.py)."""
     explore_fraction: float = Field(0.0, ge=0, le=1)
     """Fraction of served requests (drawn per request) cut at explore_min_logprob instead of min_logprob, so
     the logs hold users' verdicts on text the strict rule hides: an accepted one raises those tokens'
@@ -490,7 +490,7 @@ class ServingParams(Section):
     VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, reachable from here); null: tabrl starts one per base on this host."""
     window_chars: int = Field(2000, ge=64)
     """Longest prefix a prompt keeps before the cursor (characters). A longer one is cut at an anchor line
-    (`tasks.generate.window_prefix`) so successive requests of a typing session share the prompt's start and
+    (`tasks.core.generate.window_prefix`) so successive requests of a typing session share the prompt's start and
     vLLM reuses its KV cache; the gateway, the evaluation and training cut the same way."""
     window_step_chars: int = Field(1000, ge=0)
     """The stretch of a full window in which its cut is anchored (characters): the cut moves on about every half
@@ -746,7 +746,7 @@ def env_overrides(environ: Mapping[str, str]) -> list[tuple[str, Any]]:
 def _describe(err: ErrorDetails, tree: Mapping[str, Any]) -> str:
     loc = ".".join(str(part) for part in err["loc"])
     if err["type"] == "extra_forbidden":
-        return f"{loc}: unknown key (check the spelling; known keys are listed in tasks/config.py)"
+        return f"{loc}: unknown key (check the spelling; known keys are listed in tasks/core/config.py)"
     value = err.get("input")
     return f"{loc} = {value!r}: {err['msg']}"
 

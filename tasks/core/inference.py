@@ -2,7 +2,7 @@
 
 Typing sessions (the gate's evaluation, `tabrl acceptance`, `tabrl headroom`, the learning bench) ask
 a model for batches of completions. With serving.backend: embedded they run in process
-(``tasks.generate.generate``, the batch padded together). With serving.backend: vllm they go to the
+(``tasks.core.generate.generate``, the batch padded together). With serving.backend: vllm they go to the
 engine that serves the arms, every request of a batch in flight at once, so vLLM batches them
 continuously and reuses the KV cache of prompts that share their start (``window_prefix``):
 
@@ -27,10 +27,10 @@ from typing import Protocol
 
 import httpx
 
-from tasks.adapters import ADAPTER_WEIGHTS, file_sha256, is_adapter
-from tasks.config import Params
-from tasks.fim import FimTemplate
-from tasks.generate import (
+from tasks.core.adapters import ADAPTER_WEIGHTS, file_sha256, is_adapter
+from tasks.core.config import Params
+from tasks.core.fim import FimTemplate
+from tasks.core.generate import (
     Generation,
     LoadedModel,
     ShowRule,
@@ -40,7 +40,7 @@ from tasks.generate import (
     save_merged,
     stops_of,
 )
-from tasks.vllm import (
+from tasks.core.vllm import (
     VLLM_MAX_STOP,
     VllmError,
     adapter_name,
@@ -165,7 +165,7 @@ def open_engine(model_dir: str | Path, params: Params, base_dir: str | Path | No
 
 
 def _record_path(adapter_dir: Path) -> str:
-    from tasks.adapters import read_base
+    from tasks.core.adapters import read_base
 
     return read_base(adapter_dir).path
 

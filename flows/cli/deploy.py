@@ -2,7 +2,7 @@
 the base's vLLM server; `tabrl export --merged`: an adapter version as a full checkpoint; `tabrl model-retention`:
 delete this host's copies of retired model versions.
 
-Registered in tasks/cli.py."""
+Registered in flows/cli/main.py."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Annotated
 
 import typer
 
-from tasks.config import DEFAULT_PARAMS_FILE
-from tasks.console import ParamsOpt, SetOpt, console, fail, params_or_exit, print_table
+from flows.cli.console import ParamsOpt, SetOpt, console, fail, params_or_exit, print_table
+from tasks.core.config import DEFAULT_PARAMS_FILE
 
 
 def promote_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -> None:
@@ -32,7 +32,7 @@ def ab_status_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) 
     Example: tabrl ab-status --set ingest.feedback_timeout_s=30"""
     from rich.table import Table
 
-    from serving.store import CHALLENGER, CHAMPION, open_store
+    from tasks.core.store import CHALLENGER, CHAMPION, open_store
     from tasks.deploy.ab import arm_stats, decide
 
     p = params_or_exit(params, set_)
@@ -74,7 +74,7 @@ def model_retention_cmd(
     Example: tabrl model-retention --dry-run --set deploy.retired_retention_hours=0"""
     from rich.table import Table
 
-    from serving.store import open_store
+    from tasks.core.store import open_store
     from tasks.deploy.model_retention import delete_retired, plan_model_retention
 
     p = params_or_exit(params, set_)
@@ -96,7 +96,7 @@ def model_retention_cmd(
 
 
 def _change(action: str, params, set_) -> None:
-    from serving.store import ArmError, open_store
+    from tasks.core.store import ArmError, open_store
     from tasks.deploy.errors import DeployError
     from tasks.deploy.promote import NoChallengerError, promote, rollback
 
@@ -129,9 +129,9 @@ def vllm_start_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None)
     """Start (or find) the champion's base server with runtime LoRA, load an adapter champion, point the arms at it.
 
     Example: tabrl vllm start --set serving.backend=vllm --set serving.vllm_python=.venv-vllm/bin/python"""
+    from tasks.core.vllm import VllmError
     from tasks.deploy.arms import serve_champion
     from tasks.deploy.errors import DeployError
-    from tasks.vllm import VllmError
 
     p = params_or_exit(params, set_)
     if p.serving.backend != "vllm":
@@ -148,8 +148,8 @@ def vllm_sync_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) 
     """Load every live arm's adapter its vLLM server lost (after a restart): the arms table is the truth.
 
     Example: tabrl vllm sync"""
+    from tasks.core.vllm import VllmError
     from tasks.deploy.arms import sync_adapters
-    from tasks.vllm import VllmError
 
     p = params_or_exit(params, set_)
     try:
@@ -167,8 +167,8 @@ def vllm_status_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None
     Example: tabrl vllm status"""
     from rich.table import Table
 
-    from serving.store import open_store, read_arms
-    from tasks.vllm import VllmError, served_models
+    from tasks.core.store import open_store, read_arms
+    from tasks.core.vllm import VllmError, served_models
 
     p = params_or_exit(params, set_)
     with open_store(p.paths.database_url) as engine:
@@ -201,10 +201,10 @@ def export_cmd(
     """Write an adapter version merged into its base as a full Hugging Face checkpoint (for tools without LoRA).
 
     Example: tabrl export models:/tabrl-completion/4 --merged --out models/v4-merged"""
-    from tasks.adapters import AdapterBaseError, is_adapter
+    from tasks.core.adapters import AdapterBaseError, is_adapter
+    from tasks.core.generate import save_merged
     from tasks.deploy.errors import DeployError
     from tasks.deploy.registry import base_version, model_version_of, resolve_model_dir
-    from tasks.generate import save_merged
 
     p = params_or_exit(params, set_)
     if not merged:

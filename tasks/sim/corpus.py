@@ -27,10 +27,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.config import SHIPPED_CORPUS, DataParams, FimParams, TrafficParams
-from tasks.editor import pick_regions, write_regions
-from tasks.fim import QWEN, FimFormatError
-from tasks.schema import CORPUS_SCHEMA, FIM_SCHEMA
+from tasks.core.config import SHIPPED_CORPUS, DataParams, FimParams, TrafficParams
+from tasks.core.fim import QWEN, FimFormatError
+from tasks.core.schema import CORPUS_SCHEMA, FIM_SCHEMA
+from tasks.sim.editor import pick_regions, write_regions
 
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", ".git", ".venv", "node_modules"}
 
@@ -297,7 +297,7 @@ def write_fim(
     data: DataParams, fim: FimParams, traffic: TrafficParams, files: dict[str, list[SourceFile]], out_dir: Path
 ) -> dict[str, int]:
     """Build and write train/test.parquet (FIM spans), typing_train/test.parquet (editor-traffic
-    regions, tasks/editor.py) and stats.json under out_dir; returns counts."""
+    regions, tasks/sim/editor.py) and stats.json under out_dir; returns counts."""
     samples = build_fim(data, fim, files)
     for split, rows in samples.items():
         write_samples(rows, out_dir / f"{split}.parquet")

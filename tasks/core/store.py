@@ -162,15 +162,35 @@ def make_engine(url: str, timeout_s: float = 30.0) -> Engine:
     )
 
 
+class Store:
+    """The log store at one URL: its engine, made here and nowhere else, opened once and closed once.
+
+        with Store(url) as store:       # tables created (or migrated) on entry, the engine disposed on exit
+            read_arms(store.engine)
+
+    A long-lived owner (the gateway) keeps ``Store(url).engine`` for its process's life."""
+
+    def __init__(self, url: str, timeout_s: float = 30.0) -> None:
+        self.url = url
+        self.engine = make_engine(url, timeout_s)
+
+    def __enter__(self) -> Store:
+        try:
+            init_schema(self.engine)
+        except BaseException:
+            self.engine.dispose()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.engine.dispose()
+
+
 @contextmanager
 def open_store(url: str) -> Iterator[Engine]:
     """The store at url with its tables created, for one piece of work; the engine is disposed after it."""
-    engine = make_engine(url)
-    try:
-        init_schema(engine)
-        yield engine
-    finally:
-        engine.dispose()
+    with Store(url) as store:
+        yield store.engine
 
 
 MIGRATIONS: dict[int, tuple[tuple[str, str], ...]] = {

@@ -9,8 +9,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from tasks.config import DEFAULT_PARAMS_FILE
-from tasks.console import CorpusOpt, ParamsOpt, SetOpt, console, fail, params_or_exit, print_table
+from flows.cli.console import CorpusOpt, ParamsOpt, SetOpt, console, fail, params_or_exit, print_table
+from tasks.core.config import DEFAULT_PARAMS_FILE
 
 
 def ingest_cmd(
@@ -22,7 +22,7 @@ def ingest_cmd(
     set_: SetOpt = None,
 ) -> None:
     """Pull the log store since the watermark, clean, write a DVC-versioned Parquet snapshot, advance the watermark."""
-    from serving.store import open_store
+    from tasks.core.store import open_store
     from tasks.ingest.snapshot import IngestError, run_ingest
 
     p = params_or_exit(params, set_)
@@ -62,7 +62,7 @@ def corpus_cmd(
     set_: SetOpt = None,
 ) -> None:
     """Collect the code corpus (stdlib, a directory or a FIM data set) and split it train/test by file."""
-    from tasks.corpus import CorpusError, resolve_source, write_corpus
+    from tasks.sim.corpus import CorpusError, resolve_source, write_corpus
 
     p = params_or_exit(params, set_)
     console.print(f"Reading code from {resolve_source(p.data)} ...")
@@ -80,7 +80,7 @@ def data_cmd(
     set_: SetOpt = None,
 ) -> None:
     """FIM spans (rest of line, a line, a few lines) and the regions simulated users type (editor traffic)."""
-    from tasks.corpus import CorpusError, read_corpus, write_fim
+    from tasks.sim.corpus import CorpusError, read_corpus, write_fim
 
     p = params_or_exit(params, set_)
     try:

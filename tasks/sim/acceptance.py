@@ -1,12 +1,12 @@
 """Held-out simulated acceptance of one model: the numbers `make demo` prints first.
 
 Two kinds of held-out traffic, both from test files only:
-  * editor traffic (``tasks/editor.py``): simulated users type regions of test files and the model
+  * editor traffic (``tasks/sim/editor.py``): simulated users type regions of test files and the model
     is asked at every pause, greedy and batched across sessions (``type_regions``); the headline.
   * span FIM samples (rest of line, a line, a few lines) replayed to simulated users
     (``complete_samples``), kept for the judge and the RLinf / code-fim-v2 comparison.
 
-The model is asked through an engine (``tasks/inference.py``): in this process, or vLLM when
+The model is asked through an engine (``tasks/core/inference.py``): in this process, or vLLM when
 serving.backend is vllm; prompts are rendered as the gateway renders them (the prefix cut to
 serving.window_chars at an anchor line: ``render_request``).
 
@@ -26,12 +26,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from tasks.config import Params, ServingParams, SimulatorParams
-from tasks.editor import Region, Turn, TypingSummary, pause_requests, run_sessions, summarise_turns
-from tasks.fim import FimTemplate
-from tasks.generate import LoadedModel, load_model, show_rule, window_prefix
-from tasks.inference import Engine, InProcess, open_engine
-from tasks.simulated_users import SimUser, Summary, is_right, make_users, replay, right_if_cut, summarise
+from tasks.core.config import Params, ServingParams, SimulatorParams
+from tasks.core.fim import FimTemplate
+from tasks.core.generate import LoadedModel, load_model, show_rule, window_prefix
+from tasks.core.inference import Engine, InProcess, open_engine
+from tasks.sim.editor import Region, Turn, TypingSummary, pause_requests, run_sessions, summarise_turns
+from tasks.sim.users import SimUser, Summary, is_right, make_users, replay, right_if_cut, summarise
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class TypingRun:
 
 def render_request(template: FimTemplate, request: dict, serving: ServingParams) -> str:
     """The prompt a model sees for a request (prefix, suffix), rendered as the gateway renders it: the prefix
-    cut to serving.window_chars at an anchor line (``tasks.generate.window_prefix``)."""
+    cut to serving.window_chars at an anchor line (``tasks.core.generate.window_prefix``)."""
     prefix = window_prefix(request["prefix"], serving.window_chars, serving.window_step_chars)
     return template.render(prefix, request["suffix"])
 

@@ -1,0 +1,102 @@
+"""The gateway's Prometheus metrics, and the per-arm latency quantiles /metrics shows."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from serving.log import Recorded
+
+LATENCY_QUANTILES = (0.5, 0.95)  # the per-arm latency quantiles /metrics shows (tabrl_arm_latency_ms)
+
+
+class Metrics:
+    """Prometheus metrics of one app (own registry, so several apps can live in one process).
+
+    Latency per arm twice: the histogram `tabrl_completion_latency_seconds` (buckets, since start, for
+    PromQL's histogram_quantile across replicas) and the gauge `tabrl_arm_latency_ms{arm, quantile}`: p50
+    and p95 of the arm's last `latency_window` completions in this process, read directly. The gauge is
+    computed when /metrics is read (`render`), so serving a request only appends to a bounded deque."""
+
+    def __init__(self, latency_window: int) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "tabrl_requests", "HTTP requests by endpoint and status.", ["endpoint", "status"], registry=self.registry
+        )
+        self.completions = Counter(
+            "tabrl_completions",
+            "Completions served by arm (shown or abstained).",
+            ["arm", "shown"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "tabrl_completion_latency_seconds",
+            "Completion latency in the gateway by arm.",
+            ["arm"],
+            registry=self.registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
+        self.latency_quantiles = Gauge(
+            "tabrl_arm_latency_ms",
+            f"Completion latency in the gateway by arm, quantile of its last {latency_window} completions "
+            "in this process (serving.latency_window), in milliseconds.",
+            ["arm", "quantile"],
+            registry=self.registry,
+        )
+        self.feedback = Counter(
+            "tabrl_feedback",
+            "Outcomes recorded by arm ('' when unmatched) and answer.",
+            ["arm", "accepted"],
+            registry=self.registry,
+        )
+        self.accept_rate = Gauge(
+            "tabrl_online_accept_rate",
+            "Accepted / shown suggestions per arm since start.",
+            ["arm"],
+            registry=self.registry,
+        )
+        self.fallbacks = Counter(
+            "tabrl_fallbacks", "Requests a failing arm handed to the champion.", ["arm"], registry=self.registry
+        )
+        self.explored = Counter(
+            "tabrl_explored", "Requests cut at serving.explore_min_logprob, by arm.", ["arm"], registry=self.registry
+        )
+        self.unlogged = Counter("tabrl_unlogged", "Requests served but not logged (opted out).", registry=self.registry)
+        self._shown: dict[str, int] = {}
+        self._accepted: dict[str, int] = {}
+        self._latency_window = latency_window
+        self._recent_ms: dict[str, deque[float]] = {}  # arm -> its last latency_window latencies (ms)
+
+    def served(self, arm: str, shown: bool, seconds: float) -> None:
+        self.completions.labels(arm, str(shown).lower()).inc()
+        self.latency.labels(arm).observe(seconds)
+        recent = self._recent_ms.get(arm)
+        if recent is None:
+            recent = self._recent_ms[arm] = deque(maxlen=self._latency_window)
+        recent.append(seconds * 1000.0)
+        if shown:
+            self._shown[arm] = self._shown.get(arm, 0) + 1
+
+    def recorded(self, rec: Recorded) -> None:
+        if rec.status != "recorded":
+            return
+        self.feedback.labels(rec.arm or "", str(rec.accepted).lower()).inc()
+        if rec.accepted and rec.arm:
+            self._accepted[rec.arm] = self._accepted.get(rec.arm, 0) + 1
+
+    def render(self) -> bytes:
+        for arm, shown in self._shown.items():
+            self.accept_rate.labels(arm).set(self._accepted.get(arm, 0) / shown)
+        for arm, recent in self._recent_ms.items():
+            for q, value in zip(LATENCY_QUANTILES, latency_quantiles(recent, LATENCY_QUANTILES), strict=True):
+                self.latency_quantiles.labels(arm, f"{q:g}").set(value)
+        return generate_latest(self.registry)
+
+
+def latency_quantiles(latencies_ms: Iterable[float], quantiles: Sequence[float]) -> list[float]:
+    """Quantiles of the latencies, linearly interpolated between the closest ranks (numpy's default, PostgreSQL's
+    percentile_cont; `tabrl ab-status` computes the same from the log store). Needs at least one latency."""
+    return [float(v) for v in np.quantile(np.fromiter(latencies_ms, dtype=float), quantiles)]

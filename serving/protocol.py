@@ -1,0 +1,76 @@
+"""The HTTP protocol of the gateway: what editors send (OpenAI completions, feedback, Continue events) and
+what a hot route answers before any framework renders it (JSON or server-sent events)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
+from tasks.core.generate import Generation
+from tasks.core.store import Arm
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # OpenAI clients send more fields (presence_penalty, echo, ...)
+
+    model: str | None = None
+    prompt: str | list[str]
+    suffix: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    user: str | None = Field(None, max_length=128)
+    n: int = Field(1, ge=1, le=1)
+
+
+class FeedbackRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    completion_id: str = Field(min_length=1, max_length=128)
+    accepted: StrictBool
+    accepted_chars: int | None = Field(None, ge=0)
+
+
+class ContinueData(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    data: dict
+    schema_: str = Field(alias="schema")
+    level: str = "all"
+    profileId: str | None = None
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What a hot route answers, before any framework renders it: a JSON body, or server-sent events."""
+
+    status: int
+    body: dict
+    headers: dict[str, str] = field(default_factory=dict)
+    events: tuple[dict, ...] = ()  # when given: streamed as SSE `data:` lines, then `data: [DONE]`
+
+
+def encode_json(body: Any) -> bytes:
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def sse_chunks(events: tuple[dict, ...]) -> list[bytes]:
+    return [f"data: {json.dumps(event)}\n\n".encode() for event in events] + [b"data: [DONE]\n\n"]
+
+
+def sse_events(completion_id: str, created: int, arm: Arm, gen: Generation, tabrl: dict) -> tuple[dict, ...]:
+    """OpenAI-style SSE: the text, then the finish reason (then [DONE]); the row is already committed."""
+    base = {"id": completion_id, "object": "text_completion", "created": created, "model": arm.model_version}
+    first = {
+        **base,
+        "choices": [{"text": gen.text, "index": 0, "logprobs": None, "finish_reason": None}],
+        "tabrl": tabrl,
+    }
+    last = {**base, "choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": gen.finish_reason}]}
+    return (first, last)
