@@ -20,6 +20,7 @@ import html
 import importlib
 import inspect
 import json
+import re
 import sys
 import tomllib
 from collections.abc import Iterator
@@ -53,7 +54,8 @@ def _code(value: Any) -> str:
 
 def _type_name(annotation: Any) -> str:
     text = inspect.formatannotation(annotation)
-    return text.replace("typing.", "").replace(f"{PARAMS_MODULE}.", "")
+    # sections live in the modules of the params package: drop `tasks.core.config.MODULE.` whole
+    return re.sub(rf"\b{re.escape(PARAMS_MODULE)}\.(?:\w+\.)*", "", text.replace("typing.", ""))
 
 
 def _section_fields(model: type, prefix: str) -> Iterator[tuple[str, Any, Any, str]]:

@@ -1,0 +1,235 @@
+"""Params sections of running the system: deploy, serving, ingest, cluster and paths."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from tasks.core.config.base import Section
+
+
+class DeployParams(Section):
+    registered_model: str = "tabrl-completion"
+    """MLflow registered model name."""
+    challenger_share: float = Field(0.5, gt=0, lt=1)
+    """Traffic share of the challenger arm while under test."""
+    min_samples: int = Field(200, ge=1)
+    """Shown suggestions per arm before an A/B decision is made."""
+    alpha: float = Field(0.05, gt=0, lt=1)
+    """Significance level of the A/B tests."""
+    decision_every_minutes: float = Field(5.0, gt=0)
+    """Schedule of the A/B decision flow."""
+    cycle_every_minutes: float = Field(60.0, gt=0)
+    """Schedule of the online RL cycle (interval)."""
+    cycle_cron: str | None = None
+    """A cron expression for the cycle; overrides the interval when set."""
+    chars_tolerance: float = Field(0.05, ge=0, lt=1)
+    """A challenger is never promoted when its accepted characters per request fall more than this
+    fraction below the champion's, whatever its reward or accept rate: showing less to be accepted
+    more while users type more themselves is reward hacking; such a challenger is rolled back."""
+    max_samples: int | None = Field(5000, ge=1)
+    """Requests per arm after which a still undecided A/B test ends in a rollback (the champion stays and
+    the next cycle may start; a challenger that abstains too often to reach min_samples ends here too);
+    null keeps collecting for ever."""
+    experiment: str = "tabrl"
+    """MLflow experiment of the cycle runs (one run per cycle; compare them in the MLflow UI)."""
+    decisions_experiment: str = "tabrl-ab-decisions"
+    """MLflow experiment of the A/B decision records (one run per decision, kept apart from the cycles)."""
+    retired_retention_hours: float = Field(72.0, ge=0)
+    """Local copies of versions no arm serves and no alias names (trained candidates under paths.models_dir,
+    downloaded versions in the model cache) are deleted this long after they were last written, by each online
+    cycle and by `tabrl model-retention` (tasks/deploy/model_retention.py); the registry keeps every version's
+    artifact. 0: as soon as they retire."""
+
+    @model_validator(mode="after")
+    def _sample_bounds(self) -> DeployParams:
+        if self.max_samples is not None and self.max_samples < self.min_samples:
+            raise ValueError(f"max_samples ({self.max_samples}) must be >= min_samples ({self.min_samples}) or null")
+        return self
+
+
+class ServingParams(Section):
+    host: str = "127.0.0.1"
+    """Address the gateway binds."""
+    port: int = Field(8000, ge=1, le=65535)
+    """Port the gateway binds."""
+    backend: Literal["embedded", "vllm"] = "embedded"
+    """How arms generate: transformers in the gateway process, or a vLLM server over HTTP."""
+    temperature: float = Field(0.7, ge=0)
+    """Default sampling temperature (training scores log-probs at the same temperature)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Default nucleus sampling cut."""
+    min_logprob: float | None = Field(None, le=0)
+    """Show a suggestion only up to the model's first unsure token: cut before the first token whose log-prob
+    under logits / temperature is below this (nothing left: no suggestion). None shows every suggestion whole.
+    The gateway's arms (embedded and vLLM) and the held-out evaluation apply the same rule (tasks/core/generate.py)."""
+    explore_fraction: float = Field(0.0, ge=0, le=1)
+    """Fraction of served requests (drawn per request) cut at explore_min_logprob instead of min_logprob, so
+    the logs hold users' verdicts on text the strict rule hides: an accepted one raises those tokens'
+    log-probs, and the next model shows them under min_logprob. Evaluations never explore. 0: never (at 0.25
+    and -1.0 not shown to beat a stricter threshold, and it costs live accepts: docs/lab, "Two tries")."""
+    explore_min_logprob: float | None = Field(-1.0, le=0)
+    """The looser cut of an exploring request (below min_logprob); None shows an exploring suggestion whole."""
+    seed: int | None = None
+    """Seed of the embedded arms' sampling, set once when the gateway starts; None draws one from the OS
+    (torch's own default seed is the same in every fresh process, so restarts would replay one stream)."""
+    max_tokens: int = Field(48, ge=1)
+    """Default and largest completion length."""
+    max_prompt_chars: int = Field(32_000, ge=1)
+    """Longest accepted prompt (413/422 beyond)."""
+    auth: bool = True
+    """Require an API key; switch off only for the local demo."""
+    experiment_salt: str = "ab-v1"
+    """Salt of the sticky user-to-arm hash; a new salt reshuffles users."""
+    rate_limit_per_minute: int = Field(600, ge=1)
+    """Requests per user per minute before 429."""
+    config_ttl_s: float = Field(2.0, ge=0)
+    """Seconds the gateway caches arms, API keys and opt-outs read from the store: a change made
+    with `tabrl arms` / `tabrl keys` takes effect within this time, without a restart."""
+    max_text_chars: int = Field(8_000, ge=1)
+    """Longest prefix, suffix or completion text accepted in a feedback/outcome body (413 beyond)."""
+    log_batch: int = Field(256, ge=1)
+    """Most rows committed together by the log writer (group commit; each caller still waits for its commit)."""
+    latency_window: int = Field(1000, ge=1)
+    """Latest completions per arm whose latencies each gateway process keeps for the p50/p95 gauges of /metrics
+    (`tabrl_arm_latency_ms`): a bounded rolling window, sorted only when /metrics is read."""
+    backend_timeout_s: float = Field(30.0, gt=0)
+    """Per-request timeout of a vLLM backend call (502 naming the arm after it)."""
+    vllm_python: str = "python"
+    """Interpreter of the environment vLLM is installed in (its own venv: its pins conflict with prefect's);
+    the rollout starts `{vllm_python} -m vllm.entrypoints.openai.api_server` for each new version."""
+    vllm_args: tuple[str, ...] = ("--logprobs-mode", "processed_logprobs")
+    """Extra vLLM server flags. processed_logprobs: logged behaviour log-probs are under the temperature-scaled
+    distribution training uses. On CPU add --dtype float32 --enforce-eager."""
+    vllm_start_timeout_s: float = Field(420.0, gt=0)
+    """A new vLLM server must answer /health within this many seconds, else the rollout is undone."""
+    vllm_max_loras: int = Field(4, ge=3)
+    """Adapters one vLLM server runs at once (its --max-loras): the champion's, the challenger's, the candidate the
+    gate evaluates and the lineage's characters-saved holder (so at least 3)."""
+    vllm_max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = 16
+    """Largest adapter rank a vLLM server accepts (its --max-lora-rank; buffers are preallocated for
+    max_loras x this rank). train.lora_rank must not exceed it."""
+    vllm_url: str | None = None
+    """The base's vLLM server when someone else runs it (on a GPU host, started with --enable-lora and
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, reachable from here); null: tabrl starts one per base on this host."""
+    window_chars: int = Field(2000, ge=64)
+    """Longest prefix a prompt keeps before the cursor (characters). A longer one is cut at an anchor line
+    (`tasks.core.generate.window_prefix`) so successive requests of a typing session share the prompt's start and
+    vLLM reuses its KV cache; the gateway, the evaluation and training cut the same way."""
+    window_step_chars: int = Field(1000, ge=0)
+    """The stretch of a full window in which its cut is anchored (characters): the cut moves on about every half
+    of this much typing. Half of window_chars or less. 0: no anchor, the last window_chars characters (the cut
+    slides with every character typed; only to measure what anchoring buys: bench/inference.py)."""
+    adapter_serving: Literal["lora", "merged"] = "lora"
+    """How a vLLM arm serves an adapter version: `lora`, loaded at runtime into its base's one server (no new
+    process; the default); `merged`, merged into a full checkpoint and served by a server of its own
+    (blue/green), for hardware where LoRA kernels are slow (vLLM's CPU build)."""
+    rate_limit_per_key_per_minute: int = Field(600, ge=1)
+    """Requests per API key per minute before 429 (besides the per-user limit; a user may hold several keys)."""
+    max_body_bytes: int = Field(1_048_576, ge=1024)
+    """Largest request body in bytes (413 beyond), checked before the body is parsed."""
+    db_timeout_s: float = Field(5.0, gt=0)
+    """How long a request waits for a busy or unreachable log store (SQLite lock, PostgreSQL connection) or
+    Redis before the gateway answers 503 with Retry-After instead of hanging the editor."""
+    redis_url: str | None = None
+    """Redis holding the rate-limit windows that gateway replicas share (e.g. `redis://127.0.0.1:6379/0`), so
+    the per-user and per-key limits hold in total across replicas; None keeps them in the process (one
+    gateway). `tabrl serve --workers N` with N > 1 needs it."""
+
+    @model_validator(mode="after")
+    def _window(self) -> ServingParams:
+        if 2 * self.window_step_chars > self.window_chars:
+            raise ValueError(
+                f"window_step_chars ({self.window_step_chars}) must be at most half of window_chars "
+                f"({self.window_chars}): the part of the window before its next anchor must be typed already"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _explore(self) -> ServingParams:
+        if self.explore_fraction > 0:
+            if self.min_logprob is None:
+                raise ValueError("explore_fraction needs serving.min_logprob: suggestions are already shown whole")
+            if self.explore_min_logprob is not None and self.explore_min_logprob >= self.min_logprob:
+                raise ValueError(
+                    f"explore_min_logprob ({self.explore_min_logprob}) must be below min_logprob "
+                    f"({self.min_logprob}): exploring shows what the strict cut hides"
+                )
+        return self
+
+
+class IngestParams(Section):
+    feedback_timeout_s: float = Field(10.0, gt=0)
+    """A shown suggestion with no feedback after this many seconds is rejected."""
+    per_user_cap: int = Field(200, ge=1)
+    """Most rows one user contributes to a cycle."""
+    max_prompt_chars: int = Field(8000, ge=1)
+    """Rows with longer prompts are dropped."""
+    max_completion_chars: int = Field(1000, ge=1)
+    """Rows with longer completions are dropped."""
+    min_rows: int = Field(1, ge=1)
+    """A snapshot is written only with at least this many clean rows."""
+    commit_grace_s: float = Field(60.0, ge=0)
+    """A gap in completion sequence numbers followed by a row younger than this may be an insert still
+    committing (PostgreSQL hands out numbers before commit); the cycle stops before such a gap."""
+    chunk_rows: int = Field(10_000, ge=1)
+    """Rows read from the log store and written per Parquet row group at a time (bounds memory)."""
+    secret_detectors: tuple[str, ...] = (
+        "AWSKeyDetector",
+        "AzureStorageKeyDetector",
+        "BasicAuthDetector",
+        "DiscordBotTokenDetector",
+        "GitHubTokenDetector",
+        "GitLabTokenDetector",
+        "JwtTokenDetector",
+        "NpmDetector",
+        "OpenAIDetector",
+        "PrivateKeyDetector",
+        "PypiTokenDetector",
+        "SendGridDetector",
+        "SlackDetector",
+        "SquareOAuthDetector",
+        "StripeDetector",
+        "TwilioKeyDetector",
+    )
+    """detect-secrets plugin classes run on every line of prompt and completion. The default is its
+    specific, high-precision detectors; the entropy and keyword ones flag ordinary code and are slow."""
+    secret_cache_lines: int = Field(500_000, ge=0)
+    """Lines already scanned clean are remembered (up to this many) so the editor context repeated
+    across requests is scanned once."""
+
+
+class ClusterParams(Section):
+    """Across machines (`tabrl deploy`): Prefect work pools, the training deployment, the shared stores."""
+
+    cpu_pool: str = "cpu"
+    """Prefect work pool of the cycle and the A/B decision flows (ingest, reward, evaluate, register, decide)."""
+    gpu_pool: str = "gpu"
+    """Prefect work pool of the training flow (GPU hosts run `prefect worker start --pool gpu`)."""
+    train_on: Literal["process", "pool"] = "process"
+    """`process`: the cycle trains in its own process (`tabrl cycle`, `tabrl schedule`); `pool`: it starts the
+    training deployment on the gpu pool with run_deployment and waits for it (`tabrl deploy` sets this)."""
+    train_deployment: str = "train-candidate"
+    """Name of the training deployment (of the flow `train-candidate`) that `tabrl deploy` registers."""
+    train_timeout_s: float = Field(6 * 3600.0, gt=0)
+    """How long the cycle waits for its training run (queued and running) before it cancels the run and ends
+    with status `train_failed`; a GPU worker that died leaves its run Running, and this is what ends it."""
+    train_poll_s: float = Field(5.0, gt=0)
+    """Seconds between the cycle's looks at the training run's state."""
+    dvc_remote: str | None = None
+    """DVC remote (a name from `dvc remote add` in the project repo) every snapshot is pushed to after
+    `dvc add`; null: snapshots stay in the local DVC cache (one machine)."""
+
+
+class PathsParams(Section):
+    data_dir: str = "data"
+    """Corpus, FIM samples and interaction snapshots."""
+    models_dir: str = "models"
+    """Checkpoints (base and trained)."""
+    state_dir: str = "state"
+    """Databases and caches of a local run."""
+    database_url: str = "sqlite:///state/tabrl.db"
+    """SQLAlchemy URL of the log store (PostgreSQL at scale)."""
+    mlflow_tracking_uri: str = "sqlite:///state/mlflow.db"
+    """MLflow tracking store."""
