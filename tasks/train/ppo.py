@@ -37,9 +37,10 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, astuple, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,7 @@ from tasks.train.batching import (
     Example,
     Packed,
     SnapshotError,
+    StepPlan,
     build_examples,
     dummy_batch,
     pack,
@@ -64,35 +66,14 @@ from tasks.train.engines import (
     all_gather_lists,
     all_reduce,
     choose_engine,
-    first_token_logp,
     has_flash_attn,
     lr_at,
     row_log_softmax,
     target_logp,
-    top_k_kl,
     top_logp,
 )
-from tasks.train.loss import abstain_loss, ppo_loss, truncated_is_weight
-from tasks.train.policy import StartError, load_start, save_start, trainable_names
-
-METRICS = (
-    "train/loss",
-    "train/clipfrac",
-    "train/approx_kl",
-    "train/kl_k3",
-    "train/entropy",
-    "train/grad_norm",
-    "train/lr",
-    "train/is_weight",
-    "train/ratio_max",
-    "train/tokens",
-    "train/abstain_p",  # only with train.abstain_weight > 0
-)
-"""Per-step metric names logged to MLflow (one list, namespaced)."""
-
-
-class TrainingDiverged(RuntimeError):
-    """A guard fired (non-finite loss, approx-KL over the limit); no checkpoint was written."""
+from tasks.train.policy import Start, StartError, load_start, save_start, trainable_names
+from tasks.train.step import ProxTop, StepSums, TrainingDiverged, guard, micro_loss, step_metrics
 
 
 @dataclass
@@ -114,50 +95,7 @@ class TrainResult:
     base_dir: str = ""  # the base checkpoint of an adapter ("" for a full checkpoint)
 
 
-@dataclass
-class StepSums:
-    """One optimiser step's statistics, summed over a rank's micro-batches (means weighted by tokens),
-    then over ranks (``reduced``)."""
-
-    loss: float = 0.0  # the step's loss (each micro-batch's share, divided by the world size)
-    approx_kl: float = 0.0  # sampled k3 approx-KL x tokens
-    kl_top_k: float = 0.0  # top-k KL to the starting weights x tokens (train.kl_top_k > 0)
-    clipfrac: float = 0.0  # clip fraction x tokens
-    entropy: float = 0.0  # entropy x tokens
-    is_weight: float = 0.0  # truncated IS weight x tokens
-    tokens: float = 0.0  # completion tokens
-    non_finite: float = 0.0  # micro-batches whose loss was not finite
-    abstain_p: float = 0.0  # pi(abstain) summed over rows (train.abstain_weight > 0)
-    abstain_rows: float = 0.0
-
-    def add(self, loss: float, stats: dict[str, float], world: int) -> None:
-        self.loss += loss / world
-        self.non_finite += 0.0 if math.isfinite(loss) else 1.0
-        n = stats["tokens"]
-        if n:
-            self.approx_kl += stats["approx_kl"] * n
-            self.kl_top_k += stats.get("kl_top_k", 0.0) * n
-            self.clipfrac += stats["clipfrac"] * n
-            self.entropy += stats["entropy"] * n
-            self.is_weight += stats["is_weight_mean"] * n
-            self.tokens += n
-        self.abstain_p += stats.get("abstain_p", 0.0)
-        self.abstain_rows += stats.get("abstain_rows", 0.0)
-
-    def reduced(self, device: torch.device, world: int) -> StepSums:
-        """The sums over all ranks."""
-        return StepSums(*all_reduce(list(astuple(self)), device, world))
-
-    def mean(self, name: str) -> float:
-        """A token-weighted mean (approx_kl, clipfrac, entropy, is_weight)."""
-        return float(getattr(self, name)) / max(self.tokens, 1.0)
-
-
 # ---------------------------------------------------------------- the job
-
-
-ProxTop = dict[int, tuple[torch.Tensor, torch.Tensor]]
-"""Per example: (n, k) pi_prox's top-k log-probs at each completion position and (n, k) their token ids."""
 
 
 @torch.no_grad()
@@ -207,19 +145,27 @@ def inputs_digest(snapshot: Path, from_dir: Path, params: Params) -> str:
     return h.hexdigest()
 
 
-def train(
-    snapshot: str | Path,
-    from_dir: str | Path,
-    out_dir: str | Path,
-    params: Params,
-    mlflow_run_id: str | None = None,
-    base_dir: str | Path | None = None,
-) -> TrainResult:
-    """Run the job on this process (rank/world from the environment when launched by torchrun/deepspeed).
-    base_dir: where the base of an adapter from_dir is (default: the path the adapter records)."""
-    snapshot, from_dir, out = Path(snapshot), Path(from_dir), Path(out_dir)
+@dataclass
+class _Job:
+    """What every step of one update reads, set up once (`_setup`)."""
+
+    tp: TrainParams
+    world: int
+    rank: int
+    device: torch.device
+    start: Start
+    rows: list
+    examples: list[Example]
+    engine: Any
+    make_batch: Callable[[list[int]], Packed]
+    stop_ids: torch.Tensor
+    prox: dict[int, list[float]]
+    prox_top: ProxTop
+
+
+def _setup(snapshot: Path, from_dir: Path, params: Params, base_dir: str | Path | None) -> _Job:
+    """Ranks and device, the starting weights, the examples, the engine and pi_prox (steps 1 and 2)."""
     tp = params.train
-    started = time.time()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -239,14 +185,13 @@ def train(
     start = load_start(from_dir, base_dir, tp, attn)
     lm, tokenizer, template = start.lm, start.tokenizer, start.template
     rows = read_snapshot(snapshot)
-    abstaining = tp.abstain_weight > 0
     examples = build_examples(
         rows,
         tokenizer,
         template,
         prompt_limit(lm, params.serving.max_tokens),
         lm.config.max_position_embeddings,
-        abstain_reward=params.reward.abstained if abstaining else None,
+        abstain_reward=params.reward.abstained if tp.abstain_weight > 0 else None,
         typed_demo=params.reward.typed_demo,
         abstain_where_typed=tp.abstain_where_typed,
     )
@@ -260,120 +205,89 @@ def train(
         return pack(examples, idx, one_row=attn == "flash_attention_2", pad_id=pad_id) if idx else dummy_batch(examples)
 
     prox, prox_top = prox_logps(engine, examples, make_batch, tp, rank, world, device)
+    return _Job(tp, world, rank, device, start, rows, examples, engine, make_batch, stop_ids, prox, prox_top)
+
+
+def _step_sums(job: _Job, plan: StepPlan) -> tuple[StepSums, float, int]:
+    """Forward and backward over one step's micro-batches: the step's sums over all ranks, the largest ratio
+    and the real tokens this rank saw (step 3)."""
+    sums = StepSums()
+    ratio_max = 0.0
+    tokens = 0
+    for k, idx in enumerate(plan.micro):
+        boundary = k == len(plan.micro) - 1
+        batch = job.make_batch(idx).to(job.device)
+        with job.engine.micro_step(boundary):
+            logits = job.engine.module(batch.input_ids, batch.position_ids, batch.gather_idx)  # (N, V)
+            logz = row_log_softmax(logits, batch.inv_temp)  # (N, V), read by every term below
+            logp, entropy = target_logp(logz, batch.targets)  # (N,)
+            if idx:
+                loss, stats = micro_loss(
+                    logz, logp, entropy, batch, plan, job.examples, job.prox, job.prox_top, job.stop_ids, job.tp,
+                    job.world,
+                )  # fmt: skip
+            else:
+                loss, stats = logp.sum() * 0.0, {"tokens": 0.0}
+            job.engine.backward(loss)
+        sums.add(float(loss.detach()), stats, job.world)
+        if stats["tokens"]:
+            ratio_max = max(ratio_max, stats["ratio_max"])
+        tokens += batch.n_tokens
+    return sums.reduced(job.device, job.world), ratio_max, tokens
+
+
+def train(
+    snapshot: str | Path,
+    from_dir: str | Path,
+    out_dir: str | Path,
+    params: Params,
+    mlflow_run_id: str | None = None,
+    base_dir: str | Path | None = None,
+) -> TrainResult:
+    """Run the job on this process (rank/world from the environment when launched by torchrun/deepspeed).
+    base_dir: where the base of an adapter from_dir is (default: the path the adapter records)."""
+    snapshot, from_dir, out = Path(snapshot), Path(from_dir), Path(out_dir)
+    tp = params.train
+    started = time.time()
+    job = _setup(snapshot, from_dir, params, base_dir)
+    world, rank, engine, examples = job.world, job.rank, job.engine, job.examples
     plans = [plan_epoch(examples, tp, epoch, rank, world) for epoch in range(tp.epochs)]
     total_steps = sum(len(p) for p in plans)
     client = _mlflow_client(mlflow_run_id) if rank == 0 else None
-    bar = tqdm(
-        total=total_steps,
-        desc=f"train ({engine.name}, {world} rank{'s' if world > 1 else ''})",
-        unit="step",
-        disable=rank != 0,
-    )
+    plural = "s" if world > 1 else ""
+    bar = tqdm(total=total_steps, desc=f"train ({engine.name}, {world} rank{plural})", unit="step", disable=rank != 0)
     tokens_seen, step, final, stopped_early = 0, 0, {}, ""
     loop_started = time.time()
-    for epoch_plan in plans:
+    for plan in (plan for epoch_plan in plans for plan in epoch_plan):
+        g, ratio_max, tokens = _step_sums(job, plan)
+        tokens_seen += tokens
+        kl, stopped_early = guard(g, tp, step, total_steps)
         if stopped_early:
             break
-        for plan in epoch_plan:
-            sums = StepSums()
-            ratio_max = 0.0
-            for k, idx in enumerate(plan.micro):
-                boundary = k == len(plan.micro) - 1
-                batch = make_batch(idx).to(device)
-                with engine.micro_step(boundary):
-                    logits = engine.module(batch.input_ids, batch.position_ids, batch.gather_idx)  # (N, V)
-                    logz = row_log_softmax(logits, batch.inv_temp)  # (N, V), read by every term below
-                    logp, entropy = target_logp(logz, batch.targets)  # (N,)
-                    if idx:
-                        old, weight, adv = _token_inputs(examples, batch.example_idx, prox, tp.is_cap, device)
-                        # DDP/DeepSpeed average gradients over ranks, so each rank divides by step_tokens / world
-                        loss, stats = ppo_loss(
-                            logp,
-                            old,
-                            adv,
-                            torch.ones_like(logp),
-                            clip_low=tp.clip_low,
-                            clip_high=tp.clip_high,
-                            is_weight=weight,
-                            entropy=entropy,
-                            ref_logp=old,
-                            kl_beta=tp.kl_beta,  # reference = the starting weights
-                            num_tokens=plan.step_tokens / world,
-                        )
-                        if tp.kl_top_k:
-                            top = torch.cat([prox_top[i][0] for i in batch.example_idx]).to(device)
-                            ids = torch.cat([prox_top[i][1] for i in batch.example_idx]).to(device).long()
-                            stats["kl_top_k"] = float(top_k_kl(logz, top, ids).mean())
-                        if abstaining:
-                            a_logp = first_token_logp(logz, batch.first_idx, stop_ids)  # (E,)
-                            a_adv = torch.tensor(
-                                [examples[i].abstain_advantage for i in batch.example_idx], device=device
-                            )
-                            a_loss, a_stats = abstain_loss(
-                                a_logp, a_adv, weight=tp.abstain_weight, num_tokens=plan.step_tokens / world
-                            )
-                            loss, stats = loss + a_loss, {**stats, **a_stats}
-                    else:
-                        loss, stats = logp.sum() * 0.0, {"tokens": 0.0}
-                    engine.backward(loss)
-                sums.add(float(loss.detach()), stats, world)
-                if stats["tokens"]:
-                    ratio_max = max(ratio_max, stats["ratio_max"])
-                tokens_seen += batch.n_tokens
-            g = sums.reduced(device, world)
-            # the guards' statistic: the top-k KL to the starting weights, or (train.kl_top_k = 0) sampled k3
-            kl = g.mean("kl_top_k") if tp.kl_top_k else g.mean("approx_kl")
-            kl_name = f"approx-KL (top-{tp.kl_top_k} KL to the starting weights)" if tp.kl_top_k else "approx-KL (k3)"
-            if g.non_finite > 0 or not math.isfinite(g.loss):
-                raise TrainingDiverged(f"non-finite loss at step {step} (loss {g.loss}); no checkpoint written")
-            if kl > tp.max_approx_kl:
-                raise TrainingDiverged(
-                    f"{kl_name} {kl:.4g} at step {step} exceeds train.max_approx_kl="
-                    f"{tp.max_approx_kl}; lower train.lr or raise the limit; no checkpoint written"
-                )
-            if kl > tp.target_kl:  # PPO's early stop: this step would leave the trust region; keep the weights so far
-                stopped_early = (
-                    f"{kl_name} {kl:.4g} at step {step} of {total_steps} exceeds train.target_kl="
-                    f"{tp.target_kl}; the update stopped there"
-                )
-                break
-            lr = lr_at(step, total_steps, tp)
-            grad_norm = engine.step(lr)
-            if not math.isfinite(grad_norm):
-                raise TrainingDiverged(f"non-finite gradient norm at step {step}; no checkpoint written")
-            final = {
-                "train/loss": g.loss,
-                "train/clipfrac": g.mean("clipfrac"),
-                "train/approx_kl": kl,
-                "train/kl_k3": g.mean("approx_kl"),
-                "train/entropy": g.mean("entropy"),
-                "train/grad_norm": grad_norm,
-                "train/lr": lr,
-                "train/is_weight": g.mean("is_weight"),
-                "train/ratio_max": ratio_max,
-                "train/tokens": g.tokens,
-            }
-            if abstaining:  # how often the policy would show nothing on these rows, before this step
-                final["train/abstain_p"] = g.abstain_p / max(g.abstain_rows, 1.0)
-            if client is not None:
-                client(final, step)
-            bar.update(1)
-            bar.set_postfix(loss=f"{g.loss:.4f}", kl=f"{kl:.2e}")
-            step += 1
+        lr = lr_at(step, total_steps, tp)
+        grad_norm = engine.step(lr)
+        if not math.isfinite(grad_norm):
+            raise TrainingDiverged(f"non-finite gradient norm at step {step}; no checkpoint written")
+        final = step_metrics(g, kl, grad_norm, lr, ratio_max, tp.abstain_weight > 0)
+        if client is not None:
+            client(final, step)
+        bar.update(1)
+        bar.set_postfix(loss=f"{g.loss:.4f}", kl=f"{kl:.2e}")
+        step += 1
     bar.close()
     if stopped_early and rank == 0:
         print(f"early stop: {stopped_early}", flush=True)
     seconds = time.time() - started
-    tokens_all = all_reduce([float(tokens_seen)], device, world)[0]
+    tokens_all = all_reduce([float(tokens_seen)], job.device, world)[0]
     loop_seconds = max(time.time() - loop_started, 1e-9)
-    state = engine.fp32_state_dict(trainable_names(start))
+    state = engine.fp32_state_dict(trainable_names(job.start))
     result = TrainResult(
         out_dir=str(out),
         algorithm=tp.algorithm,
         engine=engine.name,
-        weights=start.name,
+        weights=job.start.name,
         world_size=world,
-        rows=len(rows),
+        rows=len(job.rows),
         rows_used=len(examples),
         completion_tokens=sum(e.n_completion for e in examples),
         steps=step,
@@ -382,27 +296,13 @@ def train(
         final=final,
         inputs_sha256=inputs_digest(snapshot, from_dir, params),
         stopped_early=stopped_early,
-        base_dir=str(start.base_dir or ""),
+        base_dir=str(job.start.base_dir or ""),
     )
     if rank == 0:
-        save_start(start, state, out, asdict(result))
+        save_start(job.start, state, out, asdict(result))
     if world > 1:
         dist.barrier()
     return result
-
-
-def _token_inputs(examples, idx, prox, is_cap, device):
-    """Per completion token: log pi_prox, the truncated IS weight (1 where no behaviour log-probs), the advantage."""
-    old, behaviour, adv = [], [], []
-    for i in idx:
-        ex = examples[i]
-        old.extend(prox[i])
-        behaviour.extend(ex.behaviour_logp if ex.behaviour_logp is not None else [math.nan] * ex.n_completion)
-        adv.extend([ex.advantage] * ex.n_completion)
-    old_t = torch.tensor(old, dtype=torch.float32, device=device)  # (N,)
-    beh_t = torch.tensor(behaviour, dtype=torch.float32, device=device)  # (N,)
-    weight = torch.where(torch.isnan(beh_t), torch.ones_like(old_t), truncated_is_weight(old_t, beh_t, is_cap))
-    return old_t, weight, torch.tensor(adv, dtype=torch.float32, device=device)
 
 
 def _mlflow_client(run_id: str | None):
