@@ -20,10 +20,9 @@ from tasks.ingest.snapshot import (
     IngestResult,
     PendingIngest,
     commit_snapshot,
-    ingest_metrics,
-    ingest_tags,
     write_snapshot,
 )
+from tasks.ingest.tracking import ingest_metrics, ingest_tags
 
 
 @task(name="ingest", retries=2, retry_delay_seconds=[10, 60], cache_policy=NO_CACHE)
