@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import mlflow
 from prefect import flow, get_run_logger
@@ -62,6 +63,59 @@ def challenger_under_test(params: Params) -> bool:
     return get_alias_version(params, CHALLENGER) is not None
 
 
+def _champion_and_base(params: Params) -> tuple[Any, Path, Any, Path]:
+    """The champion (registered from model.base_dir when there is none), and the full version it runs on (an
+    adapter's base, else the champion itself), each with its local directory."""
+    champion = ensure_champion(params.model.base_dir, params)
+    champion_dir = resolve_model_dir(champion.uri, params)
+    base = base_version(champion, params)  # the full version an adapter champion runs on (else the champion)
+    return champion, champion_dir, base, resolve_model_dir(base.uri, params)
+
+
+def _skipped_under_test(params: Params, log) -> CycleReport:
+    """A cycle that does not train while a challenger is under test; it still leaves a run."""
+    log.info(
+        "skipped: a challenger is still under test (the A/B decision flow promotes or rolls it back; "
+        "pass force=True to train anyway)"
+    )
+    report = CycleReport("skipped", "challenger under test", run_id=start_cycle_run(params))
+    name_cycle_run(params, report.run_id, report.status, report.reason)  # every cycle leaves a run
+    end_cycle_run(params, report.run_id)
+    return report
+
+
+def _evaluate(candidate_dir, champion_dir, base_dir, holder, params: Params, timing: dict[str, float]):
+    """The candidate against the champion on held-out FIM samples and this cycle's gate window of typing regions
+    (the window is tagged on the run); the time it took goes into `timing`."""
+    test = read_samples(Path(params.paths.data_dir) / "fim" / "test.parquet")[: params.evaluate.n_samples]
+    windows = params.evaluate.gate_windows
+    window = next_gate_window(params, windows)
+    mlflow.set_tag(GATE_WINDOW_TAG, str(window))
+    regions = gate_regions(read_regions(regions_path(params.paths.data_dir, "test")), window, windows)
+    mark_dir = str(resolve_model_dir(holder.uri, params)) if holder else None
+    started = time.perf_counter()
+    comparison = compare_task(str(candidate_dir), str(champion_dir), test, regions, params, mark_dir, str(base_dir))
+    timing["time/evaluate_s"] = time.perf_counter() - started
+    return comparison
+
+
+def _cycle_metrics(comparison, steps: int, timing: dict[str, float]) -> dict[str, float]:
+    champion_metrics = {k.replace("eval/", "eval/champion/", 1): v for k, v in comparison.champion.metrics.items()}
+    return dict(comparison.candidate.metrics) | champion_metrics | {"train/steps": steps} | timing
+
+
+def _deploy(candidate_dir, comparison, champion, holder, base, base_dir, params: Params, run_id: str):
+    """A candidate that passed the gate: registered (carrying the chars-saved mark when it holds it) and rolled
+    out as the challenger."""
+    held_by = comparison.decision.mark_holder_after(champion, holder)
+    carried = {CHARS_HOLDER_TAG: str(held_by.version)} if held_by else {}
+    version = register_candidate(
+        candidate_dir, params, run_id, tags=carried, gate=comparison.decision.numbers, base=base
+    )
+    rollout(version, str(resolve_model_dir(version.uri, params)), params, str(base_dir))
+    return version
+
+
 @flow(name="online-rl-cycle", log_prints=True)
 def online_rl_cycle(
     params_file: str = str(DEFAULT_PARAMS_FILE),
@@ -72,18 +126,8 @@ def online_rl_cycle(
     params = load_params(params_file, overrides or [])
     log = get_run_logger()
     if challenger_under_test(params) and not force:
-        log.info(
-            "skipped: a challenger is still under test (the A/B decision flow promotes or rolls it back; "
-            "pass force=True to train anyway)"
-        )
-        report = CycleReport("skipped", "challenger under test", run_id=start_cycle_run(params))
-        name_cycle_run(params, report.run_id, report.status, report.reason)  # every cycle leaves a run
-        end_cycle_run(params, report.run_id)
-        return report
-    champion = ensure_champion(params.model.base_dir, params)
-    champion_dir = resolve_model_dir(champion.uri, params)
-    base = base_version(champion, params)  # the full version an adapter champion runs on (else the champion)
-    base_dir = resolve_model_dir(base.uri, params)
+        return _skipped_under_test(params, log)
+    champion, champion_dir, base, base_dir = _champion_and_base(params)
     model_retention_task(params)  # local copies of retired versions go after deploy.retired_retention_hours
     run_id = start_cycle_run(params)
     report = CycleReport("skipped", "", run_id)
@@ -118,35 +162,15 @@ def online_rl_cycle(
                 if trained.stopped_early:
                     log.info(f"update ended early: {trained.stopped_early}")
                     mlflow.set_tag("tabrl.train_stopped_early", trained.stopped_early[:5000])
-                test = read_samples(Path(params.paths.data_dir) / "fim" / "test.parquet")[: params.evaluate.n_samples]
-                windows = params.evaluate.gate_windows
-                window = next_gate_window(params, windows)
-                mlflow.set_tag(GATE_WINDOW_TAG, str(window))
-                regions = gate_regions(read_regions(regions_path(params.paths.data_dir, "test")), window, windows)
                 holder = chars_saved_holder(champion, params)
-                mark_dir = str(resolve_model_dir(holder.uri, params)) if holder else None
-                started = time.perf_counter()
-                comparison = compare_task(
-                    str(candidate_dir), str(champion_dir), test, regions, params, mark_dir, str(base_dir)
-                )
-                timing["time/evaluate_s"] = time.perf_counter() - started
+                comparison = _evaluate(candidate_dir, champion_dir, base_dir, holder, params, timing)
                 mlflow.log_metrics(timing)
-                champion_metrics = {
-                    k.replace("eval/", "eval/champion/", 1): v for k, v in comparison.champion.metrics.items()
-                }
-                report.metrics = (
-                    dict(comparison.candidate.metrics) | champion_metrics | {"train/steps": trained.steps} | timing
-                )
+                report.metrics = _cycle_metrics(comparison, trained.steps, timing)
                 if not comparison.decision.passed:  # the gate
                     report.status, report.reason = "gate_failed", "; ".join(comparison.decision.reasons)
                     log.info(f"candidate not deployed: {report.reason}")
                 else:
-                    held_by = comparison.decision.mark_holder_after(champion, holder)
-                    carried = {CHARS_HOLDER_TAG: str(held_by.version)} if held_by else {}
-                    version = register_candidate(
-                        candidate_dir, params, run_id, tags=carried, gate=comparison.decision.numbers, base=base
-                    )
-                    rollout(version, str(resolve_model_dir(version.uri, params)), params, str(base_dir))
+                    version = _deploy(candidate_dir, comparison, champion, holder, base, base_dir, params, run_id)
                     report.status, report.version = "deployed", version.label
                     report.reason = "; ".join(comparison.decision.reasons)
                     log.info(f"{version.label} is the challenger at {params.deploy.challenger_share:.0%} of traffic")

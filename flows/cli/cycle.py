@@ -71,6 +71,23 @@ def schedule_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -
 RepoOpt = Annotated[Path, typer.Option(help="Project repo (DVC) on the cpu hosts; recorded as an absolute path.")]
 
 
+def _ensure_pools(*pools: str) -> None:
+    """Create each work pool that the Prefect server lacks (type `process`)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+    from prefect.workers.process import ProcessWorker
+
+    with get_client(sync_client=True) as client:
+        for pool in pools:
+            try:
+                client.read_work_pool(pool)
+            except ObjectNotFound:
+                template = ProcessWorker.get_default_base_job_template()
+                client.create_work_pool(WorkPoolCreate(name=pool, type="process", base_job_template=template))
+                console.print(f"created work pool {pool} (process)")
+
+
 def deploy_cmd(
     repo: RepoOpt = Path("."),
     params: ParamsOpt = DEFAULT_PARAMS_FILE,
@@ -86,11 +103,7 @@ def deploy_cmd(
     "Run on a cluster" (docs/how-to/cluster.md)."""
     from datetime import timedelta
 
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.deployments.runner import EntrypointType
-    from prefect.exceptions import ObjectNotFound
-    from prefect.workers.process import ProcessWorker
 
     from flows.ab_decision import ab_decision
     from flows.cycle import online_rl_cycle
@@ -102,14 +115,7 @@ def deploy_cmd(
         console.print("error: PREFECT_API_URL is not set: deployments live on a Prefect server (http://HOST:4200/api)")
         raise typer.Exit(2)
     cp = p.cluster
-    with get_client(sync_client=True) as client:
-        for pool in (cp.cpu_pool, cp.gpu_pool):
-            try:
-                client.read_work_pool(pool)
-            except ObjectNotFound:
-                template = ProcessWorker.get_default_base_job_template()
-                client.create_work_pool(WorkPoolCreate(name=pool, type="process", base_job_template=template))
-                console.print(f"created work pool {pool} (process)")
+    _ensure_pools(cp.cpu_pool, cp.gpu_pool)
     args = {"params_file": str(params.resolve()), "overrides": overrides}
     timing = (
         {"cron": p.deploy.cycle_cron}

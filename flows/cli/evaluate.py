@@ -23,6 +23,27 @@ def _fmt(value: float) -> str:
     return f"{value:.0f}" if float(value).is_integer() and abs(value) >= 1 else f"{value:.4f}"
 
 
+def _metrics_table(results: list, model: Path, against: Path | None, metrics: tuple[str, ...]) -> Table:
+    """The metrics of the candidate (and, against a champion, the champion's and the delta), one row each."""
+    n = len(results[0].rows)
+    typed_requests = int(results[0].metrics["eval/typing/requests"])
+    table = Table(
+        title=f"Held-out evaluation: {typed_requests} typing requests, {n} FIM samples, judge {results[0].judge}"
+    )
+    table.add_column("metric")
+    table.add_column(f"candidate\n{model}", justify="right")
+    if against is not None:
+        table.add_column(f"champion\n{against}", justify="right")
+        table.add_column("delta", justify="right")
+    for name in metrics:
+        values = [r.metrics[name] for r in results]
+        cells = [_fmt(v) for v in values]
+        if against is not None:
+            cells.append(f"{values[0] - values[1]:+.4f}")
+        table.add_row(name, *cells)
+    return table
+
+
 def evaluate_cmd(
     model: ModelOpt,
     against: AgainstOpt = None,
@@ -55,23 +76,7 @@ def evaluate_cmd(
         fail(str(err), 2)
     except JudgeError as err:
         fail(str(err), 1)
-    n = len(results[0].rows)
-    typed_requests = int(results[0].metrics["eval/typing/requests"])
-    table = Table(
-        title=f"Held-out evaluation: {typed_requests} typing requests, {n} FIM samples, judge {results[0].judge}"
-    )
-    table.add_column("metric")
-    table.add_column(f"candidate\n{model}", justify="right")
-    if comparison is not None:
-        table.add_column(f"champion\n{against}", justify="right")
-        table.add_column("delta", justify="right")
-    for name in METRICS:
-        values = [r.metrics[name] for r in results]
-        cells = [_fmt(v) for v in values]
-        if comparison is not None:
-            cells.append(f"{values[0] - values[1]:+.4f}")
-        table.add_row(name, *cells)
-    print_table(table)
+    print_table(_metrics_table(results, model, against, METRICS))
     payload: dict = {"candidate": results[0].metrics, "judge": results[0].judge}
     if comparison is not None:
         d = comparison.decision

@@ -201,6 +201,32 @@ def import_continue_cmd(
         console.print(f"Imported {file}: " + ", ".join(f"{k}={v}" for k, v in counts.items()), highlight=False)
 
 
+def _arm_table(by_arm: dict, title: str) -> Table:
+    """The per-arm numbers of a simulation, one row per arm."""
+    table = Table(title=title)
+    for col in (
+        "arm",
+        "requests",
+        "suggestion rate",
+        "accept / shown",
+        "right / shown (no noise)",
+        "chars saved",
+        "mean length (chars)",
+    ):
+        table.add_column(col, justify="right")
+    for arm, s in by_arm.items():
+        table.add_row(
+            arm,
+            str(s.requests),
+            f"{s.suggest_rate:.3f}",
+            f"{s.accept_rate:.3f}",
+            f"{s.right_rate:.3f}",
+            f"{s.chars_saved:.3f}",
+            f"{s.mean_len:.1f}",
+        )
+    return table
+
+
 def simulate_cmd(
     users: Annotated[int, typer.Option(help="Simulated users (personas drawn by weight).", min=1)] = 8,
     requests: Annotated[int, typer.Option(help="Completion requests in all.", min=1)] = 64,
@@ -254,28 +280,7 @@ def simulate_cmd(
             )
         except (SimulationError, httpx.HTTPError) as err:
             _fail(f"simulation against {base_url} failed: {err}", 1)
-    table = Table(title=f"Simulated users typing over HTTP: {base_url}")
-    for col in (
-        "arm",
-        "requests",
-        "suggestion rate",
-        "accept / shown",
-        "right / shown (no noise)",
-        "chars saved",
-        "mean length (chars)",
-    ):
-        table.add_column(col, justify="right")
-    for arm, s in by_arm.items():
-        table.add_row(
-            arm,
-            str(s.requests),
-            f"{s.suggest_rate:.3f}",
-            f"{s.accept_rate:.3f}",
-            f"{s.right_rate:.3f}",
-            f"{s.chars_saved:.3f}",
-            f"{s.mean_len:.1f}",
-        )
-    print_table(table)
+    print_table(_arm_table(by_arm, f"Simulated users typing over HTTP: {base_url}"))
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps({arm: s.as_dict() for arm, s in by_arm.items()}, indent=2) + "\n")

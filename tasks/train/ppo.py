@@ -236,6 +236,27 @@ def _step_sums(job: _Job, plan: StepPlan) -> tuple[StepSums, float, int]:
     return sums.reduced(job.device, job.world), ratio_max, tokens
 
 
+def _result(
+    job: _Job, params: Params, snapshot: Path, from_dir: Path, out: Path, steps: int, seconds: float, tps: float
+) -> TrainResult:
+    examples = job.examples
+    return TrainResult(
+        out_dir=str(out),
+        algorithm=job.tp.algorithm,
+        engine=job.engine.name,
+        weights=job.start.name,
+        world_size=job.world,
+        rows=len(job.rows),
+        rows_used=len(examples),
+        completion_tokens=sum(e.n_completion for e in examples),
+        steps=steps,
+        seconds=seconds,
+        tokens_per_s=round(tps, 1),
+        inputs_sha256=inputs_digest(snapshot, from_dir, params),
+        base_dir=str(job.start.base_dir or ""),
+    )
+
+
 def train(
     snapshot: str | Path,
     from_dir: str | Path,
@@ -281,23 +302,8 @@ def train(
     tokens_all = all_reduce([float(tokens_seen)], job.device, world)[0]
     loop_seconds = max(time.time() - loop_started, 1e-9)
     state = engine.fp32_state_dict(trainable_names(job.start))
-    result = TrainResult(
-        out_dir=str(out),
-        algorithm=tp.algorithm,
-        engine=engine.name,
-        weights=job.start.name,
-        world_size=world,
-        rows=len(job.rows),
-        rows_used=len(examples),
-        completion_tokens=sum(e.n_completion for e in examples),
-        steps=step,
-        seconds=round(seconds, 2),
-        tokens_per_s=round(tokens_all / loop_seconds, 1),
-        final=final,
-        inputs_sha256=inputs_digest(snapshot, from_dir, params),
-        stopped_early=stopped_early,
-        base_dir=str(job.start.base_dir or ""),
-    )
+    result = _result(job, params, snapshot, from_dir, out, step, round(seconds, 2), tokens_all / loop_seconds)
+    result.final, result.stopped_early = final, stopped_early
     if rank == 0:
         save_start(job.start, state, out, asdict(result))
     if world > 1:
