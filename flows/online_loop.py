@@ -62,6 +62,40 @@ def start_gateway(params_file: str, overrides: list[str], port: int, log_path: P
     return proc
 
 
+def _start_state(params: Params, state: Path, restored: dict | None, cycles: int) -> list[CycleRow]:
+    """A fresh state dir (the champion served, the snapshot repo made), or the restored loop's servers and adapters
+    back; returns the rows of the cycles already done."""
+    if restored is None:
+        shutil.rmtree(state, ignore_errors=True)
+        state.mkdir(parents=True)
+        serve_champion(params)  # the base model is version 1, `champion`, the one arm (on vLLM: its base's server)
+        _snapshot_repo(state / "repo")  # every interaction snapshot is versioned here with DVC
+        return []
+    rows = [CycleRow(**row) for row in restored["rows"]]
+    print(f"resumed {state} after cycle {restored['cycle']} of {cycles}", flush=True)
+    restart_recorded(params)  # the vLLM servers the arms name, on their ports; then their adapters
+    sync_adapters(params)
+    return rows
+
+
+def _simulate(
+    port: int, traffic: list, per_cycle: int, cycle: int, users: list, requests: int, seed: int, params: Params
+):
+    """One cycle's traffic: the users type this cycle's window of regions through the gateway on `port`."""
+    offset = (cycle - 1) * per_cycle
+    window = [traffic[(offset + i) % len(traffic)] for i in range(per_cycle)]
+    return run_simulation(
+        f"http://127.0.0.1:{port}",
+        window,
+        users,
+        requests,
+        api_keys=None,
+        concurrency=4,
+        seed=seed * 1000 + cycle,
+        traffic=params.traffic,
+    )
+
+
 def run_online_loop(
     params_file: str,
     overrides: list[str],
@@ -86,17 +120,7 @@ def run_online_loop(
     key = loop_key(params, cycles, requests, n_users, seed, ab_test)
     restored = restore_checkpoint(state, key) if resume and state.is_dir() else None
     os.environ["MLFLOW_TRACKING_URI"] = params.paths.mlflow_tracking_uri
-    if restored is None:
-        shutil.rmtree(state, ignore_errors=True)
-        state.mkdir(parents=True)
-        serve_champion(params)  # the base model is version 1, `champion`, the one arm (on vLLM: its base's server)
-        _snapshot_repo(state / "repo")  # every interaction snapshot is versioned here with DVC
-        rows: list[CycleRow] = []
-    else:
-        rows = [CycleRow(**row) for row in restored["rows"]]
-        print(f"resumed {state} after cycle {restored['cycle']} of {cycles}", flush=True)
-        restart_recorded(params)  # the vLLM servers the arms name, on their ports; then their adapters
-        sync_adapters(params)
+    rows = _start_state(params, state, restored, cycles)
     repo = state / "repo"
     traffic = read_regions(regions_path(params.paths.data_dir, "train"))  # never the held-out files
     per_cycle = max(n_users, requests // 4)  # regions offered per cycle: more than the users will type
@@ -105,19 +129,8 @@ def run_online_loop(
     gateway = start_gateway(params_file, overrides, port, state / "gateway.log")
     try:
         for cycle in range(len(rows) + 1, cycles + 1):
-            offset = (cycle - 1) * per_cycle
-            window = [traffic[(offset + i) % len(traffic)] for i in range(per_cycle)]
             started = time.perf_counter()
-            by_arm = run_simulation(
-                f"http://127.0.0.1:{port}",
-                window,
-                users,
-                requests,
-                api_keys=None,
-                concurrency=4,
-                seed=seed * 1000 + cycle,
-                traffic=params.traffic,
-            )
+            by_arm = _simulate(port, traffic, per_cycle, cycle, users, requests, seed, params)
             traffic_s = time.perf_counter() - started
             time.sleep(params.ingest.feedback_timeout_s + 0.5)
             decision = ab_decision(params_file, overrides) if ab_test and len(by_arm) > 1 else None

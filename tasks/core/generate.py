@@ -243,6 +243,101 @@ def prompt_limit(model: PreTrainedModel, max_new_tokens: int) -> int:
     return model.config.max_position_embeddings - max_new_tokens
 
 
+def _left_padded(encoded: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, width) token ids and attention mask, each prompt at the right end of its row."""
+    width = max(len(ids) for ids in encoded)
+    input_ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(encoded), width), dtype=torch.long)
+    for row, ids in enumerate(encoded):
+        input_ids[row, width - len(ids) :] = torch.tensor(ids)
+        attention[row, width - len(ids) :] = 1
+    return input_ids, attention
+
+
+def _logps_at(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(B, new) log-probs of `tokens` under (B, new, V) `logits` at `temperature`."""
+    return torch.log_softmax(logits / temperature, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def _row_generation(
+    tokenizer: PreTrainedTokenizerBase,
+    new_ids: list[int],
+    new_logps: list[float],
+    stop_set: set[int],
+    text_stops: Sequence[str],
+    stop: Sequence[str],
+    latency_ms: float,
+) -> Generation:
+    """One row's tokens up to its first stop token or plain-text stop, decoded and parsed."""
+    ids, lps = [], []
+    finish = "length"
+    for tok, lp in zip(new_ids, new_logps, strict=True):
+        ids.append(tok)
+        lps.append(lp)
+        if tok in stop_set:
+            finish = "stop"
+            break
+    ids, text_stopped = cut_tokens_at_text_stop(tokenizer, ids, text_stops)
+    if text_stopped:
+        lps, finish = lps[: len(ids)], "stop"
+    raw = tokenizer.decode([t for t in ids if t not in stop_set], skip_special_tokens=False)
+    return Generation(
+        text=parse_completion(raw, tuple(stop)),
+        token_ids=ids,
+        logprobs=lps,
+        raw_text=raw,
+        latency_ms=latency_ms,
+        finish_reason=finish,
+    )
+
+
+def _sample(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    input_ids: torch.Tensor,
+    attention: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    stops: list[int],
+    pad_id: int,
+    text_stops: Sequence[str],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF generate on the left-padded batch: the (B, new) new tokens and their (B, new, V) logits, on the CPU."""
+    width = input_ids.shape[1]
+    device = next(model.parameters()).device
+    sample = temperature > 0
+    # Plain-text stops (a newline for a prefix-only model) end a row early too; its tokens are cut below.
+    text_stop_kw = {"stop_strings": text_stops, "tokenizer": tokenizer} if text_stops else {}
+    out = model.generate(
+        input_ids=input_ids.to(device),
+        attention_mask=attention.to(device),
+        max_new_tokens=max_new_tokens,
+        do_sample=sample,
+        temperature=temperature if sample else None,
+        top_p=top_p if sample else None,
+        top_k=None,
+        eos_token_id=stops,
+        pad_token_id=pad_id,
+        return_dict_in_generate=True,
+        output_logits=True,
+        **text_stop_kw,
+    )
+    new_tokens = out.sequences[:, width:].cpu()
+    return new_tokens, torch.stack(out.logits, dim=1).float().cpu()  # (B, new), (B, new, V)
+
+
+def _shown_part(
+    gen: Generation, rule: ShowRule, rule_logps: torch.Tensor, tokenizer: PreTrainedTokenizerBase, stop: Sequence[str]
+) -> Generation:
+    """The suggestion cut at its first unsure token under the show rule (whole when none is unsure)."""
+    ids = gen.token_ids
+    unsure = rule.first_unsure(rule_logps[: len(ids)].tolist(), gen.finish_reason == "stop")
+    if unsure is None:
+        return gen
+    return cut_unsure(gen, unsure, tokenizer.decode(ids[:unsure], skip_special_tokens=False), stop)
+
+
 @torch.no_grad()
 def generate(
     model: PreTrainedModel,
@@ -267,66 +362,25 @@ def generate(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     limit = prompt_limit(model, max_new_tokens)
     encoded = [encode_prompt(tokenizer, p, limit, template) for p in prompts]
-    width = max(len(ids) for ids in encoded)
-    device = next(model.parameters()).device
-    input_ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(encoded), width), dtype=torch.long)
-    for row, ids in enumerate(encoded):
-        input_ids[row, width - len(ids) :] = torch.tensor(ids)
-        attention[row, width - len(ids) :] = 1
+    input_ids, attention = _left_padded(encoded, pad_id)
     if seed is not None:
         torch.manual_seed(seed)
     sample = temperature > 0
-    # Plain-text stops (a newline for a prefix-only model) end a row early too; its tokens are cut below.
-    text_stop_kw = {"stop_strings": text_stops, "tokenizer": tokenizer} if text_stops else {}
-    out = model.generate(
-        input_ids=input_ids.to(device),
-        attention_mask=attention.to(device),
-        max_new_tokens=max_new_tokens,
-        do_sample=sample,
-        temperature=temperature if sample else None,
-        top_p=top_p if sample else None,
-        top_k=None,
-        eos_token_id=stops,
-        pad_token_id=pad_id,
-        return_dict_in_generate=True,
-        output_logits=True,
-        **text_stop_kw,
+    new_tokens, logits = _sample(
+        model, tokenizer, input_ids, attention, max_new_tokens, temperature, top_p, stops, pad_id, text_stops
     )
-    new_tokens = out.sequences[:, width:].cpu()
-    logits = torch.stack(out.logits, dim=1).float().cpu()  # (B, new, V)
     scale = temperature if sample else 1.0
-    logps = torch.log_softmax(logits / scale, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # (B, new)
+    logps = _logps_at(logits, new_tokens, scale)  # (B, new)
     rule_logps = logps
     if rule is not None and rule.temperature != scale:
-        rule_logps = torch.log_softmax(logits / rule.temperature, dim=-1).gather(-1, new_tokens.unsqueeze(-1))
-        rule_logps = rule_logps.squeeze(-1)
+        rule_logps = _logps_at(logits, new_tokens, rule.temperature)
     elapsed_ms = (time.perf_counter() - started) * 1000.0
     stop_set = set(stops)
     results = []
     for row in range(len(prompts)):
-        ids, lps = [], []
-        finish = "length"
-        for tok, lp in zip(new_tokens[row].tolist(), logps[row].tolist(), strict=True):
-            ids.append(tok)
-            lps.append(lp)
-            if tok in stop_set:
-                finish = "stop"
-                break
-        ids, text_stopped = cut_tokens_at_text_stop(tokenizer, ids, text_stops)
-        if text_stopped:
-            lps, finish = lps[: len(ids)], "stop"
-        raw = tokenizer.decode([t for t in ids if t not in stop_set], skip_special_tokens=False)
-        gen = Generation(
-            text=parse_completion(raw, tuple(stop)),
-            token_ids=ids,
-            logprobs=lps,
-            raw_text=raw,
-            latency_ms=elapsed_ms / len(prompts),
-            finish_reason=finish,
+        latency = elapsed_ms / len(prompts)
+        gen = _row_generation(
+            tokenizer, new_tokens[row].tolist(), logps[row].tolist(), stop_set, text_stops, stop, latency
         )
-        unsure = None if rule is None else rule.first_unsure(rule_logps[row, : len(ids)].tolist(), finish == "stop")
-        if unsure is not None:
-            gen = cut_unsure(gen, unsure, tokenizer.decode(ids[:unsure], skip_special_tokens=False), stop)
-        results.append(gen)
+        results.append(gen if rule is None else _shown_part(gen, rule, rule_logps[row], tokenizer, stop))
     return results

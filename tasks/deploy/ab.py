@@ -39,13 +39,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import sqlalchemy as sa
 from scipy import stats as st
 from sqlalchemy.engine import Connection, Engine
 
-from tasks.core.config import Params, RewardParams
+from tasks.core.config import DeployParams, Params, RewardParams
 from tasks.core.outcomes import total_reward, total_squared_reward
 from tasks.core.store import CHALLENGER, CHAMPION, completions, feedback
 from tasks.core.store import arms as arms_table
@@ -136,6 +136,41 @@ def live_since(engine: Engine) -> float | None:
         return conn.execute(sa.select(sa.func.max(arms_table.c.updated_at))).scalar()
 
 
+def _count(cond: sa.ColumnElement[bool]) -> sa.ColumnElement[int]:
+    return sa.func.coalesce(sa.func.sum(sa.case((cond, 1), else_=0)), 0)
+
+
+def _counts_by_arm(
+    joined: sa.FromClause,
+    in_window: sa.ColumnElement[bool],
+    accepted: sa.ColumnElement[bool],
+    pending: sa.ColumnElement[bool],
+    timed_out: sa.ColumnElement[bool],
+) -> sa.Select[Any]:
+    """Per (arm, model version) in the window: rows, abstained, accepted, pending, timed out, accepted characters."""
+    c, f = completions, feedback
+    return (
+        sa.select(
+            c.c.arm,
+            c.c.model_version,
+            sa.func.count().label("rows"),
+            _count(c.c.abstained).label("abstained"),
+            _count(accepted).label("accepted"),
+            _count(pending).label("pending"),
+            _count(timed_out).label("timed_out"),
+            sa.func.coalesce(
+                sa.func.sum(
+                    sa.case((accepted, sa.func.coalesce(f.c.accepted_chars, sa.func.length(c.c.completion))), else_=0)
+                ),
+                0,
+            ).label("accepted_chars"),
+        )
+        .select_from(joined)
+        .where(in_window)
+        .group_by(c.c.arm, c.c.model_version)
+    )
+
+
 def arm_stats(
     engine: Engine, params: Params, *, since: float | None = None, now: float | None = None
 ) -> dict[str, ArmStats]:
@@ -154,32 +189,10 @@ def arm_stats(
     pending = sa.and_(shown, no_feedback, c.c.created_at > now - timeout)
     timed_out = sa.and_(shown, no_feedback, c.c.created_at <= now - timeout)
 
-    def count(cond: sa.ColumnElement[bool]) -> sa.ColumnElement[int]:
-        return sa.func.coalesce(sa.func.sum(sa.case((cond, 1), else_=0)), 0)
-
     # Feedback that arrives after `now` does not exist yet as far as this look is concerned.
     joined = c.outerjoin(f, sa.and_(f.c.completion_id == c.c.id, f.c.received_at <= now))
     in_window = sa.and_(c.c.created_at >= since, c.c.created_at <= now)
-    query = (
-        sa.select(
-            c.c.arm,
-            c.c.model_version,
-            sa.func.count().label("rows"),
-            count(c.c.abstained).label("abstained"),
-            count(accepted).label("accepted"),
-            count(pending).label("pending"),
-            count(timed_out).label("timed_out"),
-            sa.func.coalesce(
-                sa.func.sum(
-                    sa.case((accepted, sa.func.coalesce(f.c.accepted_chars, sa.func.length(c.c.completion))), else_=0)
-                ),
-                0,
-            ).label("accepted_chars"),
-        )
-        .select_from(joined)
-        .where(in_window)
-        .group_by(c.c.arm, c.c.model_version)
-    )
+    query = _counts_by_arm(joined, in_window, accepted, pending, timed_out)
     with engine.connect() as conn:
         live = conn.execute(sa.select(arms_table.c.name, arms_table.c.model_version)).all()
         rows = {(r.arm, r.model_version): r for r in conn.execute(query)}
@@ -261,6 +274,24 @@ def welch_test(a: ArmStats, b: ArmStats) -> tuple[float, float]:
     return float(result.statistic), float(result.pvalue)
 
 
+def _too_few_shown(champion: ArmStats, challenger: ArmStats, d: DeployParams, numbers: dict[str, float]) -> Decision:
+    """Fewer than deploy.min_samples shown suggestions on an arm: keep collecting, or roll back at max_samples."""
+    if d.max_samples is not None and min(champion.requests, challenger.requests) >= d.max_samples:
+        return Decision(
+            "rollback",
+            f"inconclusive: {d.max_samples} requests per arm and still fewer than "
+            f"{d.min_samples} shown suggestions (champion {champion.shown}, challenger "
+            f"{challenger.shown})",
+            numbers,
+        )
+    return Decision(
+        "continue",
+        f"collecting: {champion.shown}/{d.min_samples} shown suggestions on the champion, "
+        f"{challenger.shown}/{d.min_samples} on the challenger",
+        numbers,
+    )
+
+
 def decide(champion: ArmStats, challenger: ArmStats, params: Params) -> Decision:
     """Promote, roll back or continue by the rule in this module's docstring; `numbers` holds every input."""
     d = params.deploy
@@ -286,20 +317,7 @@ def decide(champion: ArmStats, challenger: ArmStats, params: Params) -> Decision
     fmt_acc = f"accept rate {challenger.accept_rate:.3f} vs {champion.accept_rate:.3f} (p={p_accept:.3g})"
 
     if min(champion.shown, challenger.shown) < d.min_samples:
-        if d.max_samples is not None and min(champion.requests, challenger.requests) >= d.max_samples:
-            return Decision(
-                "rollback",
-                f"inconclusive: {d.max_samples} requests per arm and still fewer than "
-                f"{d.min_samples} shown suggestions (champion {champion.shown}, challenger "
-                f"{challenger.shown})",
-                numbers,
-            )
-        return Decision(
-            "continue",
-            f"collecting: {champion.shown}/{d.min_samples} shown suggestions on the champion, "
-            f"{challenger.shown}/{d.min_samples} on the challenger",
-            numbers,
-        )
+        return _too_few_shown(champion, challenger, d, numbers)
     floor = champion.chars_per_request * (1 - d.chars_tolerance)
     numbers |= {
         "chars_per_request_diff": challenger.chars_per_request - champion.chars_per_request,

@@ -51,6 +51,45 @@ class GateDecision:
         return {"champion": champion, "lineage": lineage}.get(self.mark_held_by)
 
 
+def _chars_saved(
+    candidate: Mapping[str, float],
+    champion: Mapping[str, float],
+    chars_mark: float | None,
+    params: EvaluateParams,
+    numbers: dict[str, float],
+    reasons: list[str],
+) -> tuple[bool, str]:
+    """The characters-saved check against the lineage's mark (its numbers and reason added to the gate's): whether
+    the candidate stays above the floor, and who holds the mark if it is promoted."""
+    cand, champ = float(candidate[CHARS]), float(champion[CHARS])
+    mark = champ if chars_mark is None else max(champ, float(chars_mark))
+    floor = mark * (1.0 - params.chars_saved_tolerance)
+    numbers.update(
+        {
+            "candidate/chars_saved": cand,
+            "champion/chars_saved": champ,
+            "delta/chars_saved": cand - champ,
+            "tolerance/chars_saved": params.chars_saved_tolerance,
+            "mark/chars_saved": mark,
+            "floor/chars_saved": floor,
+            "mark_after/chars_saved": max(mark, cand),
+        }
+    )
+    against = f"{champ:.4f}" if mark == champ else f"the lineage's best {mark:.4f}; champion {champ:.4f}"
+    change = f"{cand - mark:+.4f} ({cand:.4f} vs {against})"
+    if cand < floor:
+        reasons.append(
+            f"chars_saved drops {change}, below {floor:.4f} ({params.chars_saved_tolerance:.0%} tolerance): "
+            "users would type more themselves"
+        )
+    else:
+        reasons.append(
+            f"chars_saved changes {change}: not below {floor:.4f} ({params.chars_saved_tolerance:.0%} tolerance)"
+        )
+    held_by = "candidate" if cand >= mark else "champion" if mark == champ else "lineage"
+    return not cand < floor, held_by  # not `>=`: a NaN count stays no drop, as the check below the floor reads
+
+
 def gate(
     candidate: Mapping[str, float],
     champion: Mapping[str, float],
@@ -94,32 +133,8 @@ def gate(
                 f"{short} changes {delta:+.4f} ({cand:.4f} vs {champ:.4f}): within tolerance, "
                 f"not an improvement by the margin {margin:.4f}"
             )
-    cand, champ = float(candidate[CHARS]), float(champion[CHARS])
-    mark = champ if chars_mark is None else max(champ, float(chars_mark))
-    floor = mark * (1.0 - params.chars_saved_tolerance)
-    numbers.update(
-        {
-            "candidate/chars_saved": cand,
-            "champion/chars_saved": champ,
-            "delta/chars_saved": cand - champ,
-            "tolerance/chars_saved": params.chars_saved_tolerance,
-            "mark/chars_saved": mark,
-            "floor/chars_saved": floor,
-            "mark_after/chars_saved": max(mark, cand),
-        }
-    )
-    against = f"{champ:.4f}" if mark == champ else f"the lineage's best {mark:.4f}; champion {champ:.4f}"
-    change = f"{cand - mark:+.4f} ({cand:.4f} vs {against})"
-    if cand < floor:
-        no_drop = False
-        reasons.append(
-            f"chars_saved drops {change}, below {floor:.4f} ({params.chars_saved_tolerance:.0%} tolerance): "
-            "users would type more themselves"
-        )
-    else:
-        reasons.append(
-            f"chars_saved changes {change}: not below {floor:.4f} ({params.chars_saved_tolerance:.0%} tolerance)"
-        )
+    chars_kept, held_by = _chars_saved(candidate, champion, chars_mark, params, numbers, reasons)
+    no_drop = no_drop and chars_kept
     evidence = float(candidate[SCORED])
     numbers["evidence/candidate_judge_scored"] = evidence
     numbers["evidence/champion_judge_scored"] = float(champion[SCORED])
@@ -129,5 +144,4 @@ def gate(
         reasons.append("neither reward per request nor judge mean improves by the margin (equal is not better)")
     passed = no_drop and improved and evidence > 0
     reasons.append("PASS: the candidate may be deployed" if passed else "FAIL: the champion stays")
-    held_by = "candidate" if cand >= mark else "champion" if mark == champ else "lineage"
     return GateDecision(passed, reasons, numbers, held_by)

@@ -118,6 +118,32 @@ def _query(after_seq: int, upto_seq: int | None) -> sa.Select:
     return stmt if upto_seq is None else stmt.where(c.c.seq <= upto_seq)
 
 
+def _decided(r: sa.Row, timeout: float) -> Decided:
+    """One pulled row (columns of `_query`, in order) with its outcome under the timeout rule."""
+    outcome, late = outcome_of(r.abstained, r.created_at, r.received_at, r.accepted, timeout)
+    return Decided(
+        r.seq,
+        r.id,
+        r.created_at,
+        r.user_id,
+        r.arm,
+        r.model_version,
+        r.prompt,
+        r.completion,
+        r.token_ids,
+        r.logprobs,
+        r.temperature,
+        outcome,
+        r.accepted_chars if outcome == "accepted" else None,
+        r.trainable is not False,
+        bool(r.opted_out),
+        bool(r.accepted) if late else None,
+        r.prompt_hash,
+        r.prefix,
+        r.suffix,
+    )
+
+
 def pull_decided(
     conn: Connection, params: IngestParams, after_seq: int, now: float, upto_seq: int | None = None
 ) -> Iterator[list[Decided]]:
@@ -132,60 +158,16 @@ def pull_decided(
     try:
         for part in result.partitions():
             chunk: list[Decided] = []
-            for (
-                seq,
-                cid,
-                created_at,
-                user_id,
-                arm,
-                model_version,
-                prompt,
-                completion,
-                token_ids,
-                logprobs,
-                temperature,
-                abstained,
-                accepted,
-                accepted_chars,
-                received_at,
-                trainable,
-                opted_out,
-                prompt_hash,
-                prefix,
-                suffix,
-            ) in part:
+            for r in part:
                 if upto_seq is None:
-                    if created_at + timeout > now:
+                    if r.created_at + timeout > now:
                         yield chunk
                         return  # undecided: this and everything after wait for the next cycle
-                    if seq != expected and created_at + grace > now:
+                    if r.seq != expected and r.created_at + grace > now:
                         yield chunk
                         return  # a gap that may still fill (an insert committing)
-                expected = seq + 1
-                outcome, late = outcome_of(abstained, created_at, received_at, accepted, timeout)
-                chunk.append(
-                    Decided(
-                        seq,
-                        cid,
-                        created_at,
-                        user_id,
-                        arm,
-                        model_version,
-                        prompt,
-                        completion,
-                        token_ids,
-                        logprobs,
-                        temperature,
-                        outcome,
-                        accepted_chars if outcome == "accepted" else None,
-                        trainable is not False,
-                        bool(opted_out),
-                        bool(accepted) if late else None,
-                        prompt_hash,
-                        prefix,
-                        suffix,
-                    )
-                )
+                expected = r.seq + 1
+                chunk.append(_decided(r, timeout))
             yield chunk
     finally:
         result.close()

@@ -45,6 +45,7 @@ from typing import Literal
 import torch
 
 
+# long: the loss reads top to bottom as the math (STYLE habit 4), and its stats share every intermediate
 def ppo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
