@@ -13,9 +13,23 @@ from __future__ import annotations
 
 from typing import Any, Final, Protocol
 
+import sqlalchemy as sa
+
 from tasks.core.config import RewardParams
 
 OUTCOMES: Final = ("accepted", "rejected", "abstained")
+
+
+def deadline(created_at: float, timeout_s: float) -> float:
+    """The timeout rule: a suggestion served at `created_at` is decided at its deadline, `created_at` +
+    ingest.feedback_timeout_s. Feedback received by the deadline decides it; none by then is a rejection; feedback
+    after it is late and never changes the outcome. `deadline_sql` is the same rule in SQL; nothing else writes it."""
+    return created_at + timeout_s
+
+
+def deadline_sql(created_at: sa.ColumnElement[float], timeout_s: float) -> sa.ColumnElement[float]:
+    """`deadline` as an SQL expression over a `completions.created_at` column."""
+    return created_at + timeout_s
 
 
 def reward_of(outcome: str, reward: RewardParams) -> float:

@@ -46,7 +46,7 @@ from scipy import stats as st
 from sqlalchemy.engine import Connection, Engine
 
 from tasks.core.config import DeployParams, Params, RewardParams
-from tasks.core.outcomes import total_reward, total_squared_reward
+from tasks.core.outcomes import deadline_sql, total_reward, total_squared_reward
 from tasks.core.store import CHALLENGER, CHAMPION, completions, feedback
 from tasks.core.store import arms as arms_table
 
@@ -185,9 +185,10 @@ def arm_stats(
     c, f = completions, feedback
     shown = sa.not_(c.c.abstained)
     no_feedback = f.c.completion_id.is_(None)
-    accepted = sa.and_(shown, f.c.accepted, f.c.received_at <= c.c.created_at + timeout)
-    pending = sa.and_(shown, no_feedback, c.c.created_at > now - timeout)
-    timed_out = sa.and_(shown, no_feedback, c.c.created_at <= now - timeout)
+    decided_at = deadline_sql(c.c.created_at, timeout)
+    accepted = sa.and_(shown, f.c.accepted, f.c.received_at <= decided_at)
+    pending = sa.and_(shown, no_feedback, decided_at > now)
+    timed_out = sa.and_(shown, no_feedback, decided_at <= now)
 
     # Feedback that arrives after `now` does not exist yet as far as this look is concerned.
     joined = c.outerjoin(f, sa.and_(f.c.completion_id == c.c.id, f.c.received_at <= now))

@@ -27,6 +27,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from tasks.core.config import IngestParams
+from tasks.core.outcomes import deadline
 from tasks.core.store import completions, feedback, users, watermarks
 
 WATERMARK = "ingest"  # watermarks.name of this stage
@@ -77,7 +78,7 @@ def outcome_of(
         return "abstained", False
     if received_at is None:
         return "rejected", False
-    if received_at <= created_at + timeout_s:
+    if received_at <= deadline(created_at, timeout_s):
         return ("accepted" if accepted else "rejected"), False
     return "rejected", True
 
@@ -160,7 +161,7 @@ def pull_decided(
             chunk: list[Decided] = []
             for r in part:
                 if upto_seq is None:
-                    if r.created_at + timeout > now:
+                    if deadline(r.created_at, timeout) > now:
                         yield chunk
                         return  # undecided: this and everything after wait for the next cycle
                     if r.seq != expected and r.created_at + grace > now:

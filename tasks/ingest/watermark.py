@@ -9,6 +9,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from tasks.core.config import IngestParams
+from tasks.core.outcomes import deadline_sql
 from tasks.core.store import completions, feedback, late_feedback, snapshots, watermarks
 from tasks.ingest.pull import WATERMARK, Watermark
 from tasks.ingest.versioning import IngestError
@@ -80,7 +81,7 @@ def _late_for_earlier_snapshots(conn, old: Watermark, params: IngestParams, now:
             c.c.abstained == sa.false(),
             c.c.seq <= old.completion_seq,
             f.c.received_at >= old.updated_at - params.commit_grace_s,
-            f.c.received_at > c.c.created_at + params.feedback_timeout_s,
+            f.c.received_at > deadline_sql(c.c.created_at, params.feedback_timeout_s),  # late
         )
         .order_by(f.c.completion_id)
     )
