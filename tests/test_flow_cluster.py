@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -95,9 +96,10 @@ def _flow_run_processes(flow_run_id: str) -> list[int]:
 def _api(method: str, url: str, **kw) -> httpx.Response:
     """One Prefect API call. A busy server (its SQLite store locked under load) answers 503 Service Unavailable
     or, now and then, not within the timeout; Prefect's own client retries both: so does this, a second apart,
-    a few times (a fresh-clone run once met a 30 s read timeout while a training flow run started); a timed-out
-    call that creates something is not sent again (it may have been done)."""
-    reads = method == "GET" or url.endswith("/filter")
+    a few times (a fresh-clone run once met a 30 s read timeout while a training flow run started). A call that
+    creates something is sent again only with an idempotency key (CI once met the timeout on create_flow_run):
+    the server then answers the first call's object, not a second one."""
+    reads = method == "GET" or url.endswith("/filter") or "idempotency_key" in kw.get("json", {})
     for attempt in range(10):
         try:
             answer = httpx.request(method, url, timeout=30, **kw)
@@ -117,9 +119,9 @@ def _start_cycle(api: str, force: bool = False, more: tuple[str, ...] = ()) -> s
     deployment = _api("GET", f"{api}/deployments/name/online-rl-cycle/online-rl-cycle").json()
     overrides = [*deployment["parameters"]["overrides"], *more]
     assert "cluster.train_on=pool" in overrides, deployment["parameters"]
-    parameters = {"force": force, "overrides": overrides}
-    made = _api("POST", f"{api}/deployments/{deployment['id']}/create_flow_run", json={"parameters": parameters})
-    assert made.status_code == 201, made.text
+    body = {"parameters": {"force": force, "overrides": overrides}, "idempotency_key": uuid.uuid4().hex}
+    made = _api("POST", f"{api}/deployments/{deployment['id']}/create_flow_run", json=body)
+    assert made.status_code in (200, 201), made.text  # 200: a retried call's run, made by the first
     return made.json()["id"]
 
 
