@@ -14,7 +14,8 @@ Three parts, all on the real gateway, log store, Prefect flows and MLflow regist
    decision flow looks once, at the end: repeated looks would inflate alpha (tasks/deploy/ab.py). It promotes
    the challenger on live evidence, or rolls it back.
 3. The closing table: base vs the final champion on held-out requests no gate typed, with 95 % intervals, and in
-   words where an interval includes 0.
+   words where an interval includes 0. When the A/B test rolled the final model back (the base is champion again),
+   the table shows base vs that rolled-back model, named so.
 
 Writes STATE/demo.json (the cycles, the A/B test, the story, wall times), STATE/cycles.png and the MLflow runs.
 """
@@ -182,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     base_label = f"{params.deploy.registered_model}/1"  # a fresh state's registry starts with the base
     ab: dict = {"action": "none", "reason": "no candidate passed the gate"}
     final = get_alias_version(params, CHAMPION)
+    final_dir = champion_dir(params)  # the cycles' final model: the closing table's subject, whatever the A/B says
     if final is not None and final.version != model_version_of(f"models:/{base_label}", params).version:
         plan = plan_ab(base_reward_sd(rows[0], params), args.mde, params.deploy.alpha, args.power, args.max_per_arm)
         ab["challenger"] = start_ab_test(args.params, full, base_label)
@@ -191,10 +193,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no candidate passed the gate in {args.cycles} cycles: there is no A/B test to run", flush=True)
     ab_s = time.perf_counter() - started - gated_s
     closing = load_params(args.params, [*full, f"evaluate.n_requests={CLOSING_REQUESTS}"])
-    story = print_story(Path(closing.model.base_dir), champion_dir(closing), args.state, closing)
+    # Promoted: the final model is the champion. Rolled back: the base is the champion again, and the table still
+    # shows what the rolled-back model does on held-out requests (base vs base would say nothing).
+    promoted = ab["action"] == "promote"
+    if ab["action"] == "rollback":
+        print("The live A/B test rolled the final model back: the champion is the base again.", flush=True)
+    name = "final champion" if promoted or ab["action"] == "none" else "final model (rolled back)"
+    story = print_story(Path(closing.model.base_dir), final_dir, args.state, closing, final=name)
     print_ui_pointers(params)
     times = {"gated_cycles_s": gated_s, "ab_test_s": ab_s, "total_s": time.perf_counter() - started}
-    record = {"seed": args.seed, "cycles": [asdict(r) for r in rows], "ab": ab, "story": story, "times_s": times}
+    record = {"seed": args.seed, "cycles": [asdict(r) for r in rows], "ab": ab, "closing_model": name}
+    record |= {"story": story, "times_s": times}
     (args.state / "demo.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
     print(f"demo done in {times['total_s'] / 60:.1f} min; record: {args.state / 'demo.json'}", flush=True)
     return 0

@@ -66,9 +66,10 @@ def _fmt(v: float | None) -> str:
     return "-" if v is None else f"{v:.3f}"
 
 
-def print_story(base_dir: Path, final_dir: Path, state: Path, params: Params) -> dict:
-    """The base vs the final champion on held-out editor traffic, with 95 % intervals: what a user feels.
-    Typed through held-out regions no gate evaluation reached: the gate chose the champion on the others."""
+def print_story(base_dir: Path, final_dir: Path, state: Path, params: Params, final: str = "final champion") -> dict:
+    """The base vs the final champion (or another model, named by `final`) on held-out editor traffic, with 95 %
+    intervals: what a user feels. Typed through held-out regions no gate evaluation reached: the gate chose the
+    champion on the others."""
     from rich.table import Table
 
     from flows.cli.console import console, print_table
@@ -82,11 +83,11 @@ def print_story(base_dir: Path, final_dir: Path, state: Path, params: Params) ->
     runs["final"] = runs["base"] if same else typing_acceptance(final_dir, regions, params)
     fns = metric_fns(params.reward)
     table = Table(
-        title=f"Held-out editor traffic the gate never typed, base vs final champion ({params.evaluate.n_requests} "
+        title=f"Held-out editor traffic the gate never typed, base vs {final} ({params.evaluate.n_requests} "
         "requests each, 95 % bootstrap intervals over typing sessions; the change paired: the same regions, users "
         "and noise draws)"
     )
-    for col in ("metric", "base", "final champion", "change", "change excludes 0"):
+    for col in ("metric", "base", final, "change", "change excludes 0"):
         table.add_column(col, justify="right")
     story = {}
     for name in STORY_METRICS:
@@ -98,8 +99,7 @@ def print_story(base_dir: Path, final_dir: Path, state: Path, params: Params) ->
         table.add_row(name, str(a), str(b), change, "yes" if d.excludes_zero else "no")
     print_table(table)
     console.print(
-        f"final champion: {final_dir}; noise floor of accept/shown (never-right model): "
-        f"{noise_floor(params.simulator):.4f}",
+        f"{final}: {final_dir}; noise floor of accept/shown (never-right model): {noise_floor(params.simulator):.4f}",
         highlight=False,
     )
     for line in story_in_words(story, same):
