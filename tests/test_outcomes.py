@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tasks.core.config import RewardParams
-from tasks.core.outcomes import ArmCounts, reward_of, reward_per_request, reward_std
+from tasks.core.outcomes import ArmCounts, reward_of, reward_per_request, reward_std, taken_chars
 
 
 def _samples(counts: ArmCounts, reward: RewardParams) -> np.ndarray:
@@ -69,3 +69,9 @@ def test_counts_are_frozen_and_never_negative():
         c.accepted = 2  # type: ignore[misc]
     with pytest.raises(ValueError, match="rejected=-1"):
         ArmCounts(accepted=1, rejected=-1, abstained=0, accepted_chars=0)
+
+
+def test_taken_characters_are_the_reported_count_else_the_whole_suggestion():
+    assert taken_chars("accepted", "x = 1 + 2", 5) == 5
+    assert taken_chars("accepted", "x = 1 + 2", None) == 9
+    assert taken_chars("rejected", "x = 1 + 2", None) == 0 and taken_chars("abstained", "", None) == 0

@@ -62,6 +62,14 @@ def total_squared_reward(requests: Any, shown: Any, accepted: Any, reward: Rewar
     return total_reward(requests, shown, accepted, squared)
 
 
+def taken_chars(outcome: str, suggestion: str, reported: int | None) -> int:
+    """Characters a user took from one suggestion: the client's count when it reported one (feedback's
+    `accepted_chars`), else the whole suggestion; 0 unless accepted. The A/B test's SQL counts the same."""
+    if outcome != "accepted":
+        return 0
+    return len(suggestion) if reported is None else reported
+
+
 @dataclass(frozen=True, kw_only=True)
 class ArmCounts:
     """Decided requests of one arm (or run) by outcome, and the characters of the accepted suggestions.

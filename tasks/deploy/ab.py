@@ -168,7 +168,7 @@ def _counts_by_arm(
             _count(accepted).label("accepted"),
             _count(pending).label("pending"),
             _count(timed_out).label("timed_out"),
-            sa.func.coalesce(
+            sa.func.coalesce(  # outcomes.taken_chars, in SQL
                 sa.func.sum(
                     sa.case((accepted, sa.func.coalesce(f.c.accepted_chars, sa.func.length(c.c.completion))), else_=0)
                 ),
