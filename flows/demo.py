@@ -39,9 +39,10 @@ from flows.online_loop import champion_dir, loop_overrides, run_online_loop, sta
 from flows.report import print_report, print_story, print_ui_pointers
 from serving.simulate import run_simulation
 from tasks.core.config import DEFAULT_PARAMS_FILE, Params, load_params
+from tasks.core.outcomes import ArmCounts, reward_std
 from tasks.core.procs import exit_on_sigterm, free_port
 from tasks.core.store import CHALLENGER, CHAMPION, open_store
-from tasks.deploy.ab import arm_stats, stats_from_counts
+from tasks.deploy.ab import arm_stats
 from tasks.deploy.arms import serve_champion
 from tasks.deploy.registry import base_version, get_alias_version, model_version_of, resolve_model_dir, set_alias
 from tasks.deploy.rollout import rollout
@@ -76,8 +77,8 @@ def base_reward_sd(row: CycleRow, params: Params) -> float:
     """The per-request reward sd of a cycle's online traffic (cycle 1: the base model serves all of it)."""
     shown = round(row.requests * row.suggest_rate)
     accepted = round(shown * row.accept_rate)
-    stats = stats_from_counts("base", "-", accepted, shown - accepted, row.requests - shown, params.reward)
-    return stats.reward_std
+    counts = ArmCounts(accepted=accepted, rejected=shown - accepted, abstained=row.requests - shown, accepted_chars=0)
+    return reward_std(counts, params.reward)  # characters play no part in it
 
 
 @flow(name="demo-start-ab-test", log_prints=True)

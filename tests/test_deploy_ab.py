@@ -140,6 +140,21 @@ def test_latency_quantiles_cover_the_requests_the_stats_count(tmp_path):
         assert arm_stats(engine, params, now=t0 + 0.5)[CHAMPION].latency is None  # no requests yet
 
 
+def test_the_record_and_the_decision_numbers_keep_their_names():
+    """decision.json's stats and MLflow's `ab/*` metrics are read by name: the counts type must not rename them."""
+    params = tiny_params()
+    a = stats_from_counts(CHAMPION, "m/1", 30, 50, 20, params.reward, timed_out=7, pending=2, accepted_chars=300)
+    numbers = [
+        "requests", "shown", "accepted", "rejected", "timed_out", "abstained", "pending", "suggest_rate",
+        "accept_rate", "reward_per_request", "reward_std", "accepted_chars", "chars_per_request",
+    ]  # fmt: skip
+    record = a.as_record()
+    assert list(record) == ["arm", "model_version", *numbers, "latency"]
+    assert (record["requests"], record["shown"], record["chars_per_request"]) == (100, 80, 3.0)
+    d = decide(a, stats_from_counts(CHALLENGER, "m/2", 45, 40, 15, params.reward), params)
+    assert [k for k in d.numbers if k.startswith(f"{CHAMPION}_")] == [f"{CHAMPION}_{k}" for k in numbers]
+
+
 def test_reward_stats_from_counts_match_the_raw_samples():
     params = tiny_params()
     a = stats_from_counts(CHAMPION, "m/1", 30, 50, 20, params.reward)

@@ -121,3 +121,13 @@ def test_untrainable_outcomes_count_in_stats_but_not_in_the_snapshot(tmp_path):
         assert list(_outcomes(result.snapshot)) == ["t"]
         assert result.report["not_trainable"] == 1
         assert result.arms["challenger"].accepted == 1 and result.arms["all"].accepted == 2
+
+
+def test_accepted_characters_are_what_the_client_reported(tmp_path):
+    """The counts' accepted characters follow the A/B test's rule: feedback's accepted_chars, else the suggestion."""
+    with store("sqlite", tmp_path) as engine:
+        add_completions(engine, [completion_row("long", 100.0, completion="x = 1 + 2"), completion_row("no", 100.0)])
+        add_feedback(engine, "long", True, 101.0)  # reports 5 of the 9 characters
+        add_feedback(engine, "no", False, 101.0)
+        result = run_ingest(engine, _params(tmp_path), tmp_path, 200.0)
+        assert result.arms["all"].accepted_chars == 5 and result.arms["champion"].accepted_chars == 5

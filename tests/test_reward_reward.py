@@ -75,7 +75,9 @@ def test_rewarded_snapshot_and_summary(tmp_path, mode):
 
 
 def test_cycle_summary_counts_abstentions_as_requests():
-    s = cycle_summary({"x": Summary(requests=10, shown=4, accepted=1, mean_len=3.0)}, RewardParams())["x"]
+    s = cycle_summary(
+        {"x": Summary(accepted=1, rejected=3, abstained=6, accepted_chars=3, mean_len=3.0)}, RewardParams()
+    )["x"]
     assert s == {
         "requests": 10,
         "suggest_rate": 0.4,

@@ -7,11 +7,17 @@ benchmarks all price outcomes through this module, so changing the reward rule i
 
 The totals work on plain numbers and on numpy arrays alike (the bootstrap prices many resamples at
 once): they are sums of counts times prices, computed from (requests, shown, accepted).
+
+``ArmCounts`` is the one counts type: what one arm (or one run) served, by outcome, and the characters its users
+took. The simulator's, the typing sessions', the ingest's and the A/B test's summaries are all ``ArmCounts`` with
+their own extras; the rates and the prices are computed here and nowhere else.
 """
 
 from __future__ import annotations
 
-from typing import Any, Final, Protocol
+import math
+from dataclasses import dataclass
+from typing import Any, Final
 
 import sqlalchemy as sa
 
@@ -56,18 +62,65 @@ def total_squared_reward(requests: Any, shown: Any, accepted: Any, reward: Rewar
     return total_reward(requests, shown, accepted, squared)
 
 
-class Counts(Protocol):
-    """What any per-arm or per-run summary counts (the simulator's, the typing sessions', the A/B test's)."""
-
-    @property
-    def requests(self) -> int: ...
-    @property
-    def shown(self) -> int: ...
-    @property
-    def accepted(self) -> int: ...
+def taken_chars(outcome: str, suggestion: str, reported: int | None) -> int:
+    """Characters a user took from one suggestion: the client's count when it reported one (feedback's
+    `accepted_chars`), else the whole suggestion; 0 unless accepted. The A/B test's SQL counts the same."""
+    if outcome != "accepted":
+        return 0
+    return len(suggestion) if reported is None else reported
 
 
-def reward_per_request(counts: Counts, reward: RewardParams) -> float:
+@dataclass(frozen=True, kw_only=True)
+class ArmCounts:
+    """Decided requests of one arm (or run) by outcome, and the characters of the accepted suggestions.
+
+    Requests and shown suggestions are derived, so the counts always add up."""
+
+    accepted: int
+    rejected: int  # shown and not taken
+    abstained: int  # nothing shown
+    accepted_chars: int  # characters users took from accepted suggestions
+
+    def __post_init__(self) -> None:
+        for name in ("accepted", "rejected", "abstained", "accepted_chars"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} is negative; counts are never below 0")
+
+    @property
+    def requests(self) -> int:
+        return self.accepted + self.rejected + self.abstained
+
+    @property
+    def shown(self) -> int:
+        return self.accepted + self.rejected
+
+    @property
+    def suggest_rate(self) -> float:
+        """Shown suggestions per request."""
+        return self.shown / self.requests if self.requests else 0.0
+
+    @property
+    def accept_rate(self) -> float:
+        """Accepted per shown suggestion."""
+        return self.accepted / self.shown if self.shown else 0.0
+
+    @property
+    def chars_per_request(self) -> float:
+        """Accepted characters per request."""
+        return self.accepted_chars / self.requests if self.requests else 0.0
+
+
+def reward_per_request(counts: ArmCounts, reward: RewardParams) -> float:
     """Mean reward per request: what the policy earns per completion request (0 with no request)."""
     n = counts.requests
     return float(total_reward(n, counts.shown, counts.accepted, reward)) / n if n else 0.0
+
+
+def reward_std(counts: ArmCounts, reward: RewardParams) -> float:
+    """Sample standard deviation of the per-request reward (0 with fewer than two requests)."""
+    n = counts.requests
+    if n < 2:
+        return 0.0
+    mean = reward_per_request(counts, reward)
+    squares = total_squared_reward(n, counts.shown, counts.accepted, reward)
+    return math.sqrt(max(squares - n * mean * mean, 0.0) / (n - 1))

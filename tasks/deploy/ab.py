@@ -45,8 +45,9 @@ import sqlalchemy as sa
 from scipy import stats as st
 from sqlalchemy.engine import Connection, Engine
 
+from tasks.core import outcomes
 from tasks.core.config import DeployParams, Params, RewardParams
-from tasks.core.outcomes import deadline_sql, total_reward, total_squared_reward
+from tasks.core.outcomes import ArmCounts, deadline_sql
 from tasks.core.store import CHALLENGER, CHAMPION, completions, feedback
 from tasks.core.store import arms as arms_table
 
@@ -61,24 +62,47 @@ class ArmLatency:
     p95_ms: float
 
 
-@dataclass(frozen=True)
-class ArmStats:
+@dataclass(frozen=True, kw_only=True)
+class ArmStats(ArmCounts):
+    """One live arm's counts (decided requests: pending ones left out; rejected = an explicit no, a late
+    answer, or timed out), priced by `reward`, with what the A/B look adds."""
+
     arm: str
     model_version: str
-    requests: int  # decided requests (pending ones left out)
-    shown: int
-    accepted: int
-    rejected: int  # explicit no, late answer, or timed out
     timed_out: int  # part of rejected: no feedback within the timeout
-    abstained: int
     pending: int  # shown, no feedback yet, younger than the timeout (not counted anywhere else)
-    suggest_rate: float
-    accept_rate: float  # per shown suggestion
-    reward_per_request: float
-    reward_std: float  # sample standard deviation of the per-request reward
-    accepted_chars: int = 0  # characters of accepted suggestions
-    chars_per_request: float = 0.0
+    reward: RewardParams  # the prices of the outcomes (params.reward)
     latency: ArmLatency | None = None  # over the same requests; None without any (not an input of the rule)
+
+    @property
+    def reward_per_request(self) -> float:
+        return outcomes.reward_per_request(self, self.reward)
+
+    @property
+    def reward_std(self) -> float:
+        """Sample standard deviation of the per-request reward."""
+        return outcomes.reward_std(self, self.reward)
+
+    def as_record(self) -> dict[str, Any]:
+        """Every number by name, as the decision record and `Decision.numbers` write them."""
+        return {
+            "arm": self.arm,
+            "model_version": self.model_version,
+            "requests": self.requests,
+            "shown": self.shown,
+            "accepted": self.accepted,
+            "rejected": self.rejected,
+            "timed_out": self.timed_out,
+            "abstained": self.abstained,
+            "pending": self.pending,
+            "suggest_rate": self.suggest_rate,
+            "accept_rate": self.accept_rate,
+            "reward_per_request": self.reward_per_request,
+            "reward_std": self.reward_std,
+            "accepted_chars": self.accepted_chars,
+            "chars_per_request": self.chars_per_request,
+            "latency": None if self.latency is None else asdict(self.latency),
+        }
 
 
 @dataclass(frozen=True)
@@ -101,31 +125,17 @@ def stats_from_counts(
     accepted_chars: int = 0,
     latency: ArmLatency | None = None,
 ) -> ArmStats:
-    """Rates and the reward mean/std of one arm from its outcome counts."""
-    shown = accepted + rejected
-    n = shown + abstained
-    mean = total_reward(n, shown, accepted, reward) / n if n else 0.0
-    if n > 1:
-        squares = total_squared_reward(n, shown, accepted, reward)
-        std = math.sqrt(max(squares - n * mean * mean, 0.0) / (n - 1))
-    else:
-        std = 0.0
+    """One arm's stats from its outcome counts."""
     return ArmStats(
         arm=arm,
         model_version=model_version,
-        requests=n,
-        shown=shown,
         accepted=accepted,
         rejected=rejected,
-        timed_out=timed_out,
         abstained=abstained,
-        pending=pending,
-        suggest_rate=shown / n if n else 0.0,
-        accept_rate=accepted / shown if shown else 0.0,
-        reward_per_request=mean,
-        reward_std=std,
         accepted_chars=accepted_chars,
-        chars_per_request=accepted_chars / n if n else 0.0,
+        timed_out=timed_out,
+        pending=pending,
+        reward=reward,
         latency=latency,
     )
 
@@ -158,7 +168,7 @@ def _counts_by_arm(
             _count(accepted).label("accepted"),
             _count(pending).label("pending"),
             _count(timed_out).label("timed_out"),
-            sa.func.coalesce(
+            sa.func.coalesce(  # outcomes.taken_chars, in SQL
                 sa.func.sum(
                     sa.case((accepted, sa.func.coalesce(f.c.accepted_chars, sa.func.length(c.c.completion))), else_=0)
                 ),
@@ -346,4 +356,4 @@ def decide(champion: ArmStats, challenger: ArmStats, params: Params) -> Decision
 
 
 def _numeric(s: ArmStats) -> dict[str, float]:
-    return {k: v for k, v in asdict(s).items() if isinstance(v, (int, float))}
+    return {k: v for k, v in s.as_record().items() if isinstance(v, (int, float))}

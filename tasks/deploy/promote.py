@@ -188,7 +188,7 @@ def log_decision(
         "applied": applied,
         "champion": champion.label if champion else None,
         "challenger": label,
-        "stats": {k: asdict(v) for k, v in (stats or {}).items()},
+        "stats": {k: v.as_record() for k, v in (stats or {}).items()},
     }
     client.log_text(run_id, json.dumps(record, indent=2, sort_keys=True), "decision.json")
     client.set_terminated(run_id)

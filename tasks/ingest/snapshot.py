@@ -40,6 +40,7 @@ import pyarrow.parquet as pq
 from sqlalchemy.engine import Engine
 
 from tasks.core.config import IngestParams, Params
+from tasks.core.outcomes import taken_chars
 from tasks.core.schema import INTERACTION_SCHEMA
 from tasks.ingest.clean import Cleaner
 from tasks.ingest.parquet import (
@@ -97,13 +98,14 @@ class _ArmStats:
     by_arm: dict[str, list[Summary]] = field(default_factory=lambda: defaultdict(list))
 
     def add(self, chunk: list[Decided]) -> None:
-        groups: dict[str, tuple[list[str], list[str]]] = defaultdict(lambda: ([], []))
+        groups: dict[str, tuple[list[str], list[str], list[int]]] = defaultdict(lambda: ([], [], []))
         for d in chunk:
             for arm in (d.arm, "all"):
                 groups[arm][0].append(d.outcome)
                 groups[arm][1].append(d.completion)
-        for arm, (outcomes, suggestions) in groups.items():
-            self.by_arm[arm].append(summarise(outcomes, suggestions))
+                groups[arm][2].append(taken_chars(d.outcome, d.completion, d.accepted_chars))
+        for arm, (outcomes, suggestions, taken) in groups.items():
+            self.by_arm[arm].append(replace(summarise(outcomes, suggestions), accepted_chars=sum(taken)))
 
     def result(self) -> dict[str, Summary]:
         return {arm: merge(parts) for arm, parts in sorted(self.by_arm.items())}

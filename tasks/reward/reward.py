@@ -24,7 +24,7 @@ The rewarded snapshot has ``tasks.core.schema.REWARDED_SCHEMA``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tasks.core.config import RewardParams
-from tasks.core.outcomes import OUTCOMES, reward_of, reward_per_request
+from tasks.core.outcomes import OUTCOMES, reward_of, reward_per_request, taken_chars
 from tasks.core.schema import REWARDED_SCHEMA
 from tasks.reward.typed import continuations
 from tasks.sim.users import Summary, summarise
@@ -126,7 +126,7 @@ def reward_snapshot(
     out.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, out, compression="zstd")
     rewards, adv = table.column("reward").to_numpy(), table.column("advantage").to_numpy()
-    summaries = arms if arms is not None else {arm: summarise(*cols) for arm, cols in _by_arm(table).items()}
+    summaries = arms if arms is not None else _by_arm(table)
     return RewardResult(
         path=out,
         rows=table.num_rows,
@@ -138,19 +138,25 @@ def reward_snapshot(
     )
 
 
-def _by_arm(table: pa.Table) -> dict[str, tuple[list[str], list[str]]]:
-    groups: dict[str, tuple[list[str], list[str]]] = {"all": ([], [])}
-    for arm, outcome, completion in zip(
+def _by_arm(table: pa.Table) -> dict[str, Summary]:
+    """The snapshot's counts by arm and "all" (accepted characters as the client reported them)."""
+    groups: dict[str, tuple[list[str], list[str], list[int]]] = {"all": ([], [], [])}
+    for arm, outcome, completion, reported in zip(
         table.column("arm").to_pylist(),
         table.column("outcome").to_pylist(),
         table.column("completion").to_pylist(),
+        table.column("accepted_chars").to_pylist(),
         strict=True,
     ):
         for key in ("all", arm):
-            groups.setdefault(key, ([], []))
-            groups[key][0].append(outcome)
-            groups[key][1].append(completion)
-    return groups
+            outcomes, suggestions, taken = groups.setdefault(key, ([], [], []))
+            outcomes.append(outcome)
+            suggestions.append(completion)
+            taken.append(taken_chars(outcome, completion, reported))
+    return {
+        arm: replace(summarise(outcomes, suggestions), accepted_chars=sum(taken))
+        for arm, (outcomes, suggestions, taken) in groups.items()
+    }
 
 
 def arm_summary(s: Summary, params: RewardParams) -> dict[str, float]:

@@ -330,9 +330,10 @@ def summarise_turns(turns: Sequence[Turn], typed_chars: int | dict[str, int]) ->
         typed_chars = sum(typed_chars.values())
     shown = [t for t in turns if t.outcome != "abstained"]
     return TypingSummary(
-        requests=len(turns),
-        shown=len(shown),
         accepted=sum(t.outcome == "accepted" for t in turns),
+        rejected=sum(t.outcome == "rejected" for t in turns),
+        abstained=len(turns) - len(shown),
+        accepted_chars=sum(len(t.suggestion) for t in turns if t.outcome == "accepted"),
         right=sum(t.right for t in shown),
         saved_chars=sum(t.saved_chars for t in turns),
         typed_chars=typed_chars,
@@ -344,9 +345,10 @@ def merge_typing(parts: Sequence[TypingSummary]) -> TypingSummary:
     """One summary of several (arms); mean length weighted by shown suggestions."""
     shown = sum(p.shown for p in parts)
     return TypingSummary(
-        requests=sum(p.requests for p in parts),
-        shown=shown,
         accepted=sum(p.accepted for p in parts),
+        rejected=sum(p.rejected for p in parts),
+        abstained=sum(p.abstained for p in parts),
+        accepted_chars=sum(p.accepted_chars for p in parts),
         right=sum(p.right for p in parts),
         saved_chars=sum(p.saved_chars for p in parts),
         typed_chars=sum(p.typed_chars for p in parts),

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tasks.core.config import Persona, SimulatorParams
+from tasks.core.outcomes import ArmCounts
 
 _WS = re.compile(r"\s+")
 
@@ -76,44 +77,34 @@ def user_rng(user: SimUser, sample_id: str, seed: int) -> random.Random:
     return random.Random(int.from_bytes(digest[:8], "big"))
 
 
-@dataclass(frozen=True)
-class Summary:
-    requests: int
-    shown: int
-    accepted: int
+@dataclass(frozen=True, kw_only=True)
+class Summary(ArmCounts):
+    """Outcome counts of simulated or logged requests, with the mean length of what was shown."""
+
     mean_len: float  # characters per shown suggestion
-
-    @property
-    def suggest_rate(self) -> float:
-        return self.shown / self.requests if self.requests else 0.0
-
-    @property
-    def accept_rate(self) -> float:
-        """Per shown suggestion."""
-        return self.accepted / self.shown if self.shown else 0.0
-
-    @property
-    def accept_per_request(self) -> float:
-        return self.accepted / self.requests if self.requests else 0.0
 
 
 def merge(parts: Sequence[Summary]) -> Summary:
     """One summary of several (arms, chunks); mean length weighted by shown suggestions."""
     shown = sum(p.shown for p in parts)
     return Summary(
-        requests=sum(p.requests for p in parts),
-        shown=shown,
         accepted=sum(p.accepted for p in parts),
+        rejected=sum(p.rejected for p in parts),
+        abstained=sum(p.abstained for p in parts),
+        accepted_chars=sum(p.accepted_chars for p in parts),
         mean_len=sum(p.mean_len * p.shown for p in parts) / shown if shown else 0.0,
     )
 
 
 def summarise(outcomes: Sequence[str], suggestions: Sequence[str]) -> Summary:
+    """Counts of outcomes[i] for suggestions[i]; an accepted suggestion is taken whole."""
     shown = [s for s, o in zip(suggestions, outcomes, strict=True) if o != "abstained"]
+    accepted = [s for s, o in zip(suggestions, outcomes, strict=True) if o == "accepted"]
     return Summary(
-        requests=len(outcomes),
-        shown=len(shown),
-        accepted=sum(o == "accepted" for o in outcomes),
+        accepted=len(accepted),
+        rejected=len(shown) - len(accepted),
+        abstained=len(outcomes) - len(shown),
+        accepted_chars=sum(map(len, accepted)),
         mean_len=sum(map(len, shown)) / len(shown) if shown else 0.0,
     )
 
