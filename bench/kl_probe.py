@@ -48,7 +48,8 @@ def rollout(model_dir: Path, params, rows: int, seed: int, out: Path) -> dict:
     from tasks.core.generate import generate, load_model
     from tasks.core.outcomes import reward_of
     from tasks.core.schema import sampled_row, write_rewarded
-    from tasks.sim.editor import read_regions, regions_path, run_sessions
+    from tasks.sim.editor import read_regions, regions_path
+    from tasks.sim.sessions import run_sessions
     from tasks.sim.users import make_users
 
     lm = load_model(model_dir)

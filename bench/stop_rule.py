@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     from tasks.core.config import load_params
     from tasks.core.generate import ShowRule, cut_unsure, generate, load_model, stops_of
     from tasks.sim.acceptance import noise_floor
-    from tasks.sim.editor import covered_chars, pause_requests, read_regions, regions_path
+    from tasks.sim.editor import pause_requests, read_regions, regions_path
+    from tasks.sim.sessions import covered_chars
     from tasks.sim.users import is_right
 
     params = load_params(args.params, args.set)

@@ -38,7 +38,8 @@ from tasks.core.store import CHAMPION, open_store
 from tasks.core.vllm import recorded_servers, restart_recorded, stop_vllm_at
 from tasks.deploy.arms import serve_champion, sync_adapters
 from tasks.deploy.registry import resolve_model_dir
-from tasks.sim.editor import merge_typing, read_regions, regions_path
+from tasks.sim.editor import read_regions, regions_path
+from tasks.sim.sessions import merge_typing
 from tasks.sim.users import make_users
 
 DEMO_OVERRIDES = [

@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 import httpx
 
 from tasks.core.config import TrafficParams
-from tasks.sim.editor import Region, Session, Turn, TypingSummary, summarise_turns
+from tasks.sim.editor import Region
+from tasks.sim.sessions import Session, Turn, TypingSummary, summarise_turns
 from tasks.sim.users import SimUser
 
 

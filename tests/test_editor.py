@@ -5,17 +5,14 @@ import pytest
 from tasks.core.config import Persona, load_params
 from tasks.sim.editor import (
     Region,
-    Session,
-    covered_chars,
     pause_requests,
     pick_regions,
     read_regions,
-    run_sessions,
     stop_of,
-    summarise_turns,
     training_samples,
     write_regions,
 )
+from tasks.sim.sessions import Session, covered_chars, run_sessions, summarise_turns
 from tasks.sim.users import SimUser
 
 TRAFFIC = load_params(None, ["traffic.p_midword_pause=0"], environ={}).traffic

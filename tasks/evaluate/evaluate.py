@@ -54,7 +54,8 @@ from tasks.evaluate.gate import GateDecision, gate
 from tasks.evaluate.judge import JudgeRun, JudgeUnavailable, Verdict, judge
 from tasks.evaluate.reference import checks
 from tasks.sim.acceptance import TypingRun, complete_samples, type_regions, typing_acceptance
-from tasks.sim.editor import Region, TypingSummary
+from tasks.sim.editor import Region
+from tasks.sim.sessions import TypingSummary
 from tasks.sim.users import make_users, replay, summarise
 
 METRICS = (

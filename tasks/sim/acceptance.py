@@ -30,7 +30,8 @@ from tasks.core.config import Params, ServingParams, SimulatorParams
 from tasks.core.fim import FimTemplate
 from tasks.core.generate import LoadedModel, load_model, show_rule, window_prefix
 from tasks.core.inference import Engine, InProcess, open_engine
-from tasks.sim.editor import Region, Turn, TypingSummary, pause_requests, run_sessions, summarise_turns
+from tasks.sim.editor import Region, pause_requests
+from tasks.sim.sessions import Turn, TypingSummary, run_sessions, summarise_turns
 from tasks.sim.users import SimUser, Summary, is_right, make_users, replay, right_if_cut, summarise
 
 

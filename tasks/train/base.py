@@ -23,7 +23,7 @@ import math
 import random
 import shutil
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -159,23 +159,8 @@ def pretrain(
     opt = torch.optim.AdamW(model.parameters(), lr=params.pretrain_lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(params))
     batches = _batches(seqs, params.pretrain_batch, pad_id, middle_id, random.Random(params.seed))
-    fingerprint = _fingerprint(params, seqs)
-    state_file = checkpoint_dir / "trainer.pt" if checkpoint_dir is not None else None
-    losses: list[float] = []
-    start = 0
-    if state_file is not None and state_file.is_file():
-        state = torch.load(state_file, weights_only=False)
-        if state["fingerprint"] == fingerprint:
-            model.load_state_dict(state["model"])
-            opt.load_state_dict(state["optimizer"])
-            sched.load_state_dict(state["scheduler"])
-            torch.set_rng_state(state["torch_rng"])
-            start, losses = state["step"], state["losses"]
-            for _ in range(start):
-                next(batches)  # the same data order as an uninterrupted run
-            tqdm.write(f"resuming pre-training at step {start} from {state_file}")
-        else:
-            tqdm.write(f"{state_file} is from other params or data: starting afresh")
+    trainer = _Trainer(model, opt, sched, _fingerprint(params, seqs), checkpoint_dir)
+    start, losses = trainer.resume(batches)
     bar = tqdm(
         range(start, params.pretrain_steps),
         desc="pre-train tabrl-tiny",
@@ -184,13 +169,7 @@ def pretrain(
         total=params.pretrain_steps,
     )
     for step in bar:
-        ids, mask, labels, middle = next(batches)
-        # fp32 on purpose: bf16 autocast is ~20x slower on CPUs without bf16 units (measured here).
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]  # (B, T-1, V)
-        targets, on_middle = labels[:, 1:], middle[:, 1:]  # (B, T-1)
-        token_loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")  # (B, T-1)
-        valid = targets != -100
-        loss = token_loss[valid].mean() + token_loss[on_middle].mean()
+        loss = _fim_loss(model, next(batches))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -200,27 +179,67 @@ def pretrain(
         recent = losses[-50:]
         bar.set_postfix(loss=f"{losses[-1]:.3f}", avg50=f"{sum(recent) / len(recent):.3f}")
         done = step + 1
-        if state_file is not None and (done % params.checkpoint_every == 0 or done == params.pretrain_steps):
-            state_file.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(
-                {
-                    "fingerprint": fingerprint,
-                    "step": done,
-                    "losses": losses,
-                    "model": model.state_dict(),
-                    "optimizer": opt.state_dict(),
-                    "scheduler": sched.state_dict(),
-                    "torch_rng": torch.get_rng_state(),
-                },
-                state_file.with_suffix(".tmp"),
-            )
-            state_file.with_suffix(".tmp").replace(state_file)  # a kill mid-write keeps the last good one
+        if trainer.state_file is not None and (done % params.checkpoint_every == 0 or done == params.pretrain_steps):
+            trainer.save(done, losses)
             if snapshot is not None:
                 model.eval()
                 snapshot(done)
                 model.train()
     model.eval()
     return losses
+
+
+def _fim_loss(model: Qwen2ForCausalLM, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The pre-training loss of one batch: token mean over the sequence plus token mean over the middle."""
+    ids, mask, labels, middle = batch
+    # fp32 on purpose: bf16 autocast is ~20x slower on CPUs without bf16 units (measured here).
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]  # (B, T-1, V)
+    targets, on_middle = labels[:, 1:], middle[:, 1:]  # (B, T-1)
+    token_loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")  # (B, T-1)
+    valid = targets != -100
+    return token_loss[valid].mean() + token_loss[on_middle].mean()
+
+
+class _Trainer:
+    """The pre-training state in checkpoint_dir/trainer.pt (none without a checkpoint_dir): model, optimizer,
+    scheduler, torch RNG, step and losses, under the params-and-data fingerprint that must match to resume."""
+
+    def __init__(self, model, opt, sched, fingerprint: str, checkpoint_dir: Path | None):
+        self.model, self.opt, self.sched, self.fingerprint = model, opt, sched, fingerprint
+        self.state_file = checkpoint_dir / "trainer.pt" if checkpoint_dir is not None else None
+
+    def resume(self, batches: Iterator) -> tuple[int, list[float]]:
+        """(first step, losses so far): the saved ones when the fingerprint matches, with the batches advanced to
+        the same data order as an uninterrupted run; else (0, [])."""
+        if self.state_file is None or not self.state_file.is_file():
+            return 0, []
+        state = torch.load(self.state_file, weights_only=False)
+        if state["fingerprint"] != self.fingerprint:
+            tqdm.write(f"{self.state_file} is from other params or data: starting afresh")
+            return 0, []
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["torch_rng"])
+        for _ in range(state["step"]):
+            next(batches)
+        tqdm.write(f"resuming pre-training at step {state['step']} from {self.state_file}")
+        return state["step"], state["losses"]
+
+    def save(self, step: int, losses: list[float]) -> None:
+        assert self.state_file is not None
+        self.state_file.parent.mkdir(parents=True, exist_ok=True)
+        state = {
+            "fingerprint": self.fingerprint,
+            "step": step,
+            "losses": losses,
+            "model": self.model.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "scheduler": self.sched.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+        }
+        torch.save(state, self.state_file.with_suffix(".tmp"))
+        self.state_file.with_suffix(".tmp").replace(self.state_file)  # a kill mid-write keeps the last good one
 
 
 def pretrain_samples(
