@@ -2,6 +2,7 @@
 
 import itertools
 import os
+import statistics
 
 import numpy as np
 import pytest
@@ -109,6 +110,7 @@ def test_arm_stats_apply_the_feedback_timeout_and_count_since_the_challenger_wen
         assert (chall.requests, chall.accepted, chall.model_version) == (1, 1, "m/2")
         # accepted characters: the feedback gave none, so the accepted suggestion's own length ("x = 1")
         assert champ.accepted_chars == 5 and champ.chars_per_request == pytest.approx(5 / 7)
+        assert champ.accepted_chars_sq == 25 and champ.chars_std == pytest.approx(statistics.stdev([5] + [0] * 6))
         # The same store looked at a minute earlier: more rows are still pending.
         earlier = arm_stats(engine, params, now=t0 + 25)[CHAMPION]
         assert (earlier.requests, earlier.pending, earlier.timed_out, earlier.accepted) == (5, 1, 2, 1)
@@ -147,6 +149,7 @@ def test_the_record_and_the_decision_numbers_keep_their_names():
     numbers = [
         "requests", "shown", "accepted", "rejected", "timed_out", "abstained", "pending", "suggest_rate",
         "accept_rate", "reward_per_request", "reward_std", "accepted_chars", "chars_per_request",
+        "chars_std",
     ]  # fmt: skip
     record = a.as_record()
     assert list(record) == ["arm", "model_version", *numbers, "latency"]
@@ -208,9 +211,41 @@ def test_showing_less_while_users_type_more_is_rolled_back_not_promoted():
     assert hacker.chars_per_request == pytest.approx(1.2) and champion.chars_per_request == pytest.approx(9.0)
     d = decide(champion, hacker, params)
     assert d.action == "rollback" and d.reason.startswith("reward hacking"), d.reason
+    assert d.numbers["chars_p"] < 0.05 and "significantly more than 5% fewer" in d.reason
     # The same challenger keeping users' characters (within the tolerance) is promoted.
     honest = stats_from_counts(CHALLENGER, "m/2", 200, 100, 700, params.reward, accepted_chars=int(9.0 * 1000 * 0.96))
-    assert decide(champion, honest, params).action == "promote"
+    d = decide(champion, honest, params)
+    assert d.action == "promote" and "not significantly more than 5% fewer" in d.reason, d.reason
+
+
+def test_fewer_characters_on_a_few_accepts_is_noise_not_hacking():
+    """Seed 0 of the demo, 2026-11-28: 11 accepts per arm; the challenger's characters per request 27 % below the
+    champion's as point estimates, its reward significantly higher. Not evidence of showing less (one-sided
+    p = 0.27): promoted. The same shortfall over 100 times the requests is evidence: rolled back."""
+    params = tiny_params(deploy={"min_samples": 100, "alpha": 0.05, "max_samples": None, "chars_tolerance": 0.05})
+    champion = stats_from_counts(CHAMPION, "m/1", 11, 151, 191, params.reward, accepted_chars=61)
+    challenger = stats_from_counts(CHALLENGER, "m/3", 11, 138, 388, params.reward, accepted_chars=68)
+    assert challenger.chars_per_request < 0.95 * champion.chars_per_request
+    d = decide(champion, challenger, params)
+    assert d.numbers["reward_p"] < 0.05 and d.numbers["chars_p"] == pytest.approx(0.2717, abs=1e-3)
+    assert d.action == "promote", d.reason
+    big = [
+        stats_from_counts(s.arm, s.model_version, 100 * s.accepted, 100 * s.rejected, 100 * s.abstained,
+                          params.reward, accepted_chars=100 * s.accepted_chars)
+        for s in (champion, challenger)
+    ]  # fmt: skip
+    d = decide(*big, params)
+    assert d.action == "rollback" and d.reason.startswith("reward hacking"), d.reason
+
+
+def test_the_chars_spread_comes_from_the_squares_the_store_sums():
+    """chars_std is the sample sd of per-request accepted characters: the squares of 3 accepts of 2, 4 and 9
+    characters among 5 requests; without the squares, every accept is taken to be of the mean length."""
+    params = tiny_params()
+    s = stats_from_counts(CHAMPION, "m/1", 3, 1, 1, params.reward, accepted_chars=15, accepted_chars_sq=4 + 16 + 81)
+    assert s.chars_std == pytest.approx(statistics.stdev([2, 4, 9, 0, 0]))
+    least = stats_from_counts(CHAMPION, "m/1", 3, 1, 1, params.reward, accepted_chars=15)
+    assert least.chars_std == pytest.approx(statistics.stdev([5, 5, 5, 0, 0]))
 
 
 def test_accept_rate_route_needs_reward_not_lower():

@@ -27,8 +27,13 @@ Decision rule (`decide`), each test two-sided at `deploy.alpha`:
 4. Otherwise continue, until both arms have `deploy.max_samples` requests: then roll back
    (inconclusive; the champion stays and the next cycle may start).
 5. No reward hacking: a challenger that 2. or 3. would promote is rolled back instead when its
-   characters per request are more than `deploy.chars_tolerance` (relative) below the champion's:
-   it raised reward or accept rate by showing less while users type more themselves.
+   accepted characters per request are significantly more than `deploy.chars_tolerance` (relative)
+   below the champion's (one-sided Welch t-test at `deploy.alpha` of challenger < (1 - tolerance) x
+   champion): it raised reward or accept rate by showing less while users type more themselves.
+   A test, not the point estimates: characters per request come from few accepted suggestions (about
+   one request in 40 here), so at a few hundred requests per arm the estimates' ratio varies by +-40 %
+   and a point rule rolls back an equal challenger about half the time (docs/decisions/ab-chars-guard.md).
+   The gate's held-out characters-saved check stays a point rule over far more evidence.
 
 The decision flow looks at the data every few minutes; repeated looks raise the false-positive rate
 above alpha (no sequential correction is made). `min_samples` keeps the earliest, noisiest looks out.
@@ -72,6 +77,7 @@ class ArmStats(ArmCounts):
     timed_out: int  # part of rejected: no feedback within the timeout
     pending: int  # shown, no feedback yet, younger than the timeout (not counted anywhere else)
     reward: RewardParams  # the prices of the outcomes (params.reward)
+    accepted_chars_sq: float = 0.0  # sum over accepted suggestions of their characters squared (for chars_std)
     latency: ArmLatency | None = None  # over the same requests; None without any (not an input of the rule)
 
     @property
@@ -82,6 +88,15 @@ class ArmStats(ArmCounts):
     def reward_std(self) -> float:
         """Sample standard deviation of the per-request reward."""
         return outcomes.reward_std(self, self.reward)
+
+    @property
+    def chars_std(self) -> float:
+        """Sample standard deviation of the accepted characters per request (0 on an accept, else nothing)."""
+        n = self.requests
+        if n < 2:
+            return 0.0
+        mean = self.chars_per_request
+        return math.sqrt(max(self.accepted_chars_sq - n * mean * mean, 0.0) / (n - 1))
 
     def as_record(self) -> dict[str, Any]:
         """Every number by name, as the decision record and `Decision.numbers` write them."""
@@ -101,6 +116,7 @@ class ArmStats(ArmCounts):
             "reward_std": self.reward_std,
             "accepted_chars": self.accepted_chars,
             "chars_per_request": self.chars_per_request,
+            "chars_std": self.chars_std,
             "latency": None if self.latency is None else asdict(self.latency),
         }
 
@@ -123,9 +139,13 @@ def stats_from_counts(
     timed_out: int = 0,
     pending: int = 0,
     accepted_chars: int = 0,
+    accepted_chars_sq: float | None = None,
     latency: ArmLatency | None = None,
 ) -> ArmStats:
-    """One arm's stats from its outcome counts."""
+    """One arm's stats from its outcome counts. Without accepted_chars_sq, every accepted suggestion is taken to
+    be of the mean length (the least spread the totals allow: the hacking test then errs towards rolling back)."""
+    if accepted_chars_sq is None:
+        accepted_chars_sq = accepted_chars * accepted_chars / accepted if accepted else 0.0
     return ArmStats(
         arm=arm,
         model_version=model_version,
@@ -133,6 +153,7 @@ def stats_from_counts(
         rejected=rejected,
         abstained=abstained,
         accepted_chars=accepted_chars,
+        accepted_chars_sq=accepted_chars_sq,
         timed_out=timed_out,
         pending=pending,
         reward=reward,
@@ -157,8 +178,10 @@ def _counts_by_arm(
     pending: sa.ColumnElement[bool],
     timed_out: sa.ColumnElement[bool],
 ) -> sa.Select[Any]:
-    """Per (arm, model version) in the window: rows, abstained, accepted, pending, timed out, accepted characters."""
+    """Per (arm, model version) in the window: rows, abstained, accepted, pending, timed out, accepted characters
+    and the sum of their squares."""
     c, f = completions, feedback
+    taken = sa.func.coalesce(f.c.accepted_chars, sa.func.length(c.c.completion))  # outcomes.taken_chars, in SQL
     return (
         sa.select(
             c.c.arm,
@@ -168,12 +191,8 @@ def _counts_by_arm(
             _count(accepted).label("accepted"),
             _count(pending).label("pending"),
             _count(timed_out).label("timed_out"),
-            sa.func.coalesce(  # outcomes.taken_chars, in SQL
-                sa.func.sum(
-                    sa.case((accepted, sa.func.coalesce(f.c.accepted_chars, sa.func.length(c.c.completion))), else_=0)
-                ),
-                0,
-            ).label("accepted_chars"),
+            sa.func.coalesce(sa.func.sum(sa.case((accepted, taken), else_=0)), 0).label("accepted_chars"),
+            sa.func.coalesce(sa.func.sum(sa.case((accepted, taken * taken), else_=0)), 0).label("accepted_chars_sq"),
         )
         .select_from(joined)
         .where(in_window)
@@ -229,6 +248,7 @@ def arm_stats(
                 timed_out=int(r.timed_out),
                 pending=int(r.pending),
                 accepted_chars=int(r.accepted_chars),
+                accepted_chars_sq=float(r.accepted_chars_sq),
                 latency=arm_latency(conn, decided, int(r.rows - r.pending)),
             )
     return out
@@ -285,6 +305,22 @@ def welch_test(a: ArmStats, b: ArmStats) -> tuple[float, float]:
     return float(result.statistic), float(result.pvalue)
 
 
+def chars_shortfall_test(champion: ArmStats, challenger: ArmStats, tolerance: float) -> tuple[float, float]:
+    """One-sided Welch's t-test that the challenger's accepted characters per request are below (1 - tolerance) x
+    the champion's: (t, p). No spread on either side: p is 0 when the challenger is below, else 1."""
+    if champion.requests < 2 or challenger.requests < 2:
+        return 0.0, 1.0
+    k = 1.0 - tolerance
+    diff = challenger.chars_per_request - k * champion.chars_per_request
+    var_c = challenger.chars_std**2 / challenger.requests
+    var_h = k * k * champion.chars_std**2 / champion.requests
+    if var_c + var_h == 0:
+        return 0.0, 0.0 if diff < 0 else 1.0
+    t = diff / math.sqrt(var_c + var_h)
+    df = (var_c + var_h) ** 2 / (var_c**2 / (challenger.requests - 1) + var_h**2 / (champion.requests - 1))
+    return float(t), float(st.t.cdf(t, df))
+
+
 def _too_few_shown(champion: ArmStats, challenger: ArmStats, d: DeployParams, numbers: dict[str, float]) -> Decision:
     """Fewer than deploy.min_samples shown suggestions on an arm: keep collecting, or roll back at max_samples."""
     if d.max_samples is not None and min(champion.requests, challenger.requests) >= d.max_samples:
@@ -329,25 +365,27 @@ def decide(champion: ArmStats, challenger: ArmStats, params: Params) -> Decision
 
     if min(champion.shown, challenger.shown) < d.min_samples:
         return _too_few_shown(champion, challenger, d, numbers)
-    floor = champion.chars_per_request * (1 - d.chars_tolerance)
+    t_chars, p_chars = chars_shortfall_test(champion, challenger, d.chars_tolerance)
     numbers |= {
         "chars_per_request_diff": challenger.chars_per_request - champion.chars_per_request,
         "chars_tolerance": d.chars_tolerance,
+        "chars_t": t_chars,
+        "chars_p": p_chars,
     }
-    fmt_chars = (
-        f"accepted characters/request {challenger.chars_per_request:.2f} vs {champion.chars_per_request:.2f}, "
-        f"more than {d.chars_tolerance:.0%} fewer"
-    )
+    hacking = p_chars < d.alpha
+    chars = f"accepted characters/request {challenger.chars_per_request:.2f} vs {champion.chars_per_request:.2f}"
+    fmt_chars = f"{chars}, significantly more than {d.chars_tolerance:.0%} fewer (p={p_chars:.3g})"
+    kept = f"{chars}: not significantly more than {d.chars_tolerance:.0%} fewer (p={p_chars:.3g})"
     if reward_sig and d_reward > 0:
-        if challenger.chars_per_request < floor:
+        if hacking:
             return Decision("rollback", f"reward hacking: {fmt} but {fmt_chars}", numbers)
-        return Decision("promote", f"challenger better: {fmt}", numbers)
+        return Decision("promote", f"challenger better: {fmt}; {kept}", numbers)
     if reward_sig and d_reward < 0:
         return Decision("rollback", f"challenger worse: {fmt}", numbers)
     if accept_sig and d_accept > 0 and d_reward >= 0:
-        if challenger.chars_per_request < floor:
+        if hacking:
             return Decision("rollback", f"reward hacking: {fmt_acc} but {fmt_chars}", numbers)
-        return Decision("promote", f"challenger better: {fmt_acc}, reward/request not lower ({fmt})", numbers)
+        return Decision("promote", f"challenger better: {fmt_acc}, reward/request not lower ({fmt}); {kept}", numbers)
     if accept_sig and d_accept < 0 and d_reward <= 0:
         return Decision("rollback", f"challenger worse: {fmt_acc}, reward/request not higher ({fmt})", numbers)
     if d.max_samples is not None and min(champion.requests, challenger.requests) >= d.max_samples:

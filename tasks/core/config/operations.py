@@ -25,9 +25,10 @@ class DeployParams(Section):
     cycle_cron: str | None = None
     """A cron expression for the cycle; overrides the interval when set."""
     chars_tolerance: float = Field(0.05, ge=0, lt=1)
-    """A challenger is never promoted when its accepted characters per request fall more than this
-    fraction below the champion's, whatever its reward or accept rate: showing less to be accepted
-    more while users type more themselves is reward hacking; such a challenger is rolled back."""
+    """A challenger is never promoted when its accepted characters per request fall significantly (one-sided
+    Welch t-test at deploy.alpha) more than this fraction below the champion's, whatever its reward or accept
+    rate: showing less to be accepted more while users type more themselves is reward hacking; such a challenger
+    is rolled back."""
     max_samples: int | None = Field(5000, ge=1)
     """Requests per arm after which a still undecided A/B test ends in a rollback (the champion stays and
     the next cycle may start; a challenger that abstains too often to reach min_samples ends here too);
