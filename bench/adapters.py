@@ -44,9 +44,10 @@ from tasks.core.procs import free_port
 from tasks.core.store import CHALLENGER, CHAMPION, Arm, open_store, read_arms, replace_arms
 from tasks.core.vllm import recorded_servers, stop_vllm
 from tasks.deploy.arms import serve_champion
-from tasks.deploy.registry import ensure_champion, register_candidate, resolve_model_dir
+from tasks.deploy.model_cache import resolve_model_dir
+from tasks.deploy.registry import Registry
 from tasks.deploy.rollout import rollout
-from tasks.deploy.tracking import start_cycle_run
+from tasks.deploy.tracking import CycleRuns
 from tasks.sim.editor import pause_requests, read_regions, regions_path
 from tests.support.harness import start_process, stop_process
 
@@ -138,14 +139,15 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         serve_champion(params)  # version 1 on its base's one LoRA server
         numbers["base_server_start_s"] = time.perf_counter() - started
-        base = ensure_champion(params.model.base_dir, params)
+        registry, runs = Registry(params), CycleRuns(params)
+        base = registry.ensure_champion(params.model.base_dir)
         base_dir = resolve_model_dir(base.uri, params)
         adapter = args.adapter or random_adapter(base_dir, state / "adapter", params)
         numbers["adapter"] = str(args.adapter) if args.adapter else f"random, rank {params.train.lora_rank}"
         numbers["adapter_mb"] = sum(f.stat().st_size for f in Path(adapter).iterdir()) / 2**20
         numbers["base_mb"] = sum(f.stat().st_size for f in base_dir.glob("*.safetensors")) / 2**20
 
-        version = register_candidate(adapter, params, start_cycle_run(params), base=base)
+        version = registry.register(adapter, runs.start(), base=base)
         started = time.perf_counter()
         done = _rollout(version, str(resolve_model_dir(version.uri, params)), params, str(base_dir))
         numbers["adapter_registered_to_serving_s"] = time.perf_counter() - started
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         # the next version, in the same process: the base's checkpoint hash (check_base) is known by now, as in a
         # long-lived deployment process; what remains is the load, the probe and the registry and store writes
         adapter = random_adapter(base_dir, state / "adapter-next", params)
-        version = register_candidate(adapter, params, start_cycle_run(params), base=base)
+        version = registry.register(adapter, runs.start(), base=base)
         started = time.perf_counter()
         done = _rollout(version, str(resolve_model_dir(version.uri, params)), params, str(base_dir))
         numbers["adapter_next_registered_to_serving_s"] = time.perf_counter() - started
@@ -162,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         numbers["rss_one_server_two_arms_mb"] = tree_rss(base_server.pid) / 2**20
 
         merged_dir = save_merged(adapter, base_dir, state / "models" / "merged-v2")
-        full = register_candidate(merged_dir, params, start_cycle_run(params))
+        full = registry.register(merged_dir, runs.start())
         adapter_arm = next(a for a in read_arms_of(params) if a.name == CHALLENGER)
         started = time.perf_counter()
         _rollout(full, str(resolve_model_dir(full.uri, params)), params, None)

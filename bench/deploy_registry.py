@@ -30,8 +30,9 @@ def main() -> None:
 
     from tasks.core.config import load_params
     from tasks.core.store import CHAMPION
-    from tasks.deploy.registry import register_candidate, resolve_model_dir, set_alias
-    from tasks.deploy.tracking import start_cycle_run
+    from tasks.deploy.model_cache import resolve_model_dir
+    from tasks.deploy.registry import Registry
+    from tasks.deploy.tracking import CycleRuns
 
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -46,12 +47,13 @@ def main() -> None:
             [f"paths.state_dir={tmp / 'state'}", f"paths.mlflow_tracking_uri=sqlite:///{tmp / 'mlflow.db'}"],
             environ={},
         )
-        run_id = start_cycle_run(params)  # first use creates the store (migrations), not timed below
+        registry = Registry(params)
+        run_id = CycleRuns(params).start()  # first use creates the store (migrations), not timed below
         rows = []
 
         t = time.perf_counter()
-        mv = register_candidate(ckpt, params, run_id)
-        set_alias(params, CHAMPION, mv.version)
+        mv = registry.register(ckpt, run_id)
+        registry.set_alias(CHAMPION, mv.version)
         rows.append(("log + register", time.perf_counter() - t, _bytes_under(tmp / "state")))
 
         t = time.perf_counter()

@@ -160,9 +160,9 @@ def run_online(setting, overrides: list[str], seed, args, base: dict) -> tuple[l
 def gate_windows(params) -> dict[int, int]:
     """{cycle: the held-out window its gate typed} of an online run, from its cycle runs' MLflow tags (a cycle
     that trained no candidate has none)."""
-    from tasks.deploy.tracking import CYCLE_TAG, GATE_WINDOW_TAG, gated_cycle_runs
+    from tasks.deploy.tracking import CYCLE_TAG, GATE_WINDOW_TAG, CycleRuns
 
-    return {int(r.data.tags[CYCLE_TAG]): int(r.data.tags[GATE_WINDOW_TAG]) for r in gated_cycle_runs(params)}
+    return {int(r.data.tags[CYCLE_TAG]): int(r.data.tags[GATE_WINDOW_TAG]) for r in CycleRuns(params).gated()}
 
 
 def with_windows(curve: list[dict], windows: dict[int, int]) -> list[dict]:
@@ -465,7 +465,7 @@ def stop_bench_servers(args) -> None:
 def champion_after(params, cycle: int, base_dir) -> str:
     """The model an online loop (its registry in params) served after `cycle`: the newest candidate promoted
     by then, else the base."""
-    from tasks.deploy.registry import resolve_model_dir
+    from tasks.deploy.model_cache import resolve_model_dir
     from tasks.deploy.tracking import tracking_client
 
     client, name = tracking_client(params), params.deploy.registered_model

@@ -16,7 +16,7 @@ from tasks.deploy import ab
 from tasks.deploy.arms import sync_adapters
 from tasks.deploy.errors import DeployError
 from tasks.deploy.promote import DeployChange, log_decision, promote, rollback
-from tasks.deploy.registry import get_alias_version
+from tasks.deploy.registry import Registry
 
 
 def _transient(task, task_run, state) -> bool:
@@ -39,11 +39,12 @@ def apply_decision(params: Params, decision: ab.Decision) -> DeployChange:
 
 @task(retries=3, retry_delay_seconds=[2, 5, 15], cache_policy=NO_CACHE)
 def record_decision(params: Params, decision: ab.Decision, stats: dict[str, ab.ArmStats]) -> str:
+    registry = Registry(params)
     return log_decision(
         params,
         decision,
-        champion=get_alias_version(params, CHAMPION),
-        challenger=get_alias_version(params, CHALLENGER),
+        champion=registry.aliased(CHAMPION),
+        challenger=registry.aliased(CHALLENGER),
         applied=False,
         stats=stats,
     )

@@ -26,20 +26,13 @@ import mlflow
 from prefect import flow, get_run_logger
 
 from flows.remote_training import TrainingLost, train_step
-from tasks.core.config import DEFAULT_PARAMS_FILE, Params, load_params
+from tasks.core.config import DEFAULT_PARAMS_FILE, load_params
 from tasks.core.store import CHALLENGER
+from tasks.deploy.model_cache import resolve_model_dir
 from tasks.deploy.model_retention import model_retention_task
-from tasks.deploy.registry import (
-    CHARS_HOLDER_TAG,
-    base_version,
-    chars_saved_holder,
-    ensure_champion,
-    get_alias_version,
-    register_candidate,
-    resolve_model_dir,
-)
+from tasks.deploy.registry import CHARS_HOLDER_TAG, Registry
 from tasks.deploy.rollout import rollout
-from tasks.deploy.tracking import GATE_WINDOW_TAG, end_cycle_run, name_cycle_run, next_gate_window, start_cycle_run
+from tasks.deploy.tracking import GATE_WINDOW_TAG, CycleRuns
 from tasks.evaluate.evaluate import compare_task
 from tasks.ingest.task import commit_ingest_task, ingest_task
 from tasks.reward.task import reward_task
@@ -59,37 +52,39 @@ class CycleReport:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def challenger_under_test(params: Params) -> bool:
-    return get_alias_version(params, CHALLENGER) is not None
+def challenger_under_test(registry: Registry) -> bool:
+    return registry.aliased(CHALLENGER) is not None
 
 
-def _champion_and_base(params: Params) -> tuple[Any, Path, Any, Path]:
+def _champion_and_base(registry: Registry) -> tuple[Any, Path, Any, Path]:
     """The champion (registered from model.base_dir when there is none), and the full version it runs on (an
     adapter's base, else the champion itself), each with its local directory."""
-    champion = ensure_champion(params.model.base_dir, params)
+    params = registry.params
+    champion = registry.ensure_champion(params.model.base_dir)
     champion_dir = resolve_model_dir(champion.uri, params)
-    base = base_version(champion, params)  # the full version an adapter champion runs on (else the champion)
+    base = registry.base_of(champion)  # the full version an adapter champion runs on (else the champion)
     return champion, champion_dir, base, resolve_model_dir(base.uri, params)
 
 
-def _skipped_under_test(params: Params, log) -> CycleReport:
+def _skipped_under_test(runs: CycleRuns, log) -> CycleReport:
     """A cycle that does not train while a challenger is under test; it still leaves a run."""
     log.info(
         "skipped: a challenger is still under test (the A/B decision flow promotes or rolls it back; "
         "pass force=True to train anyway)"
     )
-    report = CycleReport("skipped", "challenger under test", run_id=start_cycle_run(params))
-    name_cycle_run(params, report.run_id, report.status, report.reason)  # every cycle leaves a run
-    end_cycle_run(params, report.run_id)
+    report = CycleReport("skipped", "challenger under test", run_id=runs.start())
+    runs.name_outcome(report.run_id, report.status, report.reason)  # every cycle leaves a run
+    runs.end(report.run_id)
     return report
 
 
-def _evaluate(candidate_dir, champion_dir, base_dir, holder, params: Params, timing: dict[str, float]):
+def _evaluate(candidate_dir, champion_dir, base_dir, holder, runs: CycleRuns, timing: dict[str, float]):
     """The candidate against the champion on held-out FIM samples and this cycle's gate window of typing regions
     (the window is tagged on the run); the time it took goes into `timing`."""
+    params = runs.params
     test = read_samples(Path(params.paths.data_dir) / "fim" / "test.parquet")[: params.evaluate.n_samples]
     windows = params.evaluate.gate_windows
-    window = next_gate_window(params, windows)
+    window = runs.next_gate_window(windows)
     mlflow.set_tag(GATE_WINDOW_TAG, str(window))
     regions = gate_regions(read_regions(regions_path(params.paths.data_dir, "test")), window, windows)
     mark_dir = str(resolve_model_dir(holder.uri, params)) if holder else None
@@ -104,14 +99,13 @@ def _cycle_metrics(comparison, steps: int, timing: dict[str, float]) -> dict[str
     return dict(comparison.candidate.metrics) | champion_metrics | {"train/steps": steps} | timing
 
 
-def _deploy(candidate_dir, comparison, champion, holder, base, base_dir, params: Params, run_id: str):
+def _deploy(candidate_dir, comparison, champion, holder, base, base_dir, registry: Registry, run_id: str):
     """A candidate that passed the gate: registered (carrying the chars-saved mark when it holds it) and rolled
     out as the challenger."""
     held_by = comparison.decision.mark_holder_after(champion, holder)
     carried = {CHARS_HOLDER_TAG: str(held_by.version)} if held_by else {}
-    version = register_candidate(
-        candidate_dir, params, run_id, tags=carried, gate=comparison.decision.numbers, base=base
-    )
+    version = registry.register(candidate_dir, run_id, tags=carried, gate=comparison.decision.numbers, base=base)
+    params = registry.params
     rollout(version, str(resolve_model_dir(version.uri, params)), params, str(base_dir))
     return version
 
@@ -125,11 +119,12 @@ def online_rl_cycle(
 ) -> CycleReport:
     params = load_params(params_file, overrides or [])
     log = get_run_logger()
-    if challenger_under_test(params) and not force:
-        return _skipped_under_test(params, log)
-    champion, champion_dir, base, base_dir = _champion_and_base(params)
+    registry, runs = Registry(params), CycleRuns(params)
+    if challenger_under_test(registry) and not force:
+        return _skipped_under_test(runs, log)
+    champion, champion_dir, base, base_dir = _champion_and_base(registry)
     model_retention_task(params)  # local copies of retired versions go after deploy.retired_retention_hours
-    run_id = start_cycle_run(params)
+    run_id = runs.start()
     report = CycleReport("skipped", "", run_id)
     mlflow.set_tracking_uri(params.paths.mlflow_tracking_uri)  # the stages log into the active run
     with mlflow.start_run(run_id=run_id, log_system_metrics=False):  # ends FAILED if a stage raises
@@ -162,17 +157,17 @@ def online_rl_cycle(
                 if trained.stopped_early:
                     log.info(f"update ended early: {trained.stopped_early}")
                     mlflow.set_tag("tabrl.train_stopped_early", trained.stopped_early[:5000])
-                holder = chars_saved_holder(champion, params)
-                comparison = _evaluate(candidate_dir, champion_dir, base_dir, holder, params, timing)
+                holder = registry.chars_saved_holder(champion)
+                comparison = _evaluate(candidate_dir, champion_dir, base_dir, holder, runs, timing)
                 mlflow.log_metrics(timing)
                 report.metrics = _cycle_metrics(comparison, trained.steps, timing)
                 if not comparison.decision.passed:  # the gate
                     report.status, report.reason = "gate_failed", "; ".join(comparison.decision.reasons)
                     log.info(f"candidate not deployed: {report.reason}")
                 else:
-                    version = _deploy(candidate_dir, comparison, champion, holder, base, base_dir, params, run_id)
+                    version = _deploy(candidate_dir, comparison, champion, holder, base, base_dir, registry, run_id)
                     report.status, report.version = "deployed", version.label
                     report.reason = "; ".join(comparison.decision.reasons)
                     log.info(f"{version.label} is the challenger at {params.deploy.challenger_share:.0%} of traffic")
-        name_cycle_run(params, run_id, report.status, report.reason, report.version)
+        runs.name_outcome(run_id, report.status, report.reason, report.version)
     return report

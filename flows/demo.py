@@ -44,7 +44,8 @@ from tasks.core.procs import exit_on_sigterm, free_port
 from tasks.core.store import CHALLENGER, CHAMPION, open_store
 from tasks.deploy.ab import arm_stats
 from tasks.deploy.arms import serve_champion
-from tasks.deploy.registry import base_version, get_alias_version, model_version_of, resolve_model_dir, set_alias
+from tasks.deploy.model_cache import resolve_model_dir
+from tasks.deploy.registry import Registry
 from tasks.deploy.rollout import rollout
 from tasks.sim.editor import read_regions, regions_path
 from tasks.sim.users import make_users
@@ -85,13 +86,14 @@ def base_reward_sd(row: CycleRow, params: Params) -> float:
 def start_ab_test(params_file: str, overrides: list[str], base_label: str) -> str:
     """The base back as the one champion arm, the current champion rolled out as challenger; its label."""
     params = load_params(params_file, overrides)
-    final = get_alias_version(params, CHAMPION)
-    base = model_version_of(f"models:/{base_label}", params)
+    registry = Registry(params)
+    final = registry.aliased(CHAMPION)
+    base = registry.version_of(f"models:/{base_label}")
     if final is None or final.version == base.version:
         raise ValueError("no candidate was promoted: there is nothing to A/B test against the base")
-    set_alias(params, CHAMPION, base.version)
+    registry.set_alias(CHAMPION, base.version)
     serve_champion(params)
-    base_dir = resolve_model_dir(base_version(final, params).uri, params)
+    base_dir = resolve_model_dir(registry.base_of(final).uri, params)
     rollout(final, str(resolve_model_dir(final.uri, params)), params, str(base_dir))
     print(f"A/B test: champion {base.label} (the base) vs challenger {final.label} (the final model)")
     return final.label
@@ -183,9 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     full = loop_overrides(overrides, args.state, args.seed)  # the loop's own state paths
     base_label = f"{params.deploy.registered_model}/1"  # a fresh state's registry starts with the base
     ab: dict = {"action": "none", "reason": "no candidate passed the gate"}
-    final = get_alias_version(params, CHAMPION)
+    registry = Registry(params)
+    final = registry.aliased(CHAMPION)
     final_dir = champion_dir(params)  # the cycles' final model: the closing table's subject, whatever the A/B says
-    if final is not None and final.version != model_version_of(f"models:/{base_label}", params).version:
+    if final is not None and final.version != registry.version_of(f"models:/{base_label}").version:
         plan = plan_ab(base_reward_sd(rows[0], params), args.mde, params.deploy.alpha, args.power, args.max_per_arm)
         ab["challenger"] = start_ab_test(args.params, full, base_label)
         ab |= run_ab_test(args.params, full, args.state, plan, args.ab_users, args.seed)

@@ -37,7 +37,8 @@ from tasks.core.procs import NotUp, exit_on_sigterm, free_port, wait_until_up
 from tasks.core.store import CHAMPION, open_store
 from tasks.core.vllm import recorded_servers, restart_recorded, stop_vllm_at
 from tasks.deploy.arms import serve_champion, sync_adapters
-from tasks.deploy.registry import resolve_model_dir
+from tasks.deploy.model_cache import resolve_model_dir
+from tasks.deploy.registry import Registry
 from tasks.sim.editor import read_regions, regions_path
 from tasks.sim.sessions import merge_typing
 from tasks.sim.users import make_users
@@ -205,9 +206,7 @@ def loop_overrides(overrides: list[str], state: Path, seed: int) -> list[str]:
 
 def champion_dir(params: Params) -> Path:
     """The checkpoint the champion alias points at now."""
-    from tasks.deploy.registry import get_alias_version
-
-    return resolve_model_dir(get_alias_version(params, CHAMPION).uri, params)
+    return resolve_model_dir(Registry(params).aliased(CHAMPION).uri, params)
 
 
 def _serving_eval(report, promoted: bool) -> dict:

@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import mlflow  # noqa: E402
 
 from tasks.core.config import Params  # noqa: E402
-from tasks.deploy.tracking import CYCLES_DESCRIPTION, experiment_id, tracking_client  # noqa: E402
+from tasks.deploy.tracking import CycleRuns  # noqa: E402
 
 
 def plot_cycles(rows: Sequence, path: Path, params: Params | None = None) -> Path:
@@ -48,7 +48,7 @@ def plot_cycles(rows: Sequence, path: Path, params: Params | None = None) -> Pat
     fig.savefig(path, dpi=110)
     plt.close(fig)
     if params is not None:
-        exp = experiment_id(tracking_client(params), params.deploy.experiment, params, CYCLES_DESCRIPTION)
+        exp = CycleRuns(params).experiment_id()
         mlflow.set_tracking_uri(params.paths.mlflow_tracking_uri)
         name = f"online loop · {len(rows)} cycles"
         with mlflow.start_run(experiment_id=exp, run_name=name, tags={"tabrl.kind": "loop_summary"}):

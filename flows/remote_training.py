@@ -30,7 +30,10 @@ from prefect.deployments import run_deployment
 from prefect.states import Cancelled
 
 from tasks.core.config import Params
-from tasks.deploy.registry import MODEL_ARTIFACT, ModelVersion, candidate_dir, resolve_model_dir, tracking_client
+from tasks.deploy.model_cache import candidate_dir, resolve_model_dir
+from tasks.deploy.registry import MODEL_ARTIFACT
+from tasks.deploy.tracking import CycleRuns
+from tasks.deploy.versions import ModelVersion
 from tasks.train.launch import read_result, train_task
 from tasks.train.ppo import TrainingDiverged, TrainResult
 
@@ -71,8 +74,8 @@ def train_on_pool(
     """Run the training deployment for this cycle's MLflow run, wait for it, and download its candidate.
     base_uri: the base version of an adapter from_uri (the GPU host downloads it too)."""
     cp = params.cluster
-    client = tracking_client(params)
-    client.log_artifact(run_id, str(rewarded), SNAPSHOT_ARTIFACT)
+    runs = CycleRuns(params)
+    runs.log_artifact(run_id, rewarded, SNAPSHOT_ARTIFACT)
     flow_run = run_deployment(
         f"{TRAIN_FLOW}/{cp.train_deployment}",
         parameters={
@@ -94,7 +97,7 @@ def train_on_pool(
         raise TrainingLost(f"{why} (state {state.name if state else None}); cancelled it")
     if not state.is_completed():
         raise TrainingLost(f"{shown} ended {state.name}: {state.message}")
-    tags = client.get_run(run_id).data.tags
+    tags = runs.get(run_id).data.tags
     if tags.get(OUTCOME_TAG) == "diverged":
         raise TrainingDiverged(tags.get(REASON_TAG, ""))
     if tags.get(OUTCOME_TAG) != "trained":
@@ -114,7 +117,7 @@ def train_from_references(
     `working_dir` job variable, which then keeps the downloaded models (work_dir/state/model_cache) across runs."""
     here = params.model_copy(update={"paths": params.paths.model_copy(update={"state_dir": str(work_dir / "state")})})
     mlflow.set_tracking_uri(here.paths.mlflow_tracking_uri)  # the update's per-step metrics go to the cycle's run
-    client = tracking_client(here)
+    runs = CycleRuns(here)
     from_dir = resolve_model_dir(from_uri, here)
     base_dir = str(resolve_model_dir(base_uri, here)) if base_uri else None  # an adapter's base, by its version
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -126,9 +129,8 @@ def train_from_references(
         try:
             result = train_task(snapshot, str(from_dir), str(candidate), here, mlflow_run_id=run_id, base_dir=base_dir)
         except TrainingDiverged as err:
-            client.set_tag(run_id, OUTCOME_TAG, "diverged")
-            client.set_tag(run_id, REASON_TAG, str(err)[:5000])
+            runs.tag(run_id, {OUTCOME_TAG: "diverged", REASON_TAG: str(err)[:5000]})
             return None
-        client.log_artifacts(run_id, str(candidate), MODEL_ARTIFACT)
-    client.set_tag(run_id, OUTCOME_TAG, "trained")
+        runs.log_artifacts(run_id, candidate, MODEL_ARTIFACT)
+    runs.tag(run_id, {OUTCOME_TAG: "trained"})
     return result

@@ -132,11 +132,11 @@ def story_in_words(story: dict, same_model: bool = False) -> list[str]:
 def print_ui_pointers(params: Params) -> None:
     """How to open what the run recorded: MLflow's runs (named for their outcome) and the Prefect UI."""
     from flows.cli.console import console
-    from tasks.deploy.tracking import runs_view_url
+    from tasks.deploy.tracking import CycleRuns
 
     console.print(
         f"MLflow UI:  mlflow ui --backend-store-uri {params.paths.mlflow_tracking_uri} --workers 1, then "
-        f"{runs_view_url(params, 'http://127.0.0.1:5000')} (the cycles' runs, named for their outcome)"
+        f"{CycleRuns(params).runs_view_url('http://127.0.0.1:5000')} (the cycles' runs, named for their outcome)"
     )
     console.print(
         "Prefect UI: prefect server start --host 127.0.0.1, then `tabrl schedule` (http://127.0.0.1:4200); "

@@ -9,8 +9,8 @@ from flows.demo import AbPlan, base_reward_sd, plan_ab, run_ab_test, start_ab_te
 from flows.loop_state import CycleRow
 from flows.report import story_in_words
 from tasks.core.store import CHALLENGER, CHAMPION, open_store, read_arms
-from tasks.deploy.registry import ensure_champion, get_alias_version, register_candidate, set_alias
-from tasks.deploy.tracking import end_cycle_run, start_cycle_run
+from tasks.deploy.registry import Registry
+from tasks.deploy.tracking import CycleRuns
 from tasks.sim.editor import regions_path, write_regions
 from tests.conftest import tiny_params
 
@@ -77,18 +77,20 @@ def test_the_final_ab_test_puts_the_base_back_and_decides_at_one_look(
         serving={"auth": False},
         ingest={"feedback_timeout_s": 1.0},
     )
+    runs = CycleRuns(params)
+    registry = Registry(params)
     params_file = tmp_path / "params.yaml"
     params_file.write_text(yaml.safe_dump(params.model_dump(mode="json")))
     write_regions(typing_regions, regions_path(params.paths.data_dir, "train"), params.traffic)
-    base = ensure_champion(tiny_model_dir, params)
-    run_id = start_cycle_run(params)
-    final = register_candidate(babbler_dir, params, run_id)
-    end_cycle_run(params, run_id)
-    set_alias(params, CHAMPION, final.version)  # what the gated cycles leave: the final model is champion
+    base = registry.ensure_champion(tiny_model_dir)
+    run_id = runs.start()
+    final = registry.register(babbler_dir, run_id)
+    runs.end(run_id)
+    registry.set_alias(CHAMPION, final.version)  # what the gated cycles leave: the final model is champion
 
     assert start_ab_test(str(params_file), [], base.label) == final.label
-    assert get_alias_version(params, CHAMPION).version == base.version
-    assert get_alias_version(params, CHALLENGER).version == final.version
+    assert registry.aliased(CHAMPION).version == base.version
+    assert registry.aliased(CHALLENGER).version == final.version
     with open_store(params.paths.database_url) as engine:
         arms = {a.name: a.model_version for a in read_arms(engine)}
     assert arms == {CHAMPION: base.label, CHALLENGER: final.label}
@@ -102,4 +104,4 @@ def test_the_final_ab_test_puts_the_base_back_and_decides_at_one_look(
     assert ab["numbers"][f"{CHALLENGER}_reward_per_request"] < ab["numbers"][f"{CHAMPION}_reward_per_request"]
     with open_store(params.paths.database_url) as engine:
         assert [a.model_version for a in read_arms(engine)] == [base.label]  # the rollback was applied
-    assert get_alias_version(params, CHALLENGER) is None
+    assert registry.aliased(CHALLENGER) is None

@@ -25,8 +25,8 @@ from tasks.core.store import (
 )
 from tasks.deploy.ab import arm_stats, decide, live_since, stats_from_counts, two_proportion_test, welch_test
 from tasks.deploy.promote import NoChallengerError, promote, rollback
-from tasks.deploy.registry import ensure_champion, get_alias_version, register_candidate, set_alias
-from tasks.deploy.tracking import start_cycle_run, tracking_client
+from tasks.deploy.registry import Registry
+from tasks.deploy.tracking import CycleRuns, tracking_client
 from tests.conftest import tiny_params
 from tests.support.harness import throwaway_schema
 
@@ -266,9 +266,9 @@ def test_accept_rate_route_needs_reward_not_lower():
 
 
 def _registry_with_challenger(params, model_dir):
-    champion = ensure_champion(model_dir, params)
-    challenger = register_candidate(model_dir, params, start_cycle_run(params, run_name="cycle-1"))
-    set_alias(params, CHALLENGER, challenger.version)
+    champion = Registry(params).ensure_champion(model_dir)
+    challenger = Registry(params).register(model_dir, CycleRuns(params).start(run_name="cycle-1"))
+    Registry(params).set_alias(CHALLENGER, challenger.version)
     return champion, challenger
 
 
@@ -290,10 +290,11 @@ def _decision_runs(params):
 
 def test_promote_and_rollback_change_arms_and_aliases(tmp_path, mlflow_store, tiny_model_dir):
     params = tiny_params(tmp_path, deploy={"min_samples": 1})
+    registry = Registry(params)
     champion, challenger = _registry_with_challenger(params, tiny_model_dir)
     for engine in _engines(tmp_path):
-        set_alias(params, CHAMPION, champion.version)
-        set_alias(params, CHALLENGER, challenger.version)
+        registry.set_alias(CHAMPION, champion.version)
+        registry.set_alias(CHALLENGER, challenger.version)
         _live_arms(engine, champion, challenger)
         for i in range(4):
             _log(
@@ -306,7 +307,7 @@ def test_promote_and_rollback_change_arms_and_aliases(tmp_path, mlflow_store, ti
             )
         change = promote(engine, params)
         assert read_arms(engine) == [Arm(CHAMPION, challenger.label, "/models/chall", "embedded", 1.0)]
-        assert get_alias_version(params, CHAMPION) == challenger and get_alias_version(params, CHALLENGER) is None
+        assert registry.aliased(CHAMPION) == challenger and registry.aliased(CHALLENGER) is None
         assert [a.name for a in change.removed] == [CHAMPION] and change.removed[0].model_uri == "/models/champ"
         with pytest.raises(NoChallengerError, match="nothing to promote"):
             promote(engine, params)
@@ -314,12 +315,12 @@ def test_promote_and_rollback_change_arms_and_aliases(tmp_path, mlflow_store, ti
             rollback(engine, params)
 
         # Put the old champion back and test the new version again, then roll it back.
-        set_alias(params, CHAMPION, champion.version)
-        set_alias(params, CHALLENGER, challenger.version)
+        registry.set_alias(CHAMPION, champion.version)
+        registry.set_alias(CHALLENGER, challenger.version)
         _live_arms(engine, champion, challenger)
         change = rollback(engine, params)
         assert read_arms(engine) == [Arm(CHAMPION, champion.label, "/models/champ", "embedded", 1.0)]
-        assert get_alias_version(params, CHAMPION) == champion and get_alias_version(params, CHALLENGER) is None
+        assert registry.aliased(CHAMPION) == champion and registry.aliased(CHALLENGER) is None
         assert [a.model_uri for a in change.removed] == ["/models/chall"]
 
         records = _decision_runs(params)
@@ -331,6 +332,7 @@ def test_promote_and_rollback_change_arms_and_aliases(tmp_path, mlflow_store, ti
 
 def test_promote_restores_aliases_when_the_arm_swap_fails(tmp_path, mlflow_store, tiny_model_dir):
     params = tiny_params(tmp_path)
+    registry = Registry(params)
     champion, challenger = _registry_with_challenger(params, tiny_model_dir)
     engine = next(_engines(tmp_path))
     _live_arms(engine, champion, challenger)
@@ -340,7 +342,7 @@ def test_promote_restores_aliases_when_the_arm_swap_fails(tmp_path, mlflow_store
         )
     with pytest.raises(sa.exc.IntegrityError, match="disk full"):
         promote(engine, params)
-    assert get_alias_version(params, CHAMPION) == champion and get_alias_version(params, CHALLENGER) == challenger
+    assert registry.aliased(CHAMPION) == champion and registry.aliased(CHALLENGER) == challenger
     assert {a.name: a.share for a in read_arms(engine)} == {CHAMPION: 0.5, CHALLENGER: 0.5}
     assert _decision_runs(params) == []  # no decision recorded for a change that did not happen
 
@@ -355,8 +357,9 @@ def test_cli_promote_without_challenger_exits_2_and_rollback_works(tmp_path, mlf
     from flows.cli.main import app
 
     params = tiny_params(tmp_path)
+    registry = Registry(params)
     path = _params_file(tmp_path, params)
-    champion = ensure_champion(tiny_model_dir, params)
+    champion = registry.ensure_champion(tiny_model_dir)
     engine = Store(params.paths.database_url).engine
     init_schema(engine)
     replace_arms(engine, [Arm(CHAMPION, champion.label, "/models/champ", "embedded", 1.0)])
@@ -364,8 +367,8 @@ def test_cli_promote_without_challenger_exits_2_and_rollback_works(tmp_path, mlf
     result = runner.invoke(app, ["promote", "--params", str(path)])
     assert result.exit_code == 2 and "nothing to promote" in result.output
 
-    challenger = register_candidate(tiny_model_dir, params, start_cycle_run(params))
-    set_alias(params, CHALLENGER, challenger.version)
+    challenger = registry.register(tiny_model_dir, CycleRuns(params).start())
+    registry.set_alias(CHALLENGER, challenger.version)
     _live_arms(engine, champion, challenger)
     result = runner.invoke(app, ["ab-status", "--params", str(path)])
     assert result.exit_code == 0 and "collecting" in result.output
@@ -411,7 +414,7 @@ def test_ab_decision_flow_continues_then_promotes(tmp_path, mlflow_store, tiny_m
     decision = ab_decision(path)
     assert decision.action == "promote" and decision.numbers["reward_p"] < 0.05
     assert read_arms(engine) == [Arm(CHAMPION, challenger.label, "/models/chall", "embedded", 1.0)]
-    assert get_alias_version(params, CHAMPION) == challenger
+    assert Registry(params).aliased(CHAMPION) == challenger
     records = _decision_runs(params)
     assert records[0].data.tags["tabrl.action"] == "promote"
     assert records[0].data.metrics["ab/challenger_shown"] == 40

@@ -17,18 +17,12 @@ from tasks.core.fim import QWEN
 from tasks.core.generate import generate, load_model
 from tasks.core.store import CHALLENGER, CHAMPION, Arm, completions, open_store, read_arms, replace_arms
 from tasks.deploy.errors import DeployError
+from tasks.deploy.model_cache import resolve_model_dir
 from tasks.deploy.promote import promote, rollback
-from tasks.deploy.registry import (
-    BASE_SHA_TAG,
-    BASE_VERSION_TAG,
-    base_version,
-    ensure_champion,
-    register_candidate,
-    resolve_model_dir,
-    set_alias,
-)
+from tasks.deploy.registry import BASE_SHA_TAG, Registry
 from tasks.deploy.rollout import rollout
-from tasks.deploy.tracking import start_cycle_run, tracking_client
+from tasks.deploy.tracking import CycleRuns, tracking_client
+from tasks.deploy.versions import BASE_VERSION_TAG
 from tasks.train.ppo import train
 from tests.conftest import tiny_params
 from tests.serving_util import serve_app
@@ -61,27 +55,31 @@ def test_an_adapter_version_is_tagged_with_its_base_and_refused_on_another(
     tmp_path, mlflow_store, tiny_model_dir, babbler_dir, adapter_dir
 ):
     params = tiny_params(tmp_path)
-    base = ensure_champion(tiny_model_dir, params)
-    version = register_candidate(adapter_dir, params, start_cycle_run(params), base=base)
+    runs = CycleRuns(params)
+    registry = Registry(params)
+    base = registry.ensure_champion(tiny_model_dir)
+    version = registry.register(adapter_dir, runs.start(), base=base)
     tags = tracking_client(params).get_model_version(version.name, str(version.version)).tags
     assert (tags[BASE_VERSION_TAG], tags[BASE_SHA_TAG]) == (base.label, checkpoint_sha256(tiny_model_dir))
-    assert version.base == base.label and base_version(version, params) == base
+    assert version.base == base.label and registry.base_of(version) == base
     assert {p.name for p in resolve_model_dir(version.uri, params).iterdir()} >= {"adapter_model.safetensors"}
-    other = register_candidate(babbler_dir, params, start_cycle_run(params))  # a full version with other weights
+    other = registry.register(babbler_dir, runs.start())  # a full version with other weights
     with pytest.raises(DeployError, match="trained on another base"):
-        register_candidate(adapter_dir, params, start_cycle_run(params), base=other)
+        registry.register(adapter_dir, runs.start(), base=other)
     with pytest.raises(DeployError, match="needs the full version it was trained on"):
-        register_candidate(adapter_dir, params, start_cycle_run(params))
+        registry.register(adapter_dir, runs.start())
 
 
 def test_both_arms_on_one_base_serve_their_own_weights_then_promote_and_rollback(
     tmp_path, mlflow_store, prefect_harness, tiny_model_dir, adapter_dir
 ):
     params = tiny_params(tmp_path, serving={"auth": False, "config_ttl_s": 0, "max_tokens": 8, "temperature": 0})
-    base = ensure_champion(tiny_model_dir, params)
+    runs = CycleRuns(params)
+    registry = Registry(params)
+    base = registry.ensure_champion(tiny_model_dir)
     with open_store(params.paths.database_url) as engine:
         replace_arms(engine, [Arm(CHAMPION, base.label, str(tiny_model_dir), "embedded", 1.0)])
-    version = register_candidate(adapter_dir, params, start_cycle_run(params), base=base)
+    version = registry.register(adapter_dir, runs.start(), base=base)
     done = _rollout_flow(version, str(resolve_model_dir(version.uri, params)), params, str(tiny_model_dir))
     challenger = next(a for a in done.arms if a.name == CHALLENGER)
     assert challenger.model_uri == str(tiny_model_dir)  # on the champion's base, not a copy of it
@@ -115,7 +113,7 @@ def test_both_arms_on_one_base_serve_their_own_weights_then_promote_and_rollback
     with open_store(params.paths.database_url) as engine:
         change = promote(engine, params)
         assert [a.adapter for a in change.arms] == [challenger.adapter]  # the adapter is the champion now
-        second = register_candidate(adapter_dir, params, start_cycle_run(params), base=base)
+        second = registry.register(adapter_dir, runs.start(), base=base)
     _rollout_flow(second, str(resolve_model_dir(second.uri, params)), params, str(tiny_model_dir))
     with open_store(params.paths.database_url) as engine:
         rollback(engine, params)
@@ -126,9 +124,10 @@ def test_an_adapter_is_not_promoted_over_a_champion_on_another_base(
     tmp_path, mlflow_store, tiny_model_dir, babbler_dir, adapter_dir
 ):
     params = tiny_params(tmp_path)
-    base = ensure_champion(tiny_model_dir, params)
-    version = register_candidate(adapter_dir, params, start_cycle_run(params), base=base)
-    set_alias(params, CHALLENGER, version.version)
+    registry = Registry(params)
+    base = registry.ensure_champion(tiny_model_dir)
+    version = registry.register(adapter_dir, CycleRuns(params).start(), base=base)
+    registry.set_alias(CHALLENGER, version.version)
     arms = [  # the champion's arm was pointed at another checkpoint by hand
         Arm(CHAMPION, base.label, str(babbler_dir), "embedded", 0.5),
         Arm(CHALLENGER, version.label, str(tiny_model_dir), "embedded", 0.5, "a2", str(adapter_dir)),

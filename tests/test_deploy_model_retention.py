@@ -12,16 +12,10 @@ from typer.testing import CliRunner
 
 from tasks.core.adapters import ADAPTER_CONFIG, BASE_FILE, write_base
 from tasks.core.store import CHALLENGER, CHAMPION, Arm, Store, init_schema, replace_arms
+from tasks.deploy.model_cache import candidate_dir, model_cache_dir, resolve_model_dir
 from tasks.deploy.model_retention import delete_retired, plan_model_retention
-from tasks.deploy.registry import (
-    candidate_dir,
-    ensure_champion,
-    model_cache_dir,
-    register_candidate,
-    resolve_model_dir,
-    set_alias,
-)
-from tasks.deploy.tracking import end_cycle_run, start_cycle_run, tracking_client
+from tasks.deploy.registry import Registry
+from tasks.deploy.tracking import CycleRuns, tracking_client
 from tests.conftest import tiny_params
 
 OLD_H = 48.0  # hours since an "old" copy was written; the tests' retention is 24 h
@@ -47,9 +41,9 @@ def _age(path: Path, hours: float) -> None:
 def _registered(params, checkpoint: Path, base=None):
     """checkpoint (an adapter on version `base`) registered as a new version by a finished cycle run;
     (version, run id)."""
-    run_id = start_cycle_run(params)
-    version = register_candidate(checkpoint, params, run_id, base=base)
-    end_cycle_run(params, run_id)
+    run_id = CycleRuns(params).start()
+    version = Registry(params).register(checkpoint, run_id, base=base)
+    CycleRuns(params).end(run_id)
     return version, run_id
 
 
@@ -60,7 +54,7 @@ def _setup(tmp_path, retention_h: float = 24.0):
     base = candidates / "base-model"  # configured inside a folder retention cleans: still never deleted
     params = tiny_params(tmp_path, deploy={"retired_retention_hours": retention_h}, model={"base_dir": str(base)})
     _checkpoint(base)
-    champion = ensure_champion(base, params)  # version 1, alias champion
+    champion = Registry(params).ensure_champion(base)  # version 1, alias champion
     lora_base, _ = _registered(params, _checkpoint(tmp_path / "trained" / "v2"))  # no alias: live as a base
     retired, retired_run = _registered(params, _checkpoint(tmp_path / "trained" / "v3"))  # no alias, no arm
     lora = tmp_path / "trained" / "v4"
@@ -68,8 +62,8 @@ def _setup(tmp_path, retention_h: float = 24.0):
     (lora / ADAPTER_CONFIG).write_text('{"r": 8}')
     write_base(lora, resolve_model_dir(lora_base.uri, params))
     challenger, _ = _registered(params, lora, base=lora_base)  # an adapter version on version 2
-    set_alias(params, CHALLENGER, challenger.version)
-    running_run = start_cycle_run(params)  # a cycle still training or evaluating its candidate
+    Registry(params).set_alias(CHALLENGER, challenger.version)
+    running_run = CycleRuns(params).start()  # a cycle still training or evaluating its candidate
 
     client = tracking_client(params)  # an MLflow artifact location someone put inside the model cache
     experiment = client.create_experiment("elsewhere", artifact_location=(model_cache_dir(params) / "art").as_uri())

@@ -7,32 +7,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tasks.core.store import CHALLENGER, CHAMPION
 from tasks.deploy.errors import DeployError
-from tasks.deploy.registry import (
-    CACHE_DONE,
-    append_version_description,
-    delete_alias,
-    ensure_champion,
-    get_alias_version,
-    register_candidate,
-    resolve_model_dir,
-    set_alias,
-)
-from tasks.deploy.tracking import (
-    as_flat_tags,
-    end_cycle_run,
-    mlflow_params,
-    name_cycle_run,
-    runs_view_url,
-    start_cycle_run,
-    tracking_client,
-)
+from tasks.deploy.model_cache import CACHE_DONE, resolve_model_dir
+from tasks.deploy.registry import Registry
+from tasks.deploy.tracking import CycleRuns, as_flat_tags, mlflow_params, tracking_client
 from tests.conftest import tiny_params
 
 
 def test_cycle_run_logs_every_param_within_mlflow_limits_and_resumes(tmp_path, mlflow_store):
     params = tiny_params(tmp_path, data={"split_salt": "s" * 7000})  # longer than MLflow's 6000-char limit
-    run_id = start_cycle_run(params, snapshot_sha256="ab" * 32, run_name="cycle-1")
-    end_cycle_run(params, run_id)
+    runs = CycleRuns(params)
+    run_id = runs.start(snapshot_sha256="ab" * 32, run_name="cycle-1")
+    runs.end(run_id)
 
     run = tracking_client(params).get_run(run_id)
     assert set(run.data.params) == set(params.flat())
@@ -44,13 +29,13 @@ def test_cycle_run_logs_every_param_within_mlflow_limits_and_resumes(tmp_path, m
     assert Path(run.info.artifact_uri.removeprefix("file://")).is_relative_to(tmp_path)  # artifacts under state_dir
 
     # Resume: same params is fine and reopens the run; other params would make the run incomparable.
-    assert start_cycle_run(params, run_id=run_id) == run_id
+    assert runs.start(run_id=run_id) == run_id
     assert tracking_client(params).get_run(run_id).info.status == "RUNNING"
     other = tiny_params(tmp_path, data={"split_salt": "s" * 7000}, deploy={"min_samples": 7})
     with pytest.raises(DeployError, match="deploy.min_samples"):
-        start_cycle_run(other, run_id=run_id)
+        CycleRuns(other).start(run_id=run_id)
     with pytest.raises(DeployError, match="not found"):
-        start_cycle_run(params, run_id="0" * 32)
+        runs.start(run_id="0" * 32)
 
 
 def test_mlflow_params_are_strings_and_distinct_long_values_stay_distinct(tmp_path):
@@ -62,22 +47,23 @@ def test_mlflow_params_are_strings_and_distinct_long_values_stay_distinct(tmp_pa
 
 def test_register_versions_aliases_and_resolve_to_loadable_dirs(tmp_path, mlflow_store, tiny_model_dir):
     params = tiny_params(tmp_path)
+    registry = Registry(params)
     name = params.deploy.registered_model
-    assert get_alias_version(params, CHAMPION) is None  # no registered model yet
+    assert registry.aliased(CHAMPION) is None  # no registered model yet
 
-    base = ensure_champion(tiny_model_dir, params)
+    base = registry.ensure_champion(tiny_model_dir)
     assert (base.version, base.label) == (1, f"{name}/1")
-    assert ensure_champion(tiny_model_dir, params) == base  # idempotent: no second base version
+    assert registry.ensure_champion(tiny_model_dir) == base  # idempotent: no second base version
 
-    run_id = start_cycle_run(params, snapshot_sha256="cd" * 32)
-    cand = register_candidate(tiny_model_dir, params, run_id)
+    run_id = CycleRuns(params).start(snapshot_sha256="cd" * 32)
+    cand = registry.register(tiny_model_dir, run_id)
     assert cand.version == 2 and cand.run_id == run_id and cand.uri == f"models:/{name}/2"
     mv = tracking_client(params).get_model_version(name, "2")
     assert mv.tags["tabrl.snapshot_sha256"] == "cd" * 32
 
-    set_alias(params, CHALLENGER, cand.version)
-    assert get_alias_version(params, CHALLENGER) == cand
-    assert get_alias_version(params, CHAMPION) == base
+    registry.set_alias(CHALLENGER, cand.version)
+    assert registry.aliased(CHALLENGER) == cand
+    assert registry.aliased(CHAMPION) == base
 
     # Local artifact store: the alias resolves to the registered artifact itself, no copy.
     local = resolve_model_dir(f"models:/{name}@{CHALLENGER}", params)
@@ -95,19 +81,20 @@ def test_register_versions_aliases_and_resolve_to_loadable_dirs(tmp_path, mlflow
     assert resolve_model_dir(f"models:/{name}/1", params, copy=True) == copied and (copied / "marker").exists()
 
     assert resolve_model_dir(tiny_model_dir, params) == tiny_model_dir
-    assert delete_alias(params, CHALLENGER) and not delete_alias(params, CHALLENGER)
+    assert registry.delete_alias(CHALLENGER) and not registry.delete_alias(CHALLENGER)
     with pytest.raises(DeployError, match="cannot resolve"):
         resolve_model_dir(f"models:/{name}@{CHALLENGER}", params)
     with pytest.raises(DeployError, match="no config.json"):
-        register_candidate(tmp_path, params, run_id)
+        registry.register(tmp_path, run_id)
 
 
 def test_ensure_champion_refuses_a_registry_that_lost_its_champion(tmp_path, mlflow_store, tiny_model_dir):
     params = tiny_params(tmp_path)
-    ensure_champion(tiny_model_dir, params)
-    delete_alias(params, CHAMPION)
+    registry = Registry(params)
+    registry.ensure_champion(tiny_model_dir)
+    registry.delete_alias(CHAMPION)
     with pytest.raises(DeployError, match="no 'champion' alias"):
-        ensure_champion(tiny_model_dir, params)
+        registry.ensure_champion(tiny_model_dir)
 
 
 def test_cycle_runs_are_numbered_and_named_for_their_outcome_in_a_runs_first_experiment(
@@ -115,20 +102,20 @@ def test_cycle_runs_are_numbered_and_named_for_their_outcome_in_a_runs_first_exp
 ):
     params = tiny_params(tmp_path)
     client = tracking_client(params)
-    base = ensure_champion(tiny_model_dir, params)
+    base = Registry(params).ensure_champion(tiny_model_dir)
     exp = client.get_experiment_by_name(params.deploy.experiment)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # MLflow's UI opens on the runs
     assert "one run per cycle" in exp.tags["mlflow.note.content"]
-    link = runs_view_url(params, "http://127.0.0.1:5000/")  # MLflow 3.17's UI reads its switch, not the tag
+    link = CycleRuns(params).runs_view_url("http://127.0.0.1:5000/")  # MLflow 3.17's UI reads its switch, not the tag
     assert link == f"http://127.0.0.1:5000/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning"
     assert client.get_run(base.run_id).info.run_name == f"base model · {base.label}"
 
-    first, second, third = (start_cycle_run(params) for _ in range(3))  # the base run is not a cycle
+    first, second, third = (CycleRuns(params).start() for _ in range(3))  # the base run is not a cycle
     assert [client.get_run(r).data.tags["tabrl.cycle"] for r in (first, second, third)] == ["1", "2", "3"]
     assert client.get_run(third).info.run_name == "cycle 3"  # until its outcome is known
-    name_cycle_run(params, first, "skipped", "too few rows to train on (3 < train.min_rows=8)")
-    name_cycle_run(params, second, "gate_failed", "judge_mean drops -1.2; FAIL: the champion stays")
-    name_cycle_run(params, third, "deployed", "reward improves", "tabrl-completion/2")
+    CycleRuns(params).name_outcome(first, "skipped", "too few rows to train on (3 < train.min_rows=8)")
+    CycleRuns(params).name_outcome(second, "gate_failed", "judge_mean drops -1.2; FAIL: the champion stays")
+    CycleRuns(params).name_outcome(third, "deployed", "reward improves", "tabrl-completion/2")
     runs = {r.info.run_id: r for r in client.search_runs([exp.experiment_id])}
     assert [runs[r].info.run_name for r in (first, second, third)] == [
         "cycle 1 · skipped: too few rows to train on",
@@ -145,19 +132,20 @@ def test_cycle_runs_are_numbered_and_named_for_their_outcome_in_a_runs_first_exp
     other = tiny_params(tmp_path, deploy={"experiment": "made-by-hand"})
     made = client.create_experiment("made-by-hand")
     assert (
-        start_cycle_run(other)
+        CycleRuns(other).start()
         and client.get_experiment(made).tags["mlflow.experimentKind"] == "custom_model_development"
     )
 
 
 def test_a_version_description_links_its_run_snapshot_and_gate(tmp_path, mlflow_store, tiny_model_dir):
     params = tiny_params(tmp_path)
+    registry = Registry(params)
     client = tracking_client(params)
-    base = ensure_champion(tiny_model_dir, params)
+    base = registry.ensure_champion(tiny_model_dir)
     base_text = client.get_model_version(base.name, str(base.version)).description
     assert f"/runs/{base.run_id})" in base_text and "base model" in base_text
 
-    run_id = start_cycle_run(params)
+    run_id = CycleRuns(params).start()
     client.log_batch(
         run_id,
         tags=as_flat_tags({"tabrl.snapshot": "data/interactions/x.parquet", "tabrl.snapshot_dvc_md5": "f" * 32}),
@@ -167,7 +155,7 @@ def test_a_version_description_links_its_run_snapshot_and_gate(tmp_path, mlflow_
         "champion/reward_per_request": 0.125,
         "delta/reward_per_request": 0.125,
     }
-    cand = register_candidate(tiny_model_dir, params, run_id, gate=gate)
+    cand = registry.register(tiny_model_dir, run_id, gate=gate)
     mv = client.get_model_version(cand.name, str(cand.version))
     exp = client.get_run(run_id).info.experiment_id
     assert f"[cycle 1](#/experiments/{exp}/runs/{run_id})" in mv.description
@@ -175,6 +163,6 @@ def test_a_version_description_links_its_run_snapshot_and_gate(tmp_path, mlflow_
     assert "| reward_per_request | 0.25 | 0.125 | 0.125 | - | - |" in mv.description
     assert mv.tags["tabrl.snapshot_dvc_md5"] == "f" * 32 and mv.tags["tabrl.snapshot"] == "data/interactions/x.parquet"
 
-    append_version_description(params, cand, "A/B decision: **promoted**.")
+    registry.append_description(cand, "A/B decision: **promoted**.")
     after = client.get_model_version(cand.name, str(cand.version)).description
     assert after.startswith(mv.description) and after.endswith("\n\nA/B decision: **promoted**.")

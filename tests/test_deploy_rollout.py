@@ -6,9 +6,9 @@ from prefect import flow
 import tasks.deploy.rollout as rollout_mod
 from tasks.core.store import CHALLENGER, CHAMPION, Arm, Store, init_schema, read_arms, replace_arms
 from tasks.deploy.errors import DeployError
-from tasks.deploy.registry import ensure_champion, get_alias_version, register_candidate
+from tasks.deploy.registry import Registry
 from tasks.deploy.rollout import challenger_arms, rollout
-from tasks.deploy.tracking import start_cycle_run
+from tasks.deploy.tracking import CycleRuns
 from tests.conftest import tiny_params
 
 
@@ -26,26 +26,29 @@ def _rollout_flow(version, model_dir, params):
 
 def test_rollout_makes_the_challenger_live_at_its_share(tmp_path, mlflow_store, tiny_model_dir, prefect_harness):
     params = tiny_params(tmp_path, deploy={"challenger_share": 0.25})
+    registry = Registry(params)
     engine = _live(params, tiny_model_dir)
-    ensure_champion(tiny_model_dir, params)
-    version = register_candidate(tiny_model_dir, params, start_cycle_run(params))
+    registry.ensure_champion(tiny_model_dir)
+    version = registry.register(tiny_model_dir, CycleRuns(params).start())
     done = _rollout_flow(version, str(tiny_model_dir), params)
     arms = {a.name: a for a in read_arms(engine)}
     assert arms[CHAMPION].share == pytest.approx(0.75) and arms[CHALLENGER].share == pytest.approx(0.25)
     assert arms[CHALLENGER].model_version == version.label and done.arms == sorted(
         arms.values(), key=lambda a: a.name, reverse=True
     )
-    assert get_alias_version(params, CHALLENGER).version == version.version
+    assert registry.aliased(CHALLENGER).version == version.version
 
 
 def test_a_failing_step_restores_arms_and_aliases(tmp_path, mlflow_store, tiny_model_dir, prefect_harness, monkeypatch):
     params = tiny_params(tmp_path)
+    runs = CycleRuns(params)
+    registry = Registry(params)
     engine = _live(params, tiny_model_dir)
-    ensure_champion(tiny_model_dir, params)
-    first = register_candidate(tiny_model_dir, params, start_cycle_run(params))
+    registry.ensure_champion(tiny_model_dir)
+    first = registry.register(tiny_model_dir, runs.start())
     _rollout_flow(first, str(tiny_model_dir), params)  # an earlier challenger is live
     before = read_arms(engine)
-    second = register_candidate(tiny_model_dir, params, start_cycle_run(params))
+    second = registry.register(tiny_model_dir, runs.start())
 
     @rollout_mod.task(name="check-arms")
     def failing_check(expected, params):
@@ -55,7 +58,7 @@ def test_a_failing_step_restores_arms_and_aliases(tmp_path, mlflow_store, tiny_m
     with pytest.raises(DeployError, match="injected"):
         _rollout_flow(second, str(tiny_model_dir), params)
     assert read_arms(engine) == before  # the arms swap was undone
-    assert get_alias_version(params, CHALLENGER).version == first.version  # and the alias put back
+    assert registry.aliased(CHALLENGER).version == first.version  # and the alias put back
 
 
 def test_rollout_needs_a_live_champion(tmp_path):

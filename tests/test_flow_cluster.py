@@ -32,7 +32,8 @@ from mlflow import MlflowClient
 from serving.simulate import run_simulation
 from tasks.core.procs import free_port, wait_until_up
 from tasks.core.store import CHALLENGER, CHAMPION, Arm, Store, completions, init_schema, read_arms, replace_arms
-from tasks.deploy.registry import ensure_champion, get_alias_version, resolve_model_dir
+from tasks.deploy.model_cache import resolve_model_dir
+from tasks.deploy.registry import Registry
 from tasks.ingest.pull import read_watermark
 from tasks.sim.users import make_users
 from tests.test_flow_cycle import ACCEPT_ALL, FAST_TRAIN, _dvc_repo, write_cycle_inputs
@@ -187,6 +188,7 @@ def test_cycle_trains_on_the_gpu_worker_and_survives_losing_it(
         "paths": {"mlflow_tracking_uri": tracking},
     }
     params, params_file = write_cycle_inputs(tmp_path, repo, fim_samples, typing_regions, **sections)
+    registry = Registry(params)
     logs = {name: tmp_path / f"{name}.log" for name in ("prefect", "mlflow", "gateway", "cpu", "gpu", "gpu2")}
     mlflow_dir = tmp_path / "mlflow"
     mlflow_dir.mkdir()
@@ -225,7 +227,7 @@ def test_cycle_trains_on_the_gpu_worker_and_survives_losing_it(
             )
         )
         wait_until_up(f"{tracking}/health", mlflow_server, 120)
-        champion = ensure_champion(tiny_model_dir, params)  # uploaded to the server: no path is shared
+        champion = registry.ensure_champion(tiny_model_dir)  # uploaded to the server: no path is shared
         engine = Store(params.paths.database_url).engine
         init_schema(engine)
         champion_dir = resolve_model_dir(champion.uri, params)  # downloaded into the cycle side's state dir
@@ -286,7 +288,7 @@ def test_cycle_trains_on_the_gpu_worker_and_survives_losing_it(
         sent = train_runs[0]["parameters"]  # references only: the gpu side shares no path with the cycle
         assert sent["from_uri"] == champion.uri and sent["snapshot_uri"].startswith(f"runs:/{run1.info.run_id}/")
         assert [p for p in dvc_remote.rglob("*") if p.is_file()], "the snapshot was pushed to the DVC remote"
-        version = get_alias_version(params, CHALLENGER)
+        version = registry.aliased(CHALLENGER)
         assert version is not None and version.version == champion.version + 1 and version.run_id == run1.info.run_id
         assert {a.name: a.model_version for a in read_arms(engine)} == {
             CHAMPION: champion.label,
@@ -341,7 +343,7 @@ def test_cycle_trains_on_the_gpu_worker_and_survives_losing_it(
         assert run2.data.tags["tabrl.cycle_status"] == "train_failed", run2.data.tags
         assert "did not finish within cluster.train_timeout_s=90" in run2.data.tags["tabrl.cycle_reason"]
         assert _flow_runs(api, "train-candidate")[0]["state"]["type"] == "CANCELLED"
-        assert get_alias_version(params, CHALLENGER).version == version.version  # nothing half-registered
+        assert registry.aliased(CHALLENGER).version == version.version  # nothing half-registered
         assert len(client.search_model_versions(f"name = '{params.deploy.registered_model}'")) == 2
         assert {a.name: a.model_version for a in read_arms(engine)}[CHALLENGER] == version.label
         with engine.connect() as conn:
@@ -354,7 +356,7 @@ def test_cycle_trains_on_the_gpu_worker_and_survives_losing_it(
         run3 = _last_cycle_run(client, params.deploy.experiment)
         assert run3.data.tags["tabrl.cycle_status"] == "deployed", run3.data.tags.get("tabrl.cycle_reason")
         assert run3.data.tags["tabrl.snapshot_sha256"] == run2.data.tags["tabrl.snapshot_sha256"]
-        assert get_alias_version(params, CHALLENGER).version == version.version + 1
+        assert registry.aliased(CHALLENGER).version == version.version + 1
         with engine.connect() as conn:
             assert read_watermark(conn).completion_seq > watermark1
         engine.dispose()

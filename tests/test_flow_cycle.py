@@ -22,15 +22,10 @@ from flows.cycle import online_rl_cycle
 from serving.gateway import create_app
 from serving.simulate import run_simulation
 from tasks.core.store import CHALLENGER, CHAMPION, Arm, Store, init_schema, read_arms, replace_arms
+from tasks.deploy.model_cache import candidate_dir, resolve_model_dir
 from tasks.deploy.promote import rollback
-from tasks.deploy.registry import (
-    candidate_dir,
-    chars_saved_holder,
-    ensure_champion,
-    get_alias_version,
-    resolve_model_dir,
-)
-from tasks.deploy.tracking import next_gate_window
+from tasks.deploy.registry import Registry
+from tasks.deploy.tracking import CycleRuns
 from tasks.sim.corpus import write_samples
 from tasks.sim.editor import regions_path, write_regions
 from tasks.sim.users import make_users
@@ -82,7 +77,7 @@ def write_cycle_inputs(tmp_path, repo, fim_samples, typing_regions, n_samples: i
 def champion_serving_traffic(base_dir, params, regions, n_users: int, n_requests: int):
     """The base registered as champion and served alone, then n_requests of simulated typing through the gateway;
     returns (champion version, log store engine)."""
-    champion = ensure_champion(base_dir, params)
+    champion = Registry(params).ensure_champion(base_dir)
     engine = Store(params.paths.database_url).engine
     init_schema(engine)
     replace_arms(engine, [Arm(CHAMPION, champion.label, str(resolve_model_dir(champion.uri, params)), "embedded", 1.0)])
@@ -109,6 +104,7 @@ def test_cycle_registers_and_rolls_out_a_challenger(
         "deploy": {"challenger_share": 0.3},
     }
     params, params_file = write_cycle_inputs(tmp_path, repo, fim_samples, typing_regions, **sections)
+    registry = Registry(params)
 
     champion, engine = champion_serving_traffic(tiny_model_dir, params, typing_regions, 4, 48)
     import time
@@ -130,7 +126,7 @@ def test_cycle_registers_and_rolls_out_a_challenger(
         assert key in run.data.metrics, key
     assert run.data.params["train.lr"] == "0.01" and run.data.tags["tabrl.cycle_status"] == report.status
     assert report.status == "deployed", report.reason
-    version = get_alias_version(params, CHALLENGER)
+    version = registry.aliased(CHALLENGER)
     assert version is not None and version.label == report.version and version.version == champion.version + 1
     arms = {a.name: a for a in read_arms(engine)}
     assert arms[CHALLENGER].share == pytest.approx(0.3) and arms[CHAMPION].share == pytest.approx(0.7)
@@ -151,14 +147,14 @@ def test_cycle_registers_and_rolls_out_a_challenger(
     # the promoted version names the lineage's characters-saved holder the next gate types too: itself if it
     # saved at least what the base did (no tag), else the base
     if m["eval/typing/chars_saved"] >= m["eval/champion/typing/chars_saved"]:
-        assert "tabrl.chars_saved_holder" not in registered.tags and chars_saved_holder(version, params) is None
+        assert "tabrl.chars_saved_holder" not in registered.tags and registry.chars_saved_holder(version) is None
     else:
         assert registered.tags["tabrl.chars_saved_holder"] == str(champion.version)
-        assert chars_saved_holder(version, params).version == champion.version
-    assert chars_saved_holder(champion, params) is None  # the base holds its own
+        assert registry.chars_saved_holder(version).version == champion.version
+    assert registry.chars_saved_holder(champion) is None  # the base holds its own
     # the gate typed the first window of the held-out half; the next gate takes the next one
     assert run.data.tags["tabrl.gate_window"] == "0" and params.evaluate.gate_windows == 3
-    assert next_gate_window(params, 3) == 1
+    assert CycleRuns(params).next_gate_window(3) == 1
     gate_row = (
         f"| reward_per_request | {m['eval/typing/reward_per_request']:.4g} "
         f"| {m['eval/champion/typing/reward_per_request']:.4g} |"
@@ -189,10 +185,11 @@ def test_cycle_registers_and_rolls_out_a_challenger(
     trip = ["train.max_approx_kl=1e-9", "reward.advantage=raw", "reward.abstained=1.0", "reward.rejected=-1.0"]
     diverged = online_rl_cycle(str(params_file), trip, force=True, repo_dir=str(repo))
     assert diverged.status == "diverged" and "approx" in diverged.reason.lower(), diverged.reason
-    assert get_alias_version(params, CHALLENGER).label == version.label
+    assert registry.aliased(CHALLENGER).label == version.label
     assert {a.name: a.model_version for a in read_arms(engine)} == {n: a.model_version for n, a in arms.items()}
     assert mlflow.get_run(diverged.run_id).data.tags["tabrl.cycle_status"] == "diverged"
-    assert next_gate_window(params, 3) == 1  # no gate ran in cycles 2 and 3: the next one still takes window 1
+    # no gate ran in cycles 2 and 3: the next one still takes window 1
+    assert CycleRuns(params).next_gate_window(3) == 1
 
     # Rolled back by hand: the A/B decision joins the story on the cycle run's name and the version page.
     rollback(engine, params)

@@ -25,8 +25,8 @@ from serving.gateway import create_app
 from serving.router import assign
 from tasks.core.store import CHALLENGER, CHAMPION, Arm, Store, completions, init_schema, read_arms, replace_arms
 from tasks.deploy.errors import DeployError
-from tasks.deploy.registry import ensure_champion, get_alias_version, register_candidate
-from tasks.deploy.tracking import start_cycle_run
+from tasks.deploy.registry import Registry
+from tasks.deploy.tracking import CycleRuns
 from tasks.evaluate.evaluate import compare
 from tasks.evaluate.judge import JudgeUnavailable
 from tasks.train.policy import RESULT_FILE
@@ -345,7 +345,7 @@ def _deploy_setup(tmp_path, tiny_model_dir):
     engine = Store(params.paths.database_url).engine
     init_schema(engine)
     replace_arms(engine, [Arm(CHAMPION, "tabrl-completion/1", str(tiny_model_dir), "embedded", 1.0)])
-    ensure_champion(tiny_model_dir, params)
+    Registry(params).ensure_champion(tiny_model_dir)
     return params, engine
 
 
@@ -361,13 +361,14 @@ def test_mlflow_down_before_rollout_leaves_arms_unchanged(
     tmp_path, mlflow_store, tiny_model_dir, prefect_harness, monkeypatch
 ):
     params, engine = _deploy_setup(tmp_path, tiny_model_dir)
-    version = register_candidate(tiny_model_dir, params, start_cycle_run(params))
+    registry = Registry(params)
+    version = registry.register(tiny_model_dir, CycleRuns(params).start())
     before = read_arms(engine)
     with pytest.raises(Exception) as err:
         _rollout_flow(version, str(tiny_model_dir), _down(params, monkeypatch))
     assert "127.0.0.1" in str(err.value) or "Connection" in repr(err.value)
     assert read_arms(engine) == before
-    assert get_alias_version(params, CHALLENGER) is None
+    assert registry.aliased(CHALLENGER) is None
 
 
 def test_mlflow_down_mid_rollout_restores_the_arms(
@@ -376,7 +377,7 @@ def test_mlflow_down_mid_rollout_restores_the_arms(
     """MLflow goes away after the alias was set and the arms swapped; the last step fails. The arms
     are restored even though the alias rollback cannot reach MLflow."""
     params, engine = _deploy_setup(tmp_path, tiny_model_dir)
-    version = register_candidate(tiny_model_dir, params, start_cycle_run(params))
+    version = Registry(params).register(tiny_model_dir, CycleRuns(params).start())
     before = read_arms(engine)
     down = _down(params, monkeypatch)
 
@@ -386,7 +387,7 @@ def test_mlflow_down_mid_rollout_restores_the_arms(
 
         mlflow.set_tracking_uri(down.paths.mlflow_tracking_uri)
         monkeypatch.setattr(
-            rollout_mod,
+            rollout_mod.Registry,
             "set_alias",
             lambda *a, **k: (_ for _ in ()).throw(DeployError("MLflow at http://127.0.0.1 unreachable")),
         )

@@ -23,7 +23,8 @@ from transformers import AutoConfig, AutoTokenizer
 from flows.cycle import online_rl_cycle
 from tasks.core.fim import PREFIX_ONLY, parse_completion, read_template
 from tasks.core.store import CHALLENGER, completions
-from tasks.deploy.registry import get_alias_version, register_candidate, resolve_model_dir
+from tasks.deploy.model_cache import resolve_model_dir
+from tasks.deploy.registry import Registry
 from tasks.train.import_model import ImportModelError, import_model
 from tests.test_flow_cycle import ACCEPT_ALL, _dvc_repo, champion_serving_traffic, write_cycle_inputs
 
@@ -59,6 +60,7 @@ def test_smollm2_is_served_logged_trained_evaluated_and_registered(
         "evaluate": {"n_samples": 4, "n_requests": 8, "max_new_tokens": 4, "batch_size": 4, "gate_tolerance": 1.0},
     }
     params, params_file = write_cycle_inputs(tmp_path, repo, fim_samples, typing_regions, n_samples=4, **sections)
+    registry = Registry(params)
 
     _, engine = champion_serving_traffic(smollm2_dir, params, typing_regions, 2, 12)
     with engine.connect() as conn:
@@ -86,9 +88,7 @@ def test_smollm2_is_served_logged_trained_evaluated_and_registered(
     after = load_file(candidate_dir / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before), "the PPO update changed no weight"
     version = (
-        get_alias_version(params, CHALLENGER)
-        if report.status == "deployed"
-        else register_candidate(candidate_dir, params, report.run_id)
+        registry.aliased(CHALLENGER) if report.status == "deployed" else registry.register(candidate_dir, report.run_id)
     )
     registered = resolve_model_dir(version.uri, params)
     assert read_template(registered) == PREFIX_ONLY  # ... and with the registered version

@@ -30,15 +30,12 @@ from tasks.core.adapters import is_adapter
 from tasks.core.store import CHALLENGER, CHAMPION, completions, open_store, read_arms
 from tasks.core.vllm import recorded_servers, served_models, start_vllm, stop_vllm
 from tasks.deploy.arms import serve_champion, sync_adapters
+from tasks.deploy.model_cache import resolve_model_dir
 from tasks.deploy.promote import rollback
-from tasks.deploy.registry import (
-    BASE_VERSION_TAG,
-    get_alias_version,
-    register_candidate,
-    resolve_model_dir,
-)
+from tasks.deploy.registry import Registry
 from tasks.deploy.rollout import rollout
 from tasks.deploy.tracking import tracking_client
+from tasks.deploy.versions import BASE_VERSION_TAG
 from tasks.sim.users import make_users
 from tests.serving_util import serve_app
 from tests.test_flow_cycle import ACCEPT_ALL, _dvc_repo, write_cycle_inputs
@@ -95,6 +92,7 @@ def test_a_lora_version_goes_live_on_the_one_vllm_server_and_survives_a_restart(
         "evaluate": {"n_samples": 4, "n_requests": 8, "max_new_tokens": 4, "batch_size": 4, "gate_tolerance": 1.0},
     }
     params, params_file = write_cycle_inputs(tmp_path, repo, fim_samples, typing_regions, n_samples=4, **sections)
+    registry = Registry(params)
     try:
         champion_arm = serve_champion(params)  # SmolLM2 is version 1, on its base's one LoRA server
         (server,) = recorded_servers(params)
@@ -116,11 +114,11 @@ def test_a_lora_version_goes_live_on_the_one_vllm_server_and_survives_a_restart(
         assert report.status in ("deployed", "gate_failed"), report.reason
         candidate = Path(params.paths.models_dir) / "candidates" / report.run_id
         assert is_adapter(candidate)  # a LoRA candidate: MBs, not a copy of the base
-        base = get_alias_version(params, CHAMPION)
+        base = registry.aliased(CHAMPION)
         if report.status == "deployed":  # the gate's call on 12 requests of traffic; the chain goes on either way
-            version = get_alias_version(params, CHALLENGER)
+            version = registry.aliased(CHALLENGER)
         else:
-            version = register_candidate(candidate, params, report.run_id, base=base)
+            version = registry.register(candidate, report.run_id, base=base)
             base_dir = str(resolve_model_dir(base.uri, params))
             _rollout_flow(version, str(resolve_model_dir(version.uri, params)), params, base_dir)
         tags = tracking_client(params).get_model_version(version.name, str(version.version)).tags

@@ -204,7 +204,8 @@ def export_cmd(
     from tasks.core.adapters import AdapterBaseError, is_adapter
     from tasks.core.generate import save_merged
     from tasks.deploy.errors import DeployError
-    from tasks.deploy.registry import base_version, model_version_of, resolve_model_dir
+    from tasks.deploy.model_cache import resolve_model_dir
+    from tasks.deploy.registry import Registry
 
     p = params_or_exit(params, set_)
     if not merged:
@@ -216,7 +217,8 @@ def export_cmd(
         if not is_adapter(adapter_dir):
             fail(f"{model} is a full checkpoint already ({adapter_dir}); there is no adapter to merge", 2)
         if base is None and model.startswith("models:/"):
-            base = resolve_model_dir(base_version(model_version_of(model, p), p).uri, p)
+            registry = Registry(p)
+            base = resolve_model_dir(registry.base_of(registry.version_of(model)).uri, p)
         written = save_merged(adapter_dir, base, out)
     except (DeployError, AdapterBaseError) as err:
         fail(str(err), 2)

@@ -17,16 +17,18 @@ from tasks.core.adapters import is_adapter
 from tasks.core.config import Params
 from tasks.core.store import CHAMPION, Arm, open_store, read_arms, replace_arms
 from tasks.core.vllm import adapter_name, base_server, load_adapter, served_models
-from tasks.deploy.registry import base_version, ensure_champion, resolve_model_dir
+from tasks.deploy.model_cache import resolve_model_dir
+from tasks.deploy.registry import Registry
 
 log = logging.getLogger(__name__)
 
 
 def serve_champion(params: Params) -> Arm:
     """Make the registry's champion the one live arm on serving.backend, started where needed (see above)."""
-    champion = ensure_champion(params.model.base_dir, params)
+    registry = Registry(params)
+    champion = registry.ensure_champion(params.model.base_dir)
     champion_dir = resolve_model_dir(champion.uri, params)
-    base_dir = resolve_model_dir(base_version(champion, params).uri, params)
+    base_dir = resolve_model_dir(registry.base_of(champion).uri, params)
     adapter = str(champion_dir) if is_adapter(champion_dir) else None
     name = adapter_name(champion.label) if adapter is not None else None
     if params.serving.backend == "embedded":

@@ -8,7 +8,7 @@ are ever deleted:
 
 * ``<paths.models_dir>/candidates/<cycle run id>``: candidates trained on this host (``flows/remote_training.py``);
 * ``<paths.state_dir>/model_cache/<NAME>/<VERSION>`` and ``.../model_cache/runs/<RUN_ID>``: registry versions and
-  run artifacts downloaded from the tracking server (``tasks/deploy/registry.py``).
+  run artifacts downloaded from the tracking server (``tasks/deploy/model_cache.py``).
 
 A copy is live, and kept, while an arm of the log store serves it (the arm's ``model_uri`` or ``adapter`` lies
 in it), while an alias (``champion``, ``challenger``) names its version or an adapter version that runs on it,
@@ -40,15 +40,8 @@ from sqlalchemy.engine import Engine
 from tasks.core.adapters import AdapterBaseError, is_adapter, read_base
 from tasks.core.config import Params
 from tasks.core.store import CHALLENGER, CHAMPION, open_store, read_arms
-from tasks.deploy.registry import (
-    CANDIDATES,
-    RUN_CACHE,
-    base_version,
-    get_alias_version,
-    local_path,
-    model_cache_dir,
-    version_dirs,
-)
+from tasks.deploy.model_cache import CANDIDATES, RUN_CACHE, local_path, model_cache_dir, version_dirs
+from tasks.deploy.registry import Registry
 from tasks.deploy.tracking import tracking_client
 
 log = logging.getLogger("tabrl.model_retention")
@@ -98,7 +91,7 @@ def _entries(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_dir() and not p.is_symlink() and not p.name.startswith("."))
 
 
-def live_dirs(engine: Engine, params: Params) -> dict[Path, str]:
+def live_dirs(engine: Engine, registry: Registry) -> dict[Path, str]:
     """Resolved directory -> why it is live: the arms' checkpoints and adapters, the aliased versions' directories
     and their base versions' (an adapter version's), and the recorded base of each live adapter."""
     live: dict[Path, str] = {}
@@ -108,13 +101,13 @@ def live_dirs(engine: Engine, params: Params) -> dict[Path, str]:
         if arm.adapter:
             live[Path(arm.adapter).resolve()] = f"arm {arm.name!r} serves it as its adapter ({arm.model_version})"
     for alias in (CHAMPION, CHALLENGER):
-        version = get_alias_version(params, alias)
+        version = registry.aliased(alias)
         if version is None:
             continue
-        for d in version_dirs(version, params):
+        for d in version_dirs(version, registry.params):
             live[d.resolve()] = f"alias {alias!r} names {version.label}"
-        base = base_version(version, params)  # an adapter version runs on a full version of its own
-        for d in version_dirs(base, params):
+        base = registry.base_of(version)  # an adapter version runs on a full version of its own
+        for d in version_dirs(base, registry.params):
             live.setdefault(d.resolve(), f"the base of {version.label}, which alias {alias!r} names")
     for d, why in list(live.items()):
         if is_adapter(d):
@@ -125,11 +118,11 @@ def live_dirs(engine: Engine, params: Params) -> dict[Path, str]:
     return live
 
 
-def protected_dirs(params: Params) -> dict[Path, str]:
+def protected_dirs(params: Params, client: MlflowClient) -> dict[Path, str]:
     """Resolved directory -> why nothing in it (or holding it) is ever deleted: the base model and every local
     MLflow artifact location (on a local store the registry's one copy of each version)."""
     protected = {Path(params.model.base_dir).resolve(): "model.base_dir (the base model)"}
-    for experiment in tracking_client(params).search_experiments(view_type=ViewType.ALL):
+    for experiment in client.search_experiments(view_type=ViewType.ALL):
         location = local_path(experiment.artifact_location)
         if location is not None:
             protected[location.resolve()] = f"MLflow artifact location of experiment {experiment.name!r}"
@@ -142,9 +135,9 @@ def plan_model_retention(engine: Engine, params: Params, now: float | None = Non
     nothing (`delete_retired` does)."""
     now = time.time() if now is None else now
     retention_h = params.deploy.retired_retention_hours
-    live = live_dirs(engine, params)
-    protected = protected_dirs(params)
     client = tracking_client(params)
+    live = live_dirs(engine, Registry(params))
+    protected = protected_dirs(params, client)
     plan = []
     for found in local_copies(params):
         path = found.path.resolve()

@@ -34,9 +34,10 @@ from tasks.core.store import CHALLENGER, CHAMPION, Arm, ArmError, read_arms, rep
 from tasks.core.vllm import VllmError, base_of
 from tasks.deploy.ab import ArmStats, Decision, arm_stats, decide
 from tasks.deploy.errors import DeployError
-from tasks.deploy.registry import ModelVersion, append_version_description, delete_alias, get_alias_version, set_alias
+from tasks.deploy.registry import Registry
 from tasks.deploy.rollout import retire
 from tasks.deploy.tracking import as_flat_tags, experiment_id, tracking_client
+from tasks.deploy.versions import ModelVersion
 
 DECISIONS_DESCRIPTION = (
     "tabrl A/B decisions: one run per look at the live test (promote, rollback or continue), with the "
@@ -62,7 +63,8 @@ class DeployChange:
 def promote(engine: Engine, params: Params, decision: Decision | None = None) -> DeployChange:
     """Challenger -> champion (alias) and the only arm at share 1.0; the old champion arm is removed."""
     live = read_arms(engine)
-    arm, version = _challenger(live, params, "promote")
+    registry = Registry(params)
+    arm, version = _challenger(live, registry, "promote")
     if arm is None or version is None:
         raise DeployError(
             f"cannot promote: the challenger is half set up (arm: {arm.model_version if arm else 'none'}, "
@@ -77,16 +79,16 @@ def promote(engine: Engine, params: Params, decision: Decision | None = None) ->
     if champion_arm is not None:
         _check_same_base(arm, champion_arm)
     decision = decision or _manual("promote", engine, params)
-    before = get_alias_version(params, CHAMPION)
-    set_alias(params, CHAMPION, version.version)
-    delete_alias(params, CHALLENGER)
+    before = registry.aliased(CHAMPION)
+    registry.set_alias(CHAMPION, version.version)
+    registry.delete_alias(CHALLENGER)
     new_arms = [replace(arm, name=CHAMPION, share=1.0)]
     try:
         replace_arms(engine, new_arms)
     except (SQLAlchemyError, ArmError):
         if before is not None:
-            set_alias(params, CHAMPION, before.version)
-        set_alias(params, CHALLENGER, version.version)
+            registry.set_alias(CHAMPION, before.version)
+        registry.set_alias(CHALLENGER, version.version)
         raise
     record = log_decision(params, decision, champion=version, challenger=version, applied=True)
     removed = [a for a in live if a.name != CHALLENGER]
@@ -97,7 +99,8 @@ def promote(engine: Engine, params: Params, decision: Decision | None = None) ->
 def rollback(engine: Engine, params: Params, decision: Decision | None = None) -> DeployChange:
     """Challenger arm removed, champion arm at share 1.0, challenger alias deleted."""
     live = read_arms(engine)
-    arm, version = _challenger(live, params, "roll back")
+    registry = Registry(params)
+    arm, version = _challenger(live, registry, "roll back")
     champion_arm = next((a for a in live if a.name == CHAMPION), None)
     if champion_arm is None:
         raise DeployError(
@@ -106,8 +109,8 @@ def rollback(engine: Engine, params: Params, decision: Decision | None = None) -
     decision = decision or _manual("rollback", engine, params)
     new_arms = [replace(champion_arm, share=1.0)]
     replace_arms(engine, new_arms)
-    delete_alias(params, CHALLENGER)
-    champion = get_alias_version(params, CHAMPION)
+    registry.delete_alias(CHALLENGER)
+    champion = registry.aliased(CHAMPION)
     record = log_decision(params, decision, champion=champion, challenger=version, applied=True)
     removed = [a for a in live if a.name != CHAMPION]
     retire(removed, new_arms, params)
@@ -134,13 +137,13 @@ def _check_same_base(challenger: Arm, champion: Arm) -> None:
         raise DeployError(f"cannot promote {challenger.model_version} over the champion on {base}: {err}") from err
 
 
-def _challenger(live: list[Arm], params: Params, verb: str) -> tuple[Arm | None, ModelVersion | None]:
+def _challenger(live: list[Arm], registry: Registry, verb: str) -> tuple[Arm | None, ModelVersion | None]:
     arm = next((a for a in live if a.name == CHALLENGER), None)
-    version = get_alias_version(params, CHALLENGER)
+    version = registry.aliased(CHALLENGER)
     if arm is None and version is None:
         raise NoChallengerError(
             f"nothing to {verb}: no {CHALLENGER!r} arm is live and no version of "
-            f"{params.deploy.registered_model!r} has the {CHALLENGER!r} alias"
+            f"{registry.name!r} has the {CHALLENGER!r} alias"
         )
     return arm, version
 
@@ -193,7 +196,7 @@ def log_decision(
     client.log_text(run_id, json.dumps(record, indent=2, sort_keys=True), "decision.json")
     client.set_terminated(run_id)
     if applied and challenger and decision.action != "continue":
-        append_version_description(params, challenger, decision_note(decision, run_id))
+        Registry(params).append_description(challenger, decision_note(decision, run_id))
         if challenger.run_id:
             client.log_batch(
                 challenger.run_id,

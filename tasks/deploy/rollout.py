@@ -51,7 +51,8 @@ from tasks.core.vllm import (
     unload_adapter,
 )
 from tasks.deploy.errors import DeployError
-from tasks.deploy.registry import ModelVersion, delete_alias, get_alias_version, set_alias
+from tasks.deploy.registry import Registry
+from tasks.deploy.versions import ModelVersion
 
 log = logging.getLogger(__name__)
 
@@ -148,20 +149,21 @@ def _unserve(txn) -> None:
 
 @task(name="set-challenger-alias", cache_policy=NO_CACHE)
 def set_challenger_alias(version: ModelVersion, params: Params) -> None:
-    previous = get_alias_version(params, CHALLENGER)
+    registry = Registry(params)
+    previous = registry.aliased(CHALLENGER)
     txn = get_transaction()
     txn.set("params", params)
     txn.set("previous_version", previous.version if previous else None)
-    set_alias(params, CHALLENGER, version.version)
+    registry.set_alias(CHALLENGER, version.version)
 
 
 @set_challenger_alias.on_rollback
 def _restore_alias(txn) -> None:
-    params, previous = txn.get("params"), txn.get("previous_version")
+    registry, previous = Registry(txn.get("params")), txn.get("previous_version")
     if previous is None:
-        delete_alias(params, CHALLENGER)
+        registry.delete_alias(CHALLENGER)
     else:
-        set_alias(params, CHALLENGER, previous)
+        registry.set_alias(CHALLENGER, previous)
 
 
 @task(name="swap-arms", cache_policy=NO_CACHE)

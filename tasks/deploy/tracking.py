@@ -8,7 +8,7 @@
   list tells the story.
 * tabrl's experiments carry ``mlflow.experimentKind = custom_model_development`` and a description.
   MLflow 3.17's UI reads the kind only where its global GenAI / Model training switch is off, so
-  :func:`runs_view_url` sets the switch in the link that opens the runs.
+  :meth:`CycleRuns.runs_view_url` sets the switch in the link that opens the runs.
 
 The registered model and its versions built from these runs are in ``registry.py``.
 """
@@ -57,7 +57,7 @@ def experiment_id(client: MlflowClient, name: str, params: Params, description: 
     """The id of experiment `name`, created on first use with its kind and `description`.
 
     The kind tag marks it as model training, not GenAI (MLflow's UI reads it where its global GenAI /
-    Model training switch is off: see :func:`runs_view_url`); an experiment that lacks it (made by an
+    Model training switch is off: see :meth:`CycleRuns.runs_view_url`); an experiment that lacks it (made by an
     older tabrl or by hand) gets it.
     With a local tracking store the artifacts go under `<paths.state_dir>/mlartifacts` (MLflow's own
     default is ./mlruns of whatever the working directory is); a tracking server decides for itself.
@@ -74,17 +74,6 @@ def experiment_id(client: MlflowClient, name: str, params: Params, description: 
     return client.create_experiment(name, artifact_location=location, tags=tags)
 
 
-def runs_view_url(params: Params, ui_url: str) -> str:
-    """The link that opens the cycles experiment on its runs in the MLflow UI served at `ui_url`.
-
-    MLflow 3.17's UI picks its GenAI or "Model training" views with one global switch (the link's
-    `workflowType`, else the browser's last choice, GenAI at first); it reads the experiment's kind
-    tag only where that switch is off. The link sets the switch, so the runs show at once.
-    """
-    exp = experiment_id(tracking_client(params), params.deploy.experiment, params, CYCLES_DESCRIPTION)
-    return f"{ui_url.rstrip('/')}/#/experiments/{exp}/runs?workflowType=machine_learning"
-
-
 def _is_local_store(tracking_uri: str) -> bool:
     return urlparse(tracking_uri).scheme in ("", "file", "sqlite")
 
@@ -92,37 +81,57 @@ def _is_local_store(tracking_uri: str) -> bool:
 # --- cycle runs -----------------------------------------------------------------------------------
 
 
-def start_cycle_run(
-    params: Params,
-    *,
-    run_id: str | None = None,
-    snapshot_sha256: str | None = None,
-    run_name: str | None = None,
-    tags: Mapping[str, str] | None = None,
-) -> str:
-    """Start the cycle's MLflow run (or resume `run_id`) with the full resolved params; returns the run id.
+class CycleRuns:
+    """The cycle runs of experiment `deploy.experiment`: started, tagged, named for their outcome, ended; through
+    one MLflow client on `paths.mlflow_tracking_uri`."""
 
-    A new cycle run (tag `tabrl.kind` = cycle) gets the next cycle number (tag `tabrl.cycle`) and the
-    name `cycle N` until :func:`name_cycle_run` tells its outcome. Resuming a run checks that its
-    logged params are the ones given (a cycle resumed under another config would no longer be
-    comparable) and logs any that a crash left out.
-    """
-    client = tracking_client(params)
-    all_tags = {"tabrl.kind": "cycle", **(tags or {})}
-    if snapshot_sha256 is not None:
-        all_tags["tabrl.snapshot_sha256"] = snapshot_sha256
-    wanted = mlflow_params(params)
-    if run_id is None:
-        exp = experiment_id(client, params.deploy.experiment, params, CYCLES_DESCRIPTION)
-        if all_tags["tabrl.kind"] == "cycle":
-            number = _last_cycle_number(client, exp) + 1
-            all_tags[CYCLE_TAG] = str(number)
-            run_name = run_name or f"cycle {number}"
-        run_id = client.create_run(exp, run_name=run_name, tags=all_tags).info.run_id
-        missing = wanted
-        client.log_dict(run_id, params.model_dump(mode="json"), "params.json")
-    else:
-        run = get_run(client, run_id)
+    def __init__(self, params: Params) -> None:
+        self.params = params
+        self.client = tracking_client(params)
+
+    def experiment_id(self) -> str:
+        """The cycles experiment's id, created on first use (see :func:`experiment_id`)."""
+        return experiment_id(self.client, self.params.deploy.experiment, self.params, CYCLES_DESCRIPTION)
+
+    def start(
+        self,
+        *,
+        run_id: str | None = None,
+        snapshot_sha256: str | None = None,
+        run_name: str | None = None,
+        tags: Mapping[str, str] | None = None,
+    ) -> str:
+        """Start the cycle's MLflow run (or resume `run_id`) with the full resolved params; returns the run id.
+
+        A new cycle run (tag `tabrl.kind` = cycle) gets the next cycle number (tag `tabrl.cycle`) and the
+        name `cycle N` until :meth:`name_outcome` tells its outcome. Resuming a run checks that its
+        logged params are the ones given (a cycle resumed under another config would no longer be
+        comparable) and logs any that a crash left out.
+        """
+        all_tags = {"tabrl.kind": "cycle", **(tags or {})}
+        if snapshot_sha256 is not None:
+            all_tags["tabrl.snapshot_sha256"] = snapshot_sha256
+        wanted = mlflow_params(self.params)
+        if run_id is None:
+            exp = self.experiment_id()
+            if all_tags["tabrl.kind"] == "cycle":
+                number = self._last_cycle_number(exp) + 1
+                all_tags[CYCLE_TAG] = str(number)
+                run_name = run_name or f"cycle {number}"
+            run_id = self.client.create_run(exp, run_name=run_name, tags=all_tags).info.run_id
+            missing = wanted
+            self.client.log_dict(run_id, self.params.model_dump(mode="json"), "params.json")
+        else:
+            missing = self._resume(run_id, wanted)
+            self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in all_tags.items()])
+        items = [Param(k, v) for k, v in missing.items()]
+        for start in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
+            self.client.log_batch(run_id, params=items[start : start + MAX_PARAMS_TAGS_PER_BATCH])
+        return run_id
+
+    def _resume(self, run_id: str, wanted: dict[str, str]) -> dict[str, str]:
+        """Mark run `run_id` running again, once its logged params are shown to be `wanted`; returns those missing."""
+        run = self.get(run_id)
         logged = run.data.params
         differ = sorted(k for k, v in wanted.items() if k in logged and logged[k] != v)
         if differ:
@@ -130,48 +139,83 @@ def start_cycle_run(
             raise DeployError(
                 f"cannot resume MLflow run {run_id} with different params ({shown}); start a new cycle run"
             )
-        missing = {k: v for k, v in wanted.items() if k not in logged}
         if run.info.status != "RUNNING":
-            client.update_run(run_id, status="RUNNING")
-        client.log_batch(run_id, tags=[RunTag(k, v) for k, v in all_tags.items()])
-    items = [Param(k, v) for k, v in missing.items()]
-    for start in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
-        client.log_batch(run_id, params=items[start : start + MAX_PARAMS_TAGS_PER_BATCH])
-    return run_id
+            self.client.update_run(run_id, status="RUNNING")
+        return {k: v for k, v in wanted.items() if k not in logged}
 
+    def _last_cycle_number(self, experiment: str) -> int:
+        """The number of the latest cycle run in the experiment, 0 before the first.
 
-def _last_cycle_number(client: MlflowClient, experiment: str) -> int:
-    """The number of the latest cycle run in the experiment, 0 before the first.
+        Cycles run one at a time (one flow, one schedule); two started in the same instant would share a number.
+        """
+        runs = self.client.search_runs(
+            [experiment], "tags.`tabrl.kind` = 'cycle'", order_by=["attributes.start_time DESC"], max_results=1
+        )
+        return int(runs[0].data.tags.get(CYCLE_TAG, "0")) if runs else 0
 
-    Cycles run one at a time (one flow, one schedule); two started in the same instant would share a number.
-    """
-    runs = client.search_runs(
-        [experiment], "tags.`tabrl.kind` = 'cycle'", order_by=["attributes.start_time DESC"], max_results=1
-    )
-    return int(runs[0].data.tags.get(CYCLE_TAG, "0")) if runs else 0
+    def get(self, run_id: str) -> Run:
+        """The run `run_id`; a DeployError naming the store when there is none."""
+        return get_run(self.client, run_id)
 
+    def tag(self, run_id: str, values: Mapping[str, Any]) -> None:
+        """Set tags on the run from plain values (within MLflow's limits)."""
+        self.client.log_batch(run_id, tags=as_flat_tags(values))
 
-def gated_cycle_runs(params: Params, max_results: int = 10_000) -> list:
-    """The cycle runs whose gate typed a window of held-out regions (their `tabrl.gate_window` tag), newest
-    first; none before the experiment exists."""
-    client = tracking_client(params)
-    experiment = client.get_experiment_by_name(params.deploy.experiment)
-    if experiment is None:
-        return []
-    return client.search_runs(
-        [experiment.experiment_id],
-        f"tags.`{GATE_WINDOW_TAG}` LIKE '%'",
-        order_by=["attributes.start_time DESC"],
-        max_results=max_results,
-    )
+    def rename(self, run_id: str, name: str) -> None:
+        self.client.update_run(run_id, name=name)
 
+    def log_artifact(self, run_id: str, path: str | Path, artifact_path: str) -> None:
+        """Log one file into the run's artifacts under `artifact_path`."""
+        self.client.log_artifact(run_id, str(path), artifact_path)
 
-def next_gate_window(params: Params, windows: int) -> int:
-    """The window of held-out regions the next gate types (`tasks.sim.acceptance.gate_regions`): the one after the
-    last gated cycle's (its `tabrl.gate_window` tag), round the `windows`; 0 before the first gate. Counted
-    by gates, not cycles: skipped cycles do not make two gates in a row type the same window."""
-    runs = gated_cycle_runs(params, max_results=1)
-    return (int(runs[0].data.tags[GATE_WINDOW_TAG]) + 1) % windows if runs else 0
+    def log_artifacts(self, run_id: str, folder: str | Path, artifact_path: str) -> None:
+        """Log a directory's files into the run's artifacts under `artifact_path`."""
+        self.client.log_artifacts(run_id, str(folder), artifact_path)
+
+    def gated(self, max_results: int = 10_000) -> list[Run]:
+        """The cycle runs whose gate typed a window of held-out regions (their `tabrl.gate_window` tag), newest
+        first; none before the experiment exists."""
+        experiment = self.client.get_experiment_by_name(self.params.deploy.experiment)
+        if experiment is None:
+            return []
+        return self.client.search_runs(
+            [experiment.experiment_id],
+            f"tags.`{GATE_WINDOW_TAG}` LIKE '%'",
+            order_by=["attributes.start_time DESC"],
+            max_results=max_results,
+        )
+
+    def next_gate_window(self, windows: int) -> int:
+        """The window of held-out regions the next gate types (`tasks.sim.acceptance.gate_regions`): the one after
+        the last gated cycle's (its `tabrl.gate_window` tag), round the `windows`; 0 before the first gate. Counted
+        by gates, not cycles: skipped cycles do not make two gates in a row type the same window."""
+        runs = self.gated(max_results=1)
+        return (int(runs[0].data.tags[GATE_WINDOW_TAG]) + 1) % windows if runs else 0
+
+    def name_outcome(self, run_id: str, status: str, reason: str, version: str | None = None) -> str:
+        """Tell the cycle's outcome on its run: the name (see :func:`cycle_run_name`) and the tags
+        `tabrl.cycle_status`, `tabrl.cycle_reason` and, when one was registered, `tabrl.version`; returns the name."""
+        cycle = self.get(run_id).data.tags.get(CYCLE_TAG, "?")
+        name = cycle_run_name(cycle, status, reason, version)
+        tags = {"tabrl.cycle_status": status, "tabrl.cycle_reason": reason}
+        if version:
+            tags["tabrl.version"] = version
+        self.tag(run_id, tags)
+        self.rename(run_id, name)
+        return name
+
+    def end(self, run_id: str, status: str = "FINISHED") -> None:
+        """Close the cycle run: FINISHED, FAILED or KILLED."""
+        self.client.set_terminated(run_id, status=status)
+
+    def runs_view_url(self, ui_url: str) -> str:
+        """The link that opens the cycles experiment on its runs in the MLflow UI served at `ui_url`.
+
+        MLflow 3.17's UI picks its GenAI or "Model training" views with one global switch (the link's
+        `workflowType`, else the browser's last choice, GenAI at first); it reads the experiment's kind
+        tag only where that switch is off. The link sets the switch, so the runs show at once.
+        """
+        return f"{ui_url.rstrip('/')}/#/experiments/{self.experiment_id()}/runs?workflowType=machine_learning"
 
 
 def cycle_run_name(cycle: str, status: str, reason: str, version: str | None) -> str:
@@ -185,25 +229,6 @@ def cycle_run_name(cycle: str, status: str, reason: str, version: str | None) ->
     if version:
         name += f" · {version}"
     return name[:MAX_RUN_NAME_LENGTH]
-
-
-def name_cycle_run(params: Params, run_id: str, status: str, reason: str, version: str | None = None) -> str:
-    """Tell the cycle's outcome on its run: the name (see :func:`cycle_run_name`) and the tags
-    `tabrl.cycle_status`, `tabrl.cycle_reason` and, when one was registered, `tabrl.version`; returns the name."""
-    client = tracking_client(params)
-    cycle = get_run(client, run_id).data.tags.get(CYCLE_TAG, "?")
-    name = cycle_run_name(cycle, status, reason, version)
-    tags = {"tabrl.cycle_status": status, "tabrl.cycle_reason": reason}
-    if version:
-        tags["tabrl.version"] = version
-    client.log_batch(run_id, tags=as_flat_tags(tags))
-    client.update_run(run_id, name=name)
-    return name
-
-
-def end_cycle_run(params: Params, run_id: str, status: str = "FINISHED") -> None:
-    """Close the cycle run: FINISHED, FAILED or KILLED."""
-    tracking_client(params).set_terminated(run_id, status=status)
 
 
 def mlflow_params(params: Params) -> dict[str, str]:
