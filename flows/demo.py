@@ -50,9 +50,10 @@ from tasks.deploy.rollout import rollout
 from tasks.sim.editor import read_regions, regions_path
 from tasks.sim.users import make_users
 
-# The gate's evaluations type 300 held-out requests per model (the product default is 1000) so that a cycle takes
-# about a minute; the closing table types CLOSING_REQUESTS per model, on requests no gate typed.
-DEMO_SETTINGS = ["evaluate.n_requests=300", "evaluate.n_samples=50"]
+# The learning bench's measured setting (docs/results.md, "What the loop learns"): 5 cycles of 1000 requests, the
+# gate typing evaluate.n_requests (1000) held-out requests per model and judging 100 FIM samples; the closing table
+# types CLOSING_REQUESTS per model, on requests no gate typed.
+DEMO_SETTINGS = ["evaluate.n_samples=100"]
 CLOSING_REQUESTS = 1000
 
 
@@ -218,10 +219,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--params", default=str(DEFAULT_PARAMS_FILE), help="params.yaml to read")
     p.add_argument("--set", action="append", default=[], help="override one key: section.key=value")
     p.add_argument("--seed", type=int, default=0, help="seed of users, traffic and training")
-    p.add_argument("--cycles", type=int, default=4, help="gated online RL cycles")
-    p.add_argument("--requests", type=int, default=800, help="simulated completion requests per cycle")
+    p.add_argument("--cycles", type=int, default=5, help="gated online RL cycles")
+    p.add_argument("--requests", type=int, default=1000, help="simulated completion requests per cycle")
     p.add_argument("--users", type=int, default=24, help="simulated users during the cycles")
-    p.add_argument("--mde", type=float, default=0.03, help="reward-per-request difference the A/B test is sized for")
+    p.add_argument("--mde", type=float, default=0.02, help="reward-per-request difference the A/B test is sized for")
     p.add_argument("--power", type=float, default=0.8, help="power of the A/B test at --mde")
     p.add_argument("--max-per-arm", type=int, default=1500, help="cap on the A/B test's requests per arm")
     p.add_argument("--ab-users", type=int, default=96, help="simulated users during the A/B test")

@@ -39,9 +39,9 @@ from tasks.core.generate import (
 )
 from tasks.core.store import Arm
 from tasks.core.vllm import (
-    VLLM_MAX_STOP,
     VllmError,
     base_of,
+    completion_body,
     generation_from_vllm,
     load_adapter,
     served_models,
@@ -282,18 +282,15 @@ class VLLMBackend:
         return await self._request(
             "POST",
             "/completions",
-            {
-                "model": await self._model_name(),
-                "prompt": prompt or await self._start_text(),  # raw FIM prompt; never `suffix` (Qwen2.5-Coder)
-                "max_tokens": sampling.max_tokens,
-                "temperature": sampling.temperature,
-                "top_p": sampling.top_p,
-                # vLLM takes at most 4 stop strings (OpenAI's limit); the full list is applied to the text below.
-                "stop": list(sampling.stop)[:VLLM_MAX_STOP],
-                "logprobs": 0,  # the sampled token's log-prob only
-                "return_token_ids": True,
-                "skip_special_tokens": False,
-            },
+            completion_body(
+                await self._model_name(),
+                prompt or await self._start_text(),
+                sampling.max_tokens,
+                sampling.temperature,
+                sampling.top_p,
+                sampling.stop,
+                seed=None,
+            ),
         )
 
     async def _start_text(self) -> str:

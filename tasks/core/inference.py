@@ -41,10 +41,10 @@ from tasks.core.generate import (
     stops_of,
 )
 from tasks.core.vllm import (
-    VLLM_MAX_STOP,
     VllmError,
     adapter_name,
     base_server,
+    completion_body,
     generation_from_vllm,
     load_adapter,
     recorded_servers,
@@ -110,18 +110,7 @@ class VllmEngine:
             )
 
     async def _one(self, client, prompt, max_new_tokens, temperature, seed, rule: ShowRule | None) -> Generation:
-        body = {
-            "model": self.model,
-            "prompt": prompt or self.start,
-            "max_tokens": max_new_tokens,
-            "temperature": temperature,
-            "top_p": 1.0,
-            "seed": seed,
-            "stop": list(self.stops)[:VLLM_MAX_STOP],
-            "logprobs": 0,
-            "return_token_ids": True,
-            "skip_special_tokens": False,
-        }
+        body = completion_body(self.model, prompt or self.start, max_new_tokens, temperature, 1.0, self.stops, seed)
         try:
             response = await client.post(f"{self.url}/v1/completions", json=body)
         except httpx.HTTPError as err:

@@ -298,6 +298,26 @@ def base_of(url: str) -> str:
 # --- completions ------------------------------------------------------------------------------------
 
 
+def completion_body(
+    model: str, prompt: str, max_tokens: int, temperature: float, top_p: float, stop: Sequence[str], seed: int | None
+) -> dict:
+    """The one /v1/completions request both vLLM paths send (the gateway's arm, the evaluation's engine): the raw
+    FIM prompt (never `suffix`: Qwen2.5-Coder), the first VLLM_MAX_STOP stop strings (the full list is applied to
+    the text by `generation_from_vllm`), the sampled tokens' ids and log-probs (the behaviour policy's, for PPO)."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "stop": list(stop)[:VLLM_MAX_STOP],
+        "logprobs": 0,  # the sampled token's log-prob only
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+    }
+    return body if seed is None else body | {"seed": seed}
+
+
 def generation_from_vllm(
     body: dict, stop: Sequence[str], latency_ms: float, rule: ShowRule | None = None
 ) -> Generation:
