@@ -97,7 +97,7 @@ def test_the_final_ab_test_puts_the_base_back_and_decides_at_one_look(
 
     plan = AbPlan(per_arm=40, needed=40, reward_sd=0.2, mde=0.1, power=0.8, alpha=0.05)
     ab = run_ab_test(str(params_file), [], tmp_path, plan, users=8, seed=0)
-    assert min(ab["requests"].values()) >= 10  # both arms served their share
+    assert min(ab["requests"].values()) >= plan.per_arm  # sticky users leave one arm short: topped up to the plan
     # one look at what each arm has: decided there (never "continue"), and a babbler is never promoted
     assert ab["action"] == "rollback", ab
     assert ab["reason"].startswith(("inconclusive", "challenger worse")), ab["reason"]
