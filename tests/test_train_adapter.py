@@ -122,5 +122,8 @@ def test_two_gloo_ranks_train_the_adapter_one_process_does(tiny_model_dir, snaps
     assert (one.world_size, two.world_size, one.steps, two.steps) == (1, 2, 2, 2)
     assert one.final["train/grad_norm"] == pytest.approx(two.final["train/grad_norm"], rel=1e-4)
     a, b = load_file(tmp_path / "one" / ADAPTER_WEIGHTS), load_file(tmp_path / "two" / ADAPTER_WEIGHTS)
+    # Adam divides each gradient by its own running size, so an element whose gradient is near 0 moves by a step
+    # that depends on the last bits of the sum (one rank accumulating vs two all-reducing): one lora_B element of
+    # 512 differed by 1.3e-5 on one machine's CPU. Ranks that did not average gradients step lr (5e-3) elsewhere.
     for name in a:
-        assert torch.allclose(a[name], b[name], atol=1e-5, rtol=1e-3), name
+        assert torch.allclose(a[name], b[name], atol=1e-4, rtol=1e-3), name
