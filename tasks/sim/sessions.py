@@ -10,11 +10,11 @@ suggestion accepted by noise is deleted again, so it saves nothing).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from tasks.core.config import TrafficParams
 from tasks.sim.editor import Region, next_pause, request_at
-from tasks.sim.users import SimUser, Summary, is_right, nonblank, user_rng
+from tasks.sim.users import SimUser, Summary, is_right, merge, nonblank, user_rng
 
 
 def covered_chars(truth: str, suggestion: str) -> int:
@@ -170,15 +170,11 @@ def summarise_turns(turns: Sequence[Turn], typed_chars: int | dict[str, int]) ->
 
 
 def merge_typing(parts: Sequence[TypingSummary]) -> TypingSummary:
-    """One summary of several (arms); mean length weighted by shown suggestions."""
-    shown = sum(p.shown for p in parts)
+    """One summary of several (arms): the simulator's merge (`users.merge`) plus what typing adds."""
+    counts = merge(parts)
     return TypingSummary(
-        accepted=sum(p.accepted for p in parts),
-        rejected=sum(p.rejected for p in parts),
-        abstained=sum(p.abstained for p in parts),
-        accepted_chars=sum(p.accepted_chars for p in parts),
+        **{f.name: getattr(counts, f.name) for f in fields(counts)},
         right=sum(p.right for p in parts),
         saved_chars=sum(p.saved_chars for p in parts),
         typed_chars=sum(p.typed_chars for p in parts),
-        mean_len=sum(p.mean_len * p.shown for p in parts) / shown if shown else 0.0,
     )
