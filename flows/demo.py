@@ -1,4 +1,4 @@
-"""`make demo`: online RL cycles that end with a better model, shown honestly, in about 15 minutes on 2 cores.
+"""`make demo`: online RL cycles, one live A/B test sized to decide, the closing table: about 9 min on 2 cores.
 
     python -m flows.demo --seed 0                 # what `make demo` runs
     python -m flows.demo --cycles 2 --requests 200 --max-per-arm 300   # a quicker, less decisive look
