@@ -11,7 +11,8 @@ own process, arms are switched by `rollout()` inside a Prefect flow. Measured:
 
 1. **registered -> serving**: `rollout()` of an adapter version (load on the base's running server
    under a new name, one probe request, alias, arm swap) vs a full-weight version of the same weights
-   (the adapter merged: a new `vllm serve` process, health check, alias, arm swap: blue/green);
+   (the adapter merged: a new `vllm serve` process, health check, alias, arm swap: blue/green); timed
+   around a new flow run and inside it (as the cycle's deploy step runs, in its own flow run);
 2. **memory for two arms**: resident memory (RSS, process trees) of one server holding the base and
    the adapter vs two servers (the base's, the merged version's);
 3. **requests/s and p50** through the gateway (wrk, `--concurrency` connections, `--seconds` each),
@@ -56,8 +57,13 @@ MERGED = "merged"  # the third arm's name
 
 
 @flow(name="bench-rollout")
-def _rollout(version, model_dir: str, params: Params, base_dir: str | None):
-    return rollout(version, model_dir, params, base_dir)
+def _rollout(version, params: Params, base_dir: str | None):
+    """Registered -> serving as the cycle's deploy step runs it inside its flow run: the version's files from the
+    registry, then rollout(). Returns what rollout() returns and the seconds that took inside the flow run (the
+    caller's clock adds the new flow run's creation, which a cycle has already paid)."""
+    started = time.perf_counter()
+    done = rollout(version, str(resolve_model_dir(version.uri, params)), params, base_dir)
+    return done, time.perf_counter() - started
 
 
 def random_adapter(base_dir: Path, out: Path, params: Params) -> Path:
@@ -149,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
         version = registry.register(adapter, runs.start(), base=base)
         started = time.perf_counter()
-        done = _rollout(version, str(resolve_model_dir(version.uri, params)), params, str(base_dir))
+        done, numbers["adapter_in_flow_s"] = _rollout(version, params, str(base_dir))
         numbers["adapter_registered_to_serving_s"] = time.perf_counter() - started
         numbers["adapter_load_and_probe_s"] = done.served.seconds
         # the next version, in the same process: the base's checkpoint hash (check_base) is known by now, as in a
@@ -157,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         adapter = random_adapter(base_dir, state / "adapter-next", params)
         version = registry.register(adapter, runs.start(), base=base)
         started = time.perf_counter()
-        done = _rollout(version, str(resolve_model_dir(version.uri, params)), params, str(base_dir))
+        done, numbers["adapter_next_in_flow_s"] = _rollout(version, params, str(base_dir))
         numbers["adapter_next_registered_to_serving_s"] = time.perf_counter() - started
         numbers["adapter_next_load_and_probe_s"] = done.served.seconds
         (base_server,) = recorded_servers(params)
@@ -167,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         full = registry.register(merged_dir, runs.start())
         adapter_arm = next(a for a in read_arms_of(params) if a.name == CHALLENGER)
         started = time.perf_counter()
-        _rollout(full, str(resolve_model_dir(full.uri, params)), params, None)
+        _, numbers["full_in_flow_s"] = _rollout(full, params, None)
         numbers["full_registered_to_serving_s"] = time.perf_counter() - started
         merged_server = next(s for s in recorded_servers(params) if s.pid != base_server.pid)
         numbers["rss_base_server_mb"] = tree_rss(base_server.pid) / 2**20
@@ -230,6 +236,8 @@ def report(numbers: dict, args) -> None:
     table.add_row("  of which load + probe, s", f"{numbers['adapter_load_and_probe_s']:.2f}", "", "")
     nxt = numbers["adapter_next_registered_to_serving_s"]
     table.add_row("the next version, s (same process)", f"{nxt:.2f}", f"{f:.1f}", f"{f / nxt:.0f}x")
+    inside, full_inside = numbers["adapter_next_in_flow_s"], numbers["full_in_flow_s"]
+    table.add_row("  inside a running flow, s (a cycle's deploy)", f"{inside:.2f}", f"{full_inside:.1f}", "")
     table.add_row("  of which load + probe, s", f"{numbers['adapter_next_load_and_probe_s']:.2f}", "", "")
     one, two = numbers["rss_one_server_two_arms_mb"], numbers["rss_two_servers_mb"]
     table.add_row("memory for two arms, MB RSS", f"{one:.0f}", f"{two:.0f}", f"{two / one:.2f}x")
