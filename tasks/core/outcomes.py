@@ -119,8 +119,12 @@ def reward_per_request(counts: ArmCounts, reward: RewardParams) -> float:
 def reward_std(counts: ArmCounts, reward: RewardParams) -> float:
     """Sample standard deviation of the per-request reward (0 with fewer than two requests)."""
     n = counts.requests
+    squares = total_squared_reward(n, counts.shown, counts.accepted, reward)
+    return sample_std(n, reward_per_request(counts, reward), squares)
+
+
+def sample_std(n: int, mean: float, sum_of_squares: float) -> float:
+    """Sample standard deviation of n values from their mean and the sum of their squares (0 below two values)."""
     if n < 2:
         return 0.0
-    mean = reward_per_request(counts, reward)
-    squares = total_squared_reward(n, counts.shown, counts.accepted, reward)
-    return math.sqrt(max(squares - n * mean * mean, 0.0) / (n - 1))
+    return math.sqrt(max(sum_of_squares - n * mean * mean, 0.0) / (n - 1))

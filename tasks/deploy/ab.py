@@ -92,11 +92,7 @@ class ArmStats(ArmCounts):
     @property
     def chars_std(self) -> float:
         """Sample standard deviation of the accepted characters per request (0 on an accept, else nothing)."""
-        n = self.requests
-        if n < 2:
-            return 0.0
-        mean = self.chars_per_request
-        return math.sqrt(max(self.accepted_chars_sq - n * mean * mean, 0.0) / (n - 1))
+        return outcomes.sample_std(self.requests, self.chars_per_request, self.accepted_chars_sq)
 
     def as_record(self) -> dict[str, Any]:
         """Every number by name, as the decision record and `Decision.numbers` write them."""
@@ -310,15 +306,20 @@ def chars_shortfall_test(champion: ArmStats, challenger: ArmStats, tolerance: fl
     the champion's: (t, p). No spread on either side: p is 0 when the challenger is below, else 1."""
     if champion.requests < 2 or challenger.requests < 2:
         return 0.0, 1.0
-    k = 1.0 - tolerance
-    diff = challenger.chars_per_request - k * champion.chars_per_request
-    var_c = challenger.chars_std**2 / challenger.requests
-    var_h = k * k * champion.chars_std**2 / champion.requests
-    if var_c + var_h == 0:
-        return 0.0, 0.0 if diff < 0 else 1.0
-    t = diff / math.sqrt(var_c + var_h)
-    df = (var_c + var_h) ** 2 / (var_c**2 / (challenger.requests - 1) + var_h**2 / (champion.requests - 1))
-    return float(t), float(st.t.cdf(t, df))
+    k = 1.0 - tolerance  # the champion's per-request characters scaled by k: mean and sd alike
+    if challenger.chars_std == 0 and champion.chars_std == 0:
+        return 0.0, 0.0 if challenger.chars_per_request < k * champion.chars_per_request else 1.0
+    result = st.ttest_ind_from_stats(
+        challenger.chars_per_request,
+        challenger.chars_std,
+        challenger.requests,
+        k * champion.chars_per_request,
+        k * champion.chars_std,
+        champion.requests,
+        equal_var=False,
+        alternative="less",
+    )
+    return float(result.statistic), float(result.pvalue)
 
 
 def _too_few_shown(champion: ArmStats, challenger: ArmStats, d: DeployParams, numbers: dict[str, float]) -> Decision:
