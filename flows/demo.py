@@ -217,10 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     closing = load_params(args.params, [*full, f"evaluate.n_requests={CLOSING_REQUESTS}"])
     # Promoted: the final model is the champion. Rolled back: the base is the champion again, and the table still
     # shows what the rolled-back model does on held-out requests (base vs base would say nothing).
-    promoted = ab["action"] == "promote"
     if ab["action"] == "rollback":
         print("The live A/B test rolled the final model back: the champion is the base again.", flush=True)
-    name = "final champion" if promoted or ab["action"] == "none" else "final model (rolled back)"
+    name = "final champion" if ab["action"] in ("promote", "none") else "final model (rolled back)"
     story = print_story(Path(closing.model.base_dir), final_dir, args.state, closing, final=name)
     print_ui_pointers(params)
     times = {"gated_cycles_s": gated_s, "ab_test_s": ab_s, "total_s": time.perf_counter() - started}
