@@ -116,6 +116,24 @@ def babbler_dir(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_adapter_dir(tmp_path_factory, tiny_model_dir, fim_samples) -> Path:
+    """A LoRA adapter on the tiny model, trained hard enough that its greedy answers differ from the base's."""
+    from tasks.train.ppo import train
+    from tests.support.training import sampled_snapshot
+
+    tmp = tmp_path_factory.mktemp("adapter")
+    snapshot = sampled_snapshot(tiny_model_dir, fim_samples[:16], tmp / "s.parquet", 8, 0.7)
+    params = tiny_params(
+        tmp,
+        train={"adapter": "lora", "lora_rank": 8, "lr": 3e-2, "epochs": 3, "micro_batch": 8, "grad_accum": 1}
+        | {"max_approx_kl": 1e9, "target_kl": 1e9, "grad_clip": 1e6},
+        serving={"max_tokens": 8, "temperature": 0.7},
+    )
+    train(snapshot, tiny_model_dir, tmp / "v2", params)
+    return tmp / "v2"
+
+
+@pytest.fixture(scope="session")
 def fim_samples(stdlib_files) -> list[dict]:
     params = tiny_params()
     return sample_spans(stdlib_files, "eval", 24, params.fim, seed=1)

@@ -4,8 +4,6 @@ The real vLLM server path (one server, runtime load/unload, a restart) is tests/
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 import pytest
 import sqlalchemy as sa
@@ -23,27 +21,10 @@ from tasks.deploy.registry import BASE_SHA_TAG, Registry
 from tasks.deploy.rollout import rollout
 from tasks.deploy.tracking import CycleRuns, tracking_client
 from tasks.deploy.versions import BASE_VERSION_TAG
-from tasks.train.ppo import train
 from tests.conftest import tiny_params
 from tests.serving_util import serve_app
-from tests.support.training import sampled_snapshot
 
 PROMPTS = [QWEN.render("def add(a, b):\n    return ", "\n"), QWEN.render("import os\n\npath = os.path.", "\n")]
-
-
-@pytest.fixture(scope="module")
-def adapter_dir(tmp_path_factory, tiny_model_dir, fim_samples) -> Path:
-    """A LoRA adapter on the tiny model, trained hard enough that its greedy answers differ from the base's."""
-    tmp = tmp_path_factory.mktemp("adapter")
-    snapshot = sampled_snapshot(tiny_model_dir, fim_samples[:16], tmp / "s.parquet", 8, 0.7)
-    params = tiny_params(
-        tmp,
-        train={"adapter": "lora", "lora_rank": 8, "lr": 3e-2, "epochs": 3, "micro_batch": 8, "grad_accum": 1}
-        | {"max_approx_kl": 1e9, "target_kl": 1e9, "grad_clip": 1e6},
-        serving={"max_tokens": 8, "temperature": 0.7},
-    )
-    train(snapshot, tiny_model_dir, tmp / "v2", params)
-    return tmp / "v2"
 
 
 @flow
@@ -52,26 +33,26 @@ def _rollout_flow(version, model_dir, params, base_dir):
 
 
 def test_an_adapter_version_is_tagged_with_its_base_and_refused_on_another(
-    tmp_path, mlflow_store, tiny_model_dir, babbler_dir, adapter_dir
+    tmp_path, mlflow_store, tiny_model_dir, babbler_dir, tiny_adapter_dir
 ):
     params = tiny_params(tmp_path)
     runs = CycleRuns(params)
     registry = Registry(params)
     base = registry.ensure_champion(tiny_model_dir)
-    version = registry.register(adapter_dir, runs.start(), base=base)
+    version = registry.register(tiny_adapter_dir, runs.start(), base=base)
     tags = tracking_client(params).get_model_version(version.name, str(version.version)).tags
     assert (tags[BASE_VERSION_TAG], tags[BASE_SHA_TAG]) == (base.label, checkpoint_sha256(tiny_model_dir))
     assert version.base == base.label and registry.base_of(version) == base
     assert {p.name for p in resolve_model_dir(version.uri, params).iterdir()} >= {"adapter_model.safetensors"}
     other = registry.register(babbler_dir, runs.start())  # a full version with other weights
     with pytest.raises(DeployError, match="trained on another base"):
-        registry.register(adapter_dir, runs.start(), base=other)
+        registry.register(tiny_adapter_dir, runs.start(), base=other)
     with pytest.raises(DeployError, match="needs the full version it was trained on"):
-        registry.register(adapter_dir, runs.start())
+        registry.register(tiny_adapter_dir, runs.start())
 
 
 def test_both_arms_on_one_base_serve_their_own_weights_then_promote_and_rollback(
-    tmp_path, mlflow_store, prefect_harness, tiny_model_dir, adapter_dir
+    tmp_path, mlflow_store, prefect_harness, tiny_model_dir, tiny_adapter_dir
 ):
     params = tiny_params(tmp_path, serving={"auth": False, "config_ttl_s": 0, "max_tokens": 8, "temperature": 0})
     runs = CycleRuns(params)
@@ -79,7 +60,7 @@ def test_both_arms_on_one_base_serve_their_own_weights_then_promote_and_rollback
     base = registry.ensure_champion(tiny_model_dir)
     with open_store(params.paths.database_url) as engine:
         replace_arms(engine, [Arm(CHAMPION, base.label, str(tiny_model_dir), "embedded", 1.0)])
-    version = registry.register(adapter_dir, runs.start(), base=base)
+    version = registry.register(tiny_adapter_dir, runs.start(), base=base)
     done = _rollout_flow(version, str(resolve_model_dir(version.uri, params)), params, str(tiny_model_dir))
     challenger = next(a for a in done.arms if a.name == CHALLENGER)
     assert challenger.model_uri == str(tiny_model_dir)  # on the champion's base, not a copy of it
@@ -101,7 +82,7 @@ def test_both_arms_on_one_base_serve_their_own_weights_then_promote_and_rollback
         with engine.connect() as conn:
             logged = {r.id: r for r in conn.execute(sa.select(completions))}
     served = {arm: [logged[a.json()["id"]] for a in got] for arm, got in answers.items()}
-    for arm, model_dir in ((CHAMPION, tiny_model_dir), (CHALLENGER, adapter_dir)):
+    for arm, model_dir in ((CHAMPION, tiny_model_dir), (CHALLENGER, tiny_adapter_dir)):
         # the base with adapters disabled, and base + this adapter (as merged): the same tokens and log-probs
         for row, local in zip(served[arm], generate(*load_model(model_dir), PROMPTS, 8), strict=True):
             assert row.token_ids == local.token_ids
@@ -113,7 +94,7 @@ def test_both_arms_on_one_base_serve_their_own_weights_then_promote_and_rollback
     with open_store(params.paths.database_url) as engine:
         change = promote(engine, params)
         assert [a.adapter for a in change.arms] == [challenger.adapter]  # the adapter is the champion now
-        second = registry.register(adapter_dir, runs.start(), base=base)
+        second = registry.register(tiny_adapter_dir, runs.start(), base=base)
     _rollout_flow(second, str(resolve_model_dir(second.uri, params)), params, str(tiny_model_dir))
     with open_store(params.paths.database_url) as engine:
         rollback(engine, params)
@@ -121,16 +102,16 @@ def test_both_arms_on_one_base_serve_their_own_weights_then_promote_and_rollback
 
 
 def test_an_adapter_is_not_promoted_over_a_champion_on_another_base(
-    tmp_path, mlflow_store, tiny_model_dir, babbler_dir, adapter_dir
+    tmp_path, mlflow_store, tiny_model_dir, babbler_dir, tiny_adapter_dir
 ):
     params = tiny_params(tmp_path)
     registry = Registry(params)
     base = registry.ensure_champion(tiny_model_dir)
-    version = registry.register(adapter_dir, CycleRuns(params).start(), base=base)
+    version = registry.register(tiny_adapter_dir, CycleRuns(params).start(), base=base)
     registry.set_alias(CHALLENGER, version.version)
     arms = [  # the champion's arm was pointed at another checkpoint by hand
         Arm(CHAMPION, base.label, str(babbler_dir), "embedded", 0.5),
-        Arm(CHALLENGER, version.label, str(tiny_model_dir), "embedded", 0.5, "a2", str(adapter_dir)),
+        Arm(CHALLENGER, version.label, str(tiny_model_dir), "embedded", 0.5, "a2", str(tiny_adapter_dir)),
     ]
     with open_store(params.paths.database_url) as engine:
         replace_arms(engine, arms)

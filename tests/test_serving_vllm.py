@@ -21,11 +21,15 @@ import sqlalchemy as sa
 from serving.auth import add_key
 from serving.gateway import create_app
 from tasks.core.fim import PREFIX_ONLY, QWEN
-from tasks.core.generate import ShowRule, generate, load_model
+from tasks.core.generate import ShowRule, generate, load_model, merged_dir
+from tasks.core.inference import open_engine
 from tasks.core.procs import free_port, wait_until_up
 from tasks.core.store import Arm, Store, completions, init_schema, replace_arms
+from tasks.core.vllm import recorded_servers, same_checkpoint
 from tests.conftest import tiny_params
 from tests.serving_util import post_completions, serve_app
+
+VLLM_CPU_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512"]
 
 
 @contextmanager
@@ -161,3 +165,32 @@ def test_a_vllm_arm_cuts_at_the_first_unsure_token_as_the_embedded_model_does(vl
         assert (row["completion"], row["token_ids"]) == (mine.text, mine.token_ids)
     assert compared >= 4 and cut >= 1
     engine.dispose()
+
+
+@pytest.mark.slow
+def test_an_adapter_evaluated_merged_types_on_a_server_of_its_own_stopped_and_deleted_after(
+    vllm_python, tiny_model_dir, tiny_adapter_dir, tmp_path, fim_samples, monkeypatch
+):
+    """evaluate.adapter_engine: merged (vLLM's CPU LoRA kernels are slow): the candidate adapter is merged into its
+    base and typed by a server started for the evaluation, which answers as base + adapter does in process; the
+    server stops and the merged copy is deleted when the evaluation ends, while the arms' LoRA serving is untouched."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    params = tiny_params(
+        tmp_path,
+        serving={"backend": "vllm", "vllm_python": vllm_python, "vllm_args": VLLM_CPU_ARGS},
+        evaluate={"adapter_engine": "merged"},
+    )
+    assert params.serving.adapter_serving == "lora"
+    model, tokenizer, template = load_model(tiny_adapter_dir)  # base + adapter, merged in process
+    prompts = [template.render(s["prefix"][-300:], s["suffix"][:100]) for s in fim_samples[:4]]
+    merged = merged_dir(tiny_adapter_dir, params.paths.models_dir)
+    with open_engine(tiny_adapter_dir, params) as engine:
+        (server,) = recorded_servers(params)
+        assert not server.lora and same_checkpoint(server.model_dir, merged)  # its own server, full weights
+        served = engine.complete(prompts, 12)
+    local = generate(model, tokenizer, template, prompts, 12)
+    for mine, theirs in zip(local, served, strict=True):
+        n = min(len(mine.token_ids), len(theirs.token_ids))
+        assert theirs.token_ids[:n] == mine.token_ids[:n]
+    assert any(g.token_ids for g in served)
+    assert recorded_servers(params) == [] and not merged.exists()

@@ -39,10 +39,9 @@ from tasks.deploy.versions import BASE_VERSION_TAG
 from tasks.sim.users import make_users
 from tests.serving_util import serve_app
 from tests.test_flow_cycle import ACCEPT_ALL, _dvc_repo, write_cycle_inputs
+from tests.test_serving_vllm import VLLM_CPU_ARGS
 
 pytestmark = pytest.mark.slow
-
-VLLM_CPU_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512"]
 
 
 @flow

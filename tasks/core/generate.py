@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from tasks.core.adapters import base_dir_of, is_adapter
+from tasks.core.adapters import ADAPTER_WEIGHTS, base_dir_of, file_sha256, is_adapter
 from tasks.core.config import ServingParams
 from tasks.core.fim import FimTemplate, infer_template, parse_completion, read_template, save_template
 
@@ -130,6 +130,12 @@ def _load_merged(adapter: Path, base: Path, device: str, dtype: torch.dtype) -> 
     model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
     model.to(device).eval()
     return LoadedModel(model, tokenizer, model_template(adapter, tokenizer))
+
+
+def merged_dir(adapter_dir: str | Path, models_dir: str | Path) -> Path:
+    """Where an adapter version merged into its base is kept: one directory per adapter's weights, shared by a
+    merged arm (serving.adapter_serving: merged) and an evaluation typing it merged (evaluate.adapter_engine)."""
+    return Path(models_dir) / "merged" / file_sha256(Path(adapter_dir) / ADAPTER_WEIGHTS)[:16]
 
 
 def save_merged(adapter_dir: str | Path, base_dir: str | Path | None, out: Path) -> Path:

@@ -6,11 +6,11 @@ a model for batches of completions. With serving.backend: embedded they run in p
 engine that serves the arms, every request of a batch in flight at once, so vLLM batches them
 continuously and reuses the KV cache of prompts that share their start (``window_prefix``):
 
-* a LoRA adapter version (serving.adapter_serving: lora) is loaded onto its base's one server
-  under a name never used before, typed, and unloaded (the server holds the live arms' adapters and
-  this one: serving.vllm_max_loras);
-* a full checkpoint (or a merged adapter) is typed by the server that already serves it on this
-  host, else by a server started for the evaluation and stopped after it (blue).
+* a LoRA adapter version (serving.adapter_serving and evaluate.adapter_engine: lora) is loaded onto its
+  base's one server under a name never used before, typed, and unloaded (the server holds the live arms'
+  adapters and this one: serving.vllm_max_loras);
+* a full checkpoint (or an adapter merged, where either says merged) is typed by the server that already
+  serves it on this host, else by a server started for the evaluation and stopped after it (blue).
 
     with open_engine(model_dir, params, base_dir) as engine:
         gens = engine.complete(prompts, max_new_tokens=48)
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import Protocol
 
 import httpx
 
-from tasks.core.adapters import ADAPTER_WEIGHTS, file_sha256, is_adapter
+from tasks.core.adapters import is_adapter
 from tasks.core.config import Params
 from tasks.core.fim import FimTemplate
 from tasks.core.generate import (
@@ -36,6 +37,7 @@ from tasks.core.generate import (
     ShowRule,
     generate,
     load_model,
+    merged_dir,
     model_template,
     save_merged,
     stops_of,
@@ -132,7 +134,8 @@ def open_engine(model_dir: str | Path, params: Params, base_dir: str | Path | No
     template = model_template(model_dir)
     stops = _stops(model_dir, base_dir, template)
     start = start_of_text(str(_tokenizer_dir(model_dir, base_dir)))
-    if is_adapter(model_dir) and params.serving.adapter_serving == "lora":
+    lora = params.serving.adapter_serving == "lora" and params.evaluate.adapter_engine == "lora"
+    if is_adapter(model_dir) and lora:
         server = base_server(base_dir or _record_path(model_dir), params)
         name = adapter_name(f"eval/{model_dir.name}")
         load_adapter(server.url, name, model_dir)
@@ -141,16 +144,22 @@ def open_engine(model_dir: str | Path, params: Params, base_dir: str | Path | No
         finally:
             unload_adapter(server.url, name)
         return
-    if is_adapter(model_dir):  # served merged: typed merged too (named by the adapter's weights: one per version)
-        merged = Path(params.paths.models_dir) / "merged" / file_sha256(model_dir / ADAPTER_WEIGHTS)[:16]
-        model_dir = save_merged(model_dir, base_dir, merged)
+    merged = None  # a merged copy made for this evaluation only: deleted after it (a merged arm's is kept)
+    if is_adapter(model_dir):
+        target = merged_dir(model_dir, params.paths.models_dir)
+        merged = None if (target / "config.json").is_file() else target
+        model_dir = save_merged(model_dir, base_dir, target)
     running = next((s for s in recorded_servers(params) if same_checkpoint(s.model_dir, model_dir)), None)
-    server = running or start_vllm(model_dir, params)
     try:
-        yield VllmEngine(server.url, server.model_dir, template, stops, start)
+        server = running or start_vllm(model_dir, params)
+        try:
+            yield VllmEngine(server.url, server.model_dir, template, stops, start)
+        finally:
+            if running is None and server.pid is not None:
+                stop_vllm(server.pid)
     finally:
-        if running is None and server.pid is not None:
-            stop_vllm(server.pid)
+        if merged is not None:
+            shutil.rmtree(merged, ignore_errors=True)
 
 
 def _record_path(adapter_dir: Path) -> str:

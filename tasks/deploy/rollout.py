@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -37,7 +36,7 @@ from prefect.transactions import get_transaction, transaction
 
 from tasks.core.adapters import AdapterBaseError, check_base, is_adapter
 from tasks.core.config import Params
-from tasks.core.generate import save_merged
+from tasks.core.generate import merged_dir, save_merged
 from tasks.core.store import CHALLENGER, CHAMPION, Arm, open_store, read_arms, replace_arms
 from tasks.core.vllm import (
     VllmError,
@@ -96,11 +95,6 @@ def challenger_arms(live: list[Arm], version: ModelVersion, served: Served, para
     return [replace(champion, share=1.0 - share), challenger]
 
 
-def merged_dir(version: ModelVersion, params: Params) -> Path:
-    """Where an adapter version merged into a full checkpoint is kept (serving.adapter_serving: merged)."""
-    return Path(params.paths.models_dir) / "merged" / f"{version.name}-v{version.version}"
-
-
 @task(name="serve-version", cache_policy=NO_CACHE)
 def serve_version(version: ModelVersion, model_dir: str, base_dir: str | None, params: Params) -> Served:
     """Make the version servable (see the module docstring) and say where; recorded for the rollback."""
@@ -123,7 +117,7 @@ def serve_version(version: ModelVersion, model_dir: str, base_dir: str | None, p
             seconds += _timed_probe(server.url, name)
             return Served(server.url, name, model_dir, seconds)
         if adapter:  # adapter_serving: merged
-            model_dir = str(save_merged(model_dir, base_dir, merged_dir(version, params)))
+            model_dir = str(save_merged(model_dir, base_dir, merged_dir(model_dir, params.paths.models_dir)))
         server = start_vllm(model_dir, params)
         txn.set("vllm_pid", server.pid)
         return Served(server.url)

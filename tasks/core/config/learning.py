@@ -176,6 +176,12 @@ class EvaluateParams(Section):
     """Completion length limit."""
     batch_size: int = Field(16, ge=1)
     """Prompts generated together."""
+    adapter_engine: Literal["lora", "merged"] = "lora"
+    """How an evaluation on vLLM (serving.backend: vllm) types an adapter version: `lora`, loaded at runtime into
+    its base's one server beside the arms (no new process; the default); `merged`, merged into a full checkpoint
+    typed by a server started for the evaluation and stopped after it. vLLM's CPU build runs LoRA through slow
+    fallback kernels (SmolLM2: an adapter typed 0.57 requests/s, its base 3.5), so there `merged` is faster once
+    an evaluation outlasts a server start (~1 min). serving.adapter_serving: merged types merged either way."""
     sim_users: int = Field(16, ge=1)
     """Simulated users replaying the samples round-robin (the same users for candidate and champion)."""
     judge: JudgeParams = JudgeParams()
