@@ -35,7 +35,7 @@ from scipy.stats import norm
 
 from flows.ab_decision import ab_decision
 from flows.loop_state import CycleRow
-from flows.online_loop import champion_dir, loop_overrides, run_online_loop, start_gateway
+from flows.online_loop import champion_dir, cycle_regions, loop_overrides, run_online_loop, start_gateway
 from flows.report import print_report, print_story, print_ui_pointers
 from serving.simulate import run_simulation
 from tasks.core.config import DEFAULT_PARAMS_FILE, Params, load_params
@@ -100,11 +100,17 @@ def start_ab_test(params_file: str, overrides: list[str], base_label: str) -> st
     return final.label
 
 
-def run_ab_test(params_file: str, overrides: list[str], state: Path, plan: AbPlan, users: int, seed: int) -> dict:
-    """Live traffic until each arm has about plan.per_arm requests, the feedback timeout, then one decision."""
+def run_ab_test(
+    params_file: str, overrides: list[str], state: Path, plan: AbPlan, users: int, seed: int, typed_regions: int
+) -> dict:
+    """Live traffic until each arm has about plan.per_arm requests, the feedback timeout, then one decision.
+    typed_regions: the train regions the cycles offered (the first ones); the test's traffic types the others, so
+    the challenger is never tested on code it was trained on."""
     params = load_params(params_file, overrides)
     share = min(params.deploy.challenger_share, 1 - params.deploy.challenger_share)
-    regions = read_regions(regions_path(params.paths.data_dir, "train"))
+    regions = read_regions(regions_path(params.paths.data_dir, "train"))[typed_regions:]
+    if not regions:
+        raise ValueError(f"the cycles offered all {typed_regions} train regions: none is left for the A/B test")
     total = math.ceil(plan.per_arm / share)
     port = free_port()
     gateway = start_gateway(params_file, overrides, port, state / "gateway-ab.log")
@@ -135,15 +141,16 @@ def run_ab_test(params_file: str, overrides: list[str], state: Path, plan: AbPla
 def _traffic_until_planned(
     url: str, regions: list, total: int, plan: AbPlan, users: int, seed: int, params: Params
 ) -> dict[str, int]:
-    """Requests per arm after live traffic from the far end of the train files (the cycles typed the start) until
+    """Requests per arm after live traffic from the far end of `regions` (train regions no cycle offered) until
     each arm has plan.per_arm. Users stick to an arm, so one round of `total` leaves one arm short (seed 0 on
     2026-11-28: 1062 of 1343 planned); the next rounds top it up, the same users typing further regions. When to
     stop depends on counts only, never on outcomes, so the one look at the end keeps its alpha."""
     sim_users = make_users(users, params.simulator, prefix=f"ab{seed}")
     served: dict[str, int] = {}
-    width = max(users, total // 4)  # regions per round
+    width = min(max(users, total // 4), len(regions))  # regions per round
     for round_ in range(4):
-        window = regions[-(round_ + 1) * width :][:width]
+        end = len(regions) - (round_ * width) % len(regions)  # rounds walk back from the end, wrapping
+        window = regions[max(end - width, 0) : end]
         by_arm = run_simulation(
             url, window, sim_users, total, None, concurrency=4, seed=seed * 1000 + 999 + round_, traffic=params.traffic
         )
@@ -209,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     if final is not None and final.version != registry.version_of(f"models:/{base_label}").version:
         plan = plan_ab(base_reward_sd(rows[0], params), args.mde, params.deploy.alpha, args.power, args.max_per_arm)
         ab["challenger"] = start_ab_test(args.params, full, base_label)
-        ab |= run_ab_test(args.params, full, args.state, plan, args.ab_users, args.seed)
+        offered = args.cycles * cycle_regions(args.users, args.requests)  # the cycles' train regions, typed first
+        ab |= run_ab_test(args.params, full, args.state, plan, args.ab_users, args.seed, offered)
         print_ab(ab)
     else:
         print(f"no candidate passed the gate in {args.cycles} cycles: there is no A/B test to run", flush=True)

@@ -80,6 +80,11 @@ def _start_state(params: Params, state: Path, restored: dict | None, cycles: int
     return rows
 
 
+def cycle_regions(n_users: int, requests: int) -> int:
+    """Train regions offered to one cycle's users (cycle k gets the k-th such stretch): more than they will type."""
+    return max(n_users, requests // 4)
+
+
 def _simulate(
     port: int, traffic: list, per_cycle: int, cycle: int, users: list, requests: int, seed: int, params: Params
 ):
@@ -125,7 +130,7 @@ def run_online_loop(
     rows = _start_state(params, state, restored, cycles)
     repo = state / "repo"
     traffic = read_regions(regions_path(params.paths.data_dir, "train"))  # never the held-out files
-    per_cycle = max(n_users, requests // 4)  # regions offered per cycle: more than the users will type
+    per_cycle = cycle_regions(n_users, requests)
     users = make_users(n_users, params.simulator, prefix=f"sim{seed}")
     port = free_port()
     gateway = start_gateway(params_file, overrides, port, state / "gateway.log")

@@ -96,7 +96,9 @@ def test_the_final_ab_test_puts_the_base_back_and_decides_at_one_look(
     assert arms == {CHAMPION: base.label, CHALLENGER: final.label}
 
     plan = AbPlan(per_arm=40, needed=40, reward_sd=0.2, mde=0.1, power=0.8, alpha=0.05)
-    ab = run_ab_test(str(params_file), [], tmp_path, plan, users=8, seed=0)
+    with pytest.raises(ValueError, match="none is left for the A/B test"):  # never the regions the cycles typed
+        run_ab_test(str(params_file), [], tmp_path, plan, users=8, seed=0, typed_regions=len(typing_regions))
+    ab = run_ab_test(str(params_file), [], tmp_path, plan, users=8, seed=0, typed_regions=8)
     assert min(ab["requests"].values()) >= plan.per_arm  # sticky users leave one arm short: topped up to the plan
     # one look at what each arm has: decided there (never "continue"), and a babbler is never promoted
     assert ab["action"] == "rollback", ab
