@@ -37,11 +37,12 @@ from flows.ab_decision import ab_decision
 from flows.loop_state import CycleRow
 from flows.online_loop import champion_dir, cycle_regions, loop_overrides, run_online_loop, start_gateway
 from flows.report import print_report, print_story, print_ui_pointers
+from serving.router import assign
 from serving.simulate import run_simulation
 from tasks.core.config import DEFAULT_PARAMS_FILE, Params, load_params
 from tasks.core.outcomes import ArmCounts, reward_std
 from tasks.core.procs import exit_on_sigterm, free_port
-from tasks.core.store import CHALLENGER, CHAMPION, open_store
+from tasks.core.store import CHALLENGER, CHAMPION, open_store, read_arms
 from tasks.deploy.ab import arm_stats
 from tasks.deploy.arms import serve_champion
 from tasks.deploy.model_cache import resolve_model_dir
@@ -143,26 +144,32 @@ def _traffic_until_planned(
 ) -> dict[str, int]:
     """Requests per arm after live traffic from the far end of `regions` (train regions no cycle offered) until
     each arm has plan.per_arm. Users stick to an arm, so one round of `total` leaves one arm short (seed 0 on
-    2026-11-28: 1062 of 1343 planned); the next rounds top it up, the same users typing further regions. When to
-    stop depends on counts only, never on outcomes, so the one look at the end keeps its alpha."""
+    2026-11-28: 1062 of 1343 planned); the next rounds top it up with that arm's users only (the gateway's sticky
+    assignment, `serving.router.assign`), typing further regions. When to stop depends on counts only, never on
+    outcomes, so the one look at the end keeps its alpha."""
     sim_users = make_users(users, params.simulator, prefix=f"ab{seed}")
+    with open_store(params.paths.database_url) as engine:
+        arms = read_arms(engine)
+    arm_of = {u.user_id: assign(u.user_id, params.serving.experiment_salt, arms).name for u in sim_users}
     served: dict[str, int] = {}
+    typing = sim_users
     width = min(max(users, total // 4), len(regions))  # regions per round
     for round_ in range(4):
         end = len(regions) - (round_ * width) % len(regions)  # rounds walk back from the end, wrapping
         window = regions[max(end - width, 0) : end]
         by_arm = run_simulation(
-            url, window, sim_users, total, None, concurrency=4, seed=seed * 1000 + 999 + round_, traffic=params.traffic
+            url, window, typing, total, None, concurrency=4, seed=seed * 1000 + 999 + round_, traffic=params.traffic
         )
         for arm, summary in by_arm.items():
             served[arm] = served.get(arm, 0) + summary.requests
-        fewest = min(served.get(CHAMPION, 0), served.get(CHALLENGER, 0))
-        short = plan.per_arm - fewest
-        if short <= 0:
+        shorter = min((CHAMPION, CHALLENGER), key=lambda arm: served.get(arm, 0))
+        total = plan.per_arm - served.get(shorter, 0)
+        if total <= 0:
             break
-        share = fewest / max(sum(served.values()), 1)
-        total = math.ceil(short / max(share, 0.05))
-        print(f"A/B traffic: {served}; {short} more requests for the shorter arm, about {total} in all", flush=True)
+        typing = [u for u in sim_users if arm_of[u.user_id] == shorter]
+        if not typing:
+            raise ValueError(f"none of the {users} A/B users is on the {shorter} arm: raise --ab-users")
+        print(f"A/B traffic: {served}; {total} more requests from the {shorter} arm's {len(typing)} users", flush=True)
     return served
 
 
@@ -246,9 +253,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cycles", type=int, default=5, help="gated online RL cycles")
     p.add_argument("--requests", type=int, default=1000, help="simulated completion requests per cycle")
     p.add_argument("--users", type=int, default=24, help="simulated users during the cycles")
-    p.add_argument("--mde", type=float, default=0.02, help="reward-per-request difference the A/B test is sized for")
+    p.add_argument("--mde", type=float, default=0.011, help="reward-per-request difference the A/B test is sized for")
     p.add_argument("--power", type=float, default=0.8, help="power of the A/B test at --mde")
-    p.add_argument("--max-per-arm", type=int, default=1500, help="cap on the A/B test's requests per arm")
+    p.add_argument("--max-per-arm", type=int, default=6000, help="cap on the A/B test's requests per arm")
     p.add_argument("--ab-users", type=int, default=96, help="simulated users during the A/B test")
     p.add_argument("--state", type=Path, default=Path("state/demo"), help="state dir (wiped at start)")
     return p

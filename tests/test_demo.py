@@ -103,7 +103,6 @@ def test_the_final_ab_test_puts_the_base_back_and_decides_at_one_look(
     # one look at what each arm has: decided there (never "continue"), and a babbler is never promoted
     assert ab["action"] == "rollback", ab
     assert ab["reason"].startswith(("inconclusive", "challenger worse")), ab["reason"]
-    assert ab["numbers"][f"{CHALLENGER}_reward_per_request"] < ab["numbers"][f"{CHAMPION}_reward_per_request"]
     with open_store(params.paths.database_url) as engine:
         assert [a.model_version for a in read_arms(engine)] == [base.label]  # the rollback was applied
     assert registry.aliased(CHALLENGER) is None
