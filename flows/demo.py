@@ -1,4 +1,4 @@
-"""`make demo`: online RL cycles, one live A/B test sized to decide, the closing table: about 9 min on 2 cores.
+"""`make demo`: online RL cycles, one live A/B test sized to decide, the closing table: about 14 min on 2 cores.
 
     python -m flows.demo --seed 0                 # what `make demo` runs
     python -m flows.demo --cycles 2 --requests 200 --max-per-arm 300   # a quicker, less decisive look
@@ -49,12 +49,14 @@ from tasks.deploy.model_cache import resolve_model_dir
 from tasks.deploy.registry import Registry
 from tasks.deploy.rollout import rollout
 from tasks.sim.editor import read_regions, regions_path
-from tasks.sim.users import make_users
+from tasks.sim.users import SimUser, make_users
 
-# The learning bench's measured setting (docs/results.md, "What the loop learns"): 5 cycles of 1000 requests, the
-# gate typing evaluate.n_requests (1000) held-out requests per model and judging 100 FIM samples; the closing table
-# types CLOSING_REQUESTS per model, on requests no gate typed.
-DEMO_SETTINGS = ["evaluate.n_samples=100"]
+# The learning bench's measured setting (docs/results.md, "What the loop learns"), one cycle fewer: cycles of 1000
+# requests, the gate typing evaluate.n_requests (1000) held-out requests per model and judging 100 FIM samples
+# (the bench's lift levels off after cycle 3 or 4; the A/B test gets the fifth cycle's minutes). Simulated users
+# answer at once, so a suggestion's outcome is known within 3 s, not an editor's 10. The closing table types
+# CLOSING_REQUESTS per model, on requests no gate typed.
+DEMO_SETTINGS = ["evaluate.n_samples=100", "ingest.feedback_timeout_s=3"]
 CLOSING_REQUESTS = 1000
 
 
@@ -108,11 +110,10 @@ def run_ab_test(
     typed_regions: the train regions the cycles offered (the first ones); the test's traffic types the others, so
     the challenger is never tested on code it was trained on."""
     params = load_params(params_file, overrides)
-    share = min(params.deploy.challenger_share, 1 - params.deploy.challenger_share)
     regions = read_regions(regions_path(params.paths.data_dir, "train"))[typed_regions:]
     if not regions:
         raise ValueError(f"the cycles offered all {typed_regions} train regions: none is left for the A/B test")
-    total = math.ceil(plan.per_arm / share)
+    total = 2 * plan.per_arm  # half the users on each arm
     port = free_port()
     gateway = start_gateway(params_file, overrides, port, state / "gateway-ab.log")
     try:
@@ -143,14 +144,11 @@ def _traffic_until_planned(
     url: str, regions: list, total: int, plan: AbPlan, users: int, seed: int, params: Params
 ) -> dict[str, int]:
     """Requests per arm after live traffic from the far end of `regions` (train regions no cycle offered) until
-    each arm has plan.per_arm. Users stick to an arm, so one round of `total` leaves one arm short (seed 0 on
-    2026-11-28: 1062 of 1343 planned); the next rounds top it up with that arm's users only (the gateway's sticky
-    assignment, `serving.router.assign`), typing further regions. When to stop depends on counts only, never on
+    each arm has plan.per_arm. Half the users are on each arm (`_users_per_arm`), but users type at their own
+    pace, so one round of `total` can leave an arm short; the next rounds top it up with that arm's users only,
+    typing further regions. When to stop depends on counts only, never on
     outcomes, so the one look at the end keeps its alpha."""
-    sim_users = make_users(users, params.simulator, prefix=f"ab{seed}")
-    with open_store(params.paths.database_url) as engine:
-        arms = read_arms(engine)
-    arm_of = {u.user_id: assign(u.user_id, params.serving.experiment_salt, arms).name for u in sim_users}
+    sim_users, arm_of = _users_per_arm(users, params, seed)
     served: dict[str, int] = {}
     typing = sim_users
     width = min(max(users, total // 4), len(regions))  # regions per round
@@ -171,6 +169,20 @@ def _traffic_until_planned(
             raise ValueError(f"none of the {users} A/B users is on the {shorter} arm: raise --ab-users")
         print(f"A/B traffic: {served}; {total} more requests from the {shorter} arm's {len(typing)} users", flush=True)
     return served
+
+
+def _users_per_arm(users: int, params: Params, seed: int) -> tuple[list[SimUser], dict[str, str]]:
+    """`users` simulated users, half on each arm by the gateway's sticky assignment (`serving.router.assign`), and
+    each one's arm: drawn in order from a larger pool, so the arms' traffic is balanced (equal arms give the test
+    its best power) and neither arm's users depend on the test's outcomes."""
+    with open_store(params.paths.database_url) as engine:
+        arms = read_arms(engine)
+    pool = make_users(8 * users, params.simulator, prefix=f"ab{seed}")
+    arm_of = {u.user_id: assign(u.user_id, params.serving.experiment_salt, arms).name for u in pool}
+    per_arm = {arm: [u for u in pool if arm_of[u.user_id] == arm][: users // 2] for arm in (CHAMPION, CHALLENGER)}
+    if min(len(v) for v in per_arm.values()) < users // 2:
+        raise ValueError(f"too few of {len(pool)} simulated users fall on an arm: check deploy.challenger_share")
+    return per_arm[CHAMPION] + per_arm[CHALLENGER], arm_of
 
 
 def print_ab(ab: dict) -> None:
@@ -250,12 +262,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--params", default=str(DEFAULT_PARAMS_FILE), help="params.yaml to read")
     p.add_argument("--set", action="append", default=[], help="override one key: section.key=value")
     p.add_argument("--seed", type=int, default=0, help="seed of users, traffic and training")
-    p.add_argument("--cycles", type=int, default=5, help="gated online RL cycles")
+    p.add_argument("--cycles", type=int, default=4, help="gated online RL cycles")
     p.add_argument("--requests", type=int, default=1000, help="simulated completion requests per cycle")
     p.add_argument("--users", type=int, default=24, help="simulated users during the cycles")
-    p.add_argument("--mde", type=float, default=0.011, help="reward-per-request difference the A/B test is sized for")
+    p.add_argument("--mde", type=float, default=0.014, help="reward-per-request difference the A/B test is sized for")
     p.add_argument("--power", type=float, default=0.8, help="power of the A/B test at --mde")
-    p.add_argument("--max-per-arm", type=int, default=6000, help="cap on the A/B test's requests per arm")
+    p.add_argument("--max-per-arm", type=int, default=4000, help="cap on the A/B test's requests per arm")
     p.add_argument("--ab-users", type=int, default=96, help="simulated users during the A/B test")
     p.add_argument("--state", type=Path, default=Path("state/demo"), help="state dir (wiped at start)")
     return p
