@@ -10,9 +10,9 @@ Three parts, all on the real gateway, log store, Prefect flows and MLflow regist
    gain is small, and an A/B test per cycle would need thousands of requests per arm to see it.
 2. One A/B test that can decide. The base model comes back as champion, the final model of part 1 is the
    challenger, and live traffic is split between them. Its size is planned before it starts (a two-sided test at
-   deploy.alpha with --power to find a reward difference of --mde, sd measured on cycle 1's traffic) and the
-   decision flow looks once, at the end: repeated looks would inflate alpha (tasks/deploy/ab.py). It promotes
-   the challenger on live evidence, or rolls it back.
+   deploy.alpha with --power to find a reward difference of --mde, sd measured on cycle 1's traffic), capped at
+   what the cycles left of the --budget-min wall time, and the decision flow looks once, at the end: repeated
+   looks would inflate alpha (tasks/deploy/ab.py). It promotes the challenger on live evidence, or rolls it back.
 3. The closing table: base vs the final champion on held-out requests no gate typed, with 95 % intervals, and in
    words where an interval includes 0. When the A/B test rolled the final model back (the base is champion again),
    the table shows base vs that rolled-back model, named so.
@@ -59,6 +59,8 @@ from tasks.sim.users import SimUser, make_users
 # accept came late and counted as a rejection.)
 DEMO_SETTINGS = ["evaluate.n_samples=100"]
 CLOSING_REQUESTS = 1000
+AB_FIXED_S = 30.0  # the A/B test's rollout, gateway start and decision flow on 2 cores (seconds, a little over)
+MIN_PER_ARM = 300  # the smallest A/B test the time budget may leave
 
 
 @dataclass(frozen=True)
@@ -67,16 +69,36 @@ class AbPlan:
     needed: int  # requests per arm the power calculation asks for
     reward_sd: float  # per-request reward sd it used (cycle 1's traffic, all on the base)
     mde: float
-    power: float
+    power: float  # asked for at mde
     alpha: float
+    power_at_n: float  # what per_arm gives at mde (below `power` when capped)
 
 
 def plan_ab(reward_sd: float, mde: float, alpha: float, power: float, max_per_arm: int) -> AbPlan:
     """Requests per arm for a two-sided test at alpha to find a difference mde in mean reward per request with the
     given power: n = 2 (z_{1-alpha/2} + z_power)^2 sd^2 / mde^2, capped at max_per_arm."""
-    z = norm.ppf(1 - alpha / 2) + norm.ppf(power)
+    z_alpha = norm.ppf(1 - alpha / 2)
+    z = z_alpha + norm.ppf(power)
     needed = math.ceil(2 * z * z * reward_sd * reward_sd / (mde * mde))
-    return AbPlan(min(needed, max_per_arm), needed, reward_sd, mde, power, alpha)
+    per_arm = min(needed, max_per_arm)
+    power_at_n = float(norm.cdf(math.sqrt(per_arm / 2) * mde / reward_sd - z_alpha))
+    return AbPlan(per_arm, needed, reward_sd, mde, power, alpha, power_at_n)
+
+
+def budget_per_arm(rows: list[CycleRow], elapsed_s: float, budget_s: float, params: Params) -> int:
+    """Requests per arm the A/B test can serve in what budget_s leaves after elapsed_s: the cycles' traffic rate
+    through the gateway, less the closing table (2 x CLOSING_REQUESTS typed at the gates' pace, their judged
+    samples included, so a little over) and the test's fixed costs (rollout, gateway, the feedback timeout, the
+    decision). It depends on wall times only, never on outcomes, so the one look keeps its alpha; at least
+    MIN_PER_ARM."""
+    served = [r for r in rows if r.traffic_s > 0]
+    gated = [r for r in rows if r.evaluate_s > 0]
+    if not served or not gated:
+        return MIN_PER_ARM
+    rate = sum(r.requests for r in served) / sum(r.traffic_s for r in served)
+    gate_rate = 2 * params.evaluate.n_requests * len(gated) / sum(r.evaluate_s for r in gated)
+    left = budget_s - elapsed_s - 2 * CLOSING_REQUESTS / gate_rate - AB_FIXED_S - params.ingest.feedback_timeout_s
+    return max(int(left * rate / 2), MIN_PER_ARM)
 
 
 def base_reward_sd(row: CycleRow, params: Params) -> float:
@@ -197,7 +219,11 @@ def print_ab(ab: dict) -> None:
         title=f"Live A/B test, looked at once: base (champion) vs final model (challenger); planned "
         f"{plan['per_arm']} requests per arm (power {plan['power']:.0%} for a reward difference of "
         f"{plan['mde']} at alpha {plan['alpha']}, reward sd {plan['reward_sd']:.3f}"
-        + (f"; {plan['needed']} asked for, capped" if plan["needed"] > plan["per_arm"] else "")
+        + (
+            f"; {plan['needed']} asked for, capped to fit the time: power {plan['power_at_n']:.0%}"
+            if plan["needed"] > plan["per_arm"]
+            else ""
+        )
         + ")"
     )
     for col in ("arm", "requests", "shown", "accept/shown", "reward/request", "accepted chars/request"):
@@ -234,7 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     final = registry.aliased(CHAMPION)
     final_dir = champion_dir(params)  # the cycles' final model: the closing table's subject, whatever the A/B says
     if final is not None and final.version != registry.version_of(f"models:/{base_label}").version:
-        plan = plan_ab(base_reward_sd(rows[0], params), args.mde, params.deploy.alpha, args.power, args.max_per_arm)
+        cap = args.max_per_arm
+        if args.budget_min > 0:  # what the cycles left of the wall-time budget
+            cap = min(cap, budget_per_arm(rows, time.perf_counter() - started, 60 * args.budget_min, params))
+        plan = plan_ab(base_reward_sd(rows[0], params), args.mde, params.deploy.alpha, args.power, cap)
         ab["challenger"] = start_ab_test(args.params, full, base_label)
         offered = args.cycles * cycle_regions(args.users, args.requests)  # the cycles' train regions, typed first
         ab |= run_ab_test(args.params, full, args.state, plan, args.ab_users, args.seed, offered)
@@ -269,6 +298,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mde", type=float, default=0.014, help="reward-per-request difference the A/B test is sized for")
     p.add_argument("--power", type=float, default=0.8, help="power of the A/B test at --mde")
     p.add_argument("--max-per-arm", type=int, default=4000, help="cap on the A/B test's requests per arm")
+    p.add_argument(
+        "--budget-min",
+        type=float,
+        default=14.5,
+        help="wall-time budget of the whole demo in minutes: the A/B test is capped at what the cycles leave of it "
+        "(at the cycles' traffic rate, the closing table set aside); 0: no cap but --max-per-arm",
+    )
     p.add_argument("--ab-users", type=int, default=96, help="simulated users during the A/B test")
     p.add_argument("--state", type=Path, default=Path("state/demo"), help="state dir (wiped at start)")
     return p

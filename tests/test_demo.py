@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import yaml
 
-from flows.demo import AbPlan, base_reward_sd, plan_ab, run_ab_test, start_ab_test
+from flows.demo import AbPlan, base_reward_sd, budget_per_arm, plan_ab, run_ab_test, start_ab_test
 from flows.loop_state import CycleRow
 from flows.report import story_in_words
 from tasks.core.store import CHALLENGER, CHAMPION, open_store, read_arms
@@ -24,9 +26,23 @@ def test_the_plan_is_the_two_sided_power_formula():
     assert plan_ab(0.17, 0.012, 0.05, 0.8, 10**6).needed == pytest.approx(4 * 788, abs=4)
 
 
-def test_a_capped_plan_says_what_it_was_asked_for():
+def test_a_capped_plan_says_what_it_was_asked_for_and_the_power_it_keeps():
     plan = plan_ab(reward_sd=0.17, mde=0.01, alpha=0.05, power=0.8, max_per_arm=1500)
     assert plan.per_arm == 1500 and plan.needed > 4000
+    # 1500 per arm: z = sqrt(750) 0.01 / 0.17 - 1.96 = -0.349 -> power 36 %; uncapped, the power asked for
+    assert plan.power_at_n == pytest.approx(0.3635, abs=1e-3)
+    assert plan_ab(0.17, 0.024, 0.05, 0.8, 5000).power_at_n == pytest.approx(0.8, abs=2e-3)
+
+
+def test_the_ab_test_gets_what_the_cycles_leave_of_the_time_budget():
+    params = tiny_params()  # evaluate.n_requests as set there; the closing table types 2 x 1000
+    gate_s = 100.0 * params.evaluate.n_requests / 1000
+    rows = [replace(_row(1000, 0.3, 0.1), traffic_s=50.0, evaluate_s=gate_s) for _ in range(4)]
+    # traffic 20 requests/s; gates 20 typed requests/s -> closing 100 s; 840 - 500 - 100 - 30 - timeout left
+    left = 840 - 500 - 100 - 30 - params.ingest.feedback_timeout_s
+    assert budget_per_arm(rows, 500.0, 840.0, params) == int(left * 20 / 2)
+    assert budget_per_arm(rows, 830.0, 840.0, params) == 300  # nothing left: the smallest test
+    assert budget_per_arm([], 0.0, 840.0, params) == 300  # no cycle timed
 
 
 def _row(requests: int, suggest_rate: float, accept_rate: float) -> CycleRow:
@@ -95,7 +111,7 @@ def test_the_final_ab_test_puts_the_base_back_and_decides_at_one_look(
         arms = {a.name: a.model_version for a in read_arms(engine)}
     assert arms == {CHAMPION: base.label, CHALLENGER: final.label}
 
-    plan = AbPlan(per_arm=40, needed=40, reward_sd=0.2, mde=0.1, power=0.8, alpha=0.05)
+    plan = AbPlan(per_arm=40, needed=40, reward_sd=0.2, mde=0.1, power=0.8, alpha=0.05, power_at_n=0.8)
     with pytest.raises(ValueError, match="none is left for the A/B test"):  # never the regions the cycles typed
         run_ab_test(str(params_file), [], tmp_path, plan, users=8, seed=0, typed_regions=len(typing_regions))
     ab = run_ab_test(str(params_file), [], tmp_path, plan, users=8, seed=0, typed_regions=8)
