@@ -136,12 +136,11 @@ def run_ab_test(
     regions = read_regions(regions_path(params.paths.data_dir, "train"))[typed_regions:]
     if not regions:
         raise ValueError(f"the cycles offered all {typed_regions} train regions: none is left for the A/B test")
-    total = 2 * plan.per_arm  # half the users on each arm
     port = free_port()
     gateway = start_gateway(params_file, overrides, port, state / "gateway-ab.log")
     try:
         started = time.perf_counter()
-        by_arm = _traffic_until_planned(f"http://127.0.0.1:{port}", regions, total, plan, users, seed, params)
+        by_arm = _traffic_until_planned(f"http://127.0.0.1:{port}", regions, plan, users, seed, params)
         traffic_s = time.perf_counter() - started
         time.sleep(params.ingest.feedback_timeout_s + 0.5)  # every shown suggestion has its outcome
     finally:
@@ -164,16 +163,16 @@ def run_ab_test(
 
 
 def _traffic_until_planned(
-    url: str, regions: list, total: int, plan: AbPlan, users: int, seed: int, params: Params
+    url: str, regions: list, plan: AbPlan, users: int, seed: int, params: Params
 ) -> dict[str, int]:
     """Requests per arm after live traffic from the far end of `regions` (train regions no cycle offered) until
     each arm has plan.per_arm. Half the users are on each arm (`_users_per_arm`), but users type at their own
-    pace, so one round of `total` can leave an arm short; the next rounds top it up with that arm's users only,
-    typing further regions. When to stop depends on counts only, never on
-    outcomes, so the one look at the end keeps its alpha."""
+    pace, so a first round of 2 x plan.per_arm can leave an arm short; the next rounds top it up with that arm's
+    users only, typing further regions. When to stop depends on counts only, never on outcomes, so the one look
+    at the end keeps its alpha."""
     sim_users, arm_of = _users_per_arm(users, params, seed)
     served: dict[str, int] = {}
-    typing = sim_users
+    typing, total = sim_users, 2 * plan.per_arm
     width = min(max(users, total // 4), len(regions))  # regions per round
     for round_ in range(4):
         end = len(regions) - (round_ * width) % len(regions)  # rounds walk back from the end, wrapping
@@ -188,8 +187,6 @@ def _traffic_until_planned(
         if total <= 0:
             break
         typing = [u for u in sim_users if arm_of[u.user_id] == shorter]
-        if not typing:
-            raise ValueError(f"none of the {users} A/B users is on the {shorter} arm: raise --ab-users")
         print(f"A/B traffic: {served}; {total} more requests from the {shorter} arm's {len(typing)} users", flush=True)
     return served
 
@@ -198,6 +195,8 @@ def _users_per_arm(users: int, params: Params, seed: int) -> tuple[list[SimUser]
     """`users` simulated users, half on each arm by the gateway's sticky assignment (`serving.router.assign`), and
     each one's arm: drawn in order from a larger pool, so the arms' traffic is balanced (equal arms give the test
     its best power) and neither arm's users depend on the test's outcomes."""
+    if users < 2:
+        raise ValueError(f"--ab-users {users}: an A/B test needs at least one user on each arm")
     with open_store(params.paths.database_url) as engine:
         arms = read_arms(engine)
     pool = make_users(8 * users, params.simulator, prefix=f"ab{seed}")
