@@ -4,6 +4,7 @@ import pytest
 from pydantic import ValidationError
 
 from tasks.core.config import ParamsError, env_overrides, load_params, parse_override
+from tasks.core.vllm import server_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,6 +32,20 @@ def test_the_shipped_overlays_load_together_on_params_yaml():
     assert params.serving.backend == "vllm" and params.evaluate.adapter_engine == "merged"
     assert params.serving.adapter_serving == "lora"  # the arms stay adapters on one server
     assert {"--enforce-eager", "processed_logprobs", "--enable-prefix-caching"} <= set(params.serving.vllm_args)
+
+
+def test_a_vllm_server_gets_the_overlays_environment_under_the_callers(monkeypatch):
+    """serving.vllm_env reaches the servers tabrl starts; a variable the caller set wins; LoRA servers also get
+    runtime adapter loading."""
+    params = load_params(REPO / "params.yaml", [f"@{REPO / 'params.vllm-cpu.yaml'}"], environ={})
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    env = server_env(params, lora=False)
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"  # the scheduler's core goes to the model on a small machine
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "3"  # the overlay says 1; the caller's 3 wins
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
+    assert server_env(params, lora=True)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in server_env(load_params(REPO / "params.yaml", environ={}), False)
 
 
 def test_unknown_key_is_rejected_with_its_name(tmp_path):

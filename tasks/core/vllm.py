@@ -82,6 +82,12 @@ def server_command(model_dir: str | Path, port: int, params: Params, lora: bool)
     return cmd + list(s.vllm_args)
 
 
+def server_env(params: Params, lora: bool) -> dict[str, str]:
+    """A server's environment: serving.vllm_env under this process's (a variable set here wins), with runtime
+    LoRA loading when lora."""
+    return {**params.serving.vllm_env, **os.environ, **(LORA_ENV if lora else {})}
+
+
 def start_vllm(model_dir: str | Path, params: Params, lora: bool = False, port: int | None = None) -> VllmServer:
     """Start a vLLM OpenAI server for model_dir (with runtime LoRA when lora) on port (default: a free one) and
     return once /health answers. The model is named by its absolute path (what arms ask for)."""
@@ -89,14 +95,13 @@ def start_vllm(model_dir: str | Path, params: Params, lora: bool = False, port: 
     port = port or free_port()
     log_dir = _registry_dir(params)
     log_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, **(LORA_ENV if lora else {})}
     with open(log_dir / f"{port}.log", "wb") as log:
         proc = subprocess.Popen(
             server_command(model_dir, port, params, lora),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env=env,
+            env=server_env(params, lora),
         )
     server = VllmServer(proc.pid, port, f"http://127.0.0.1:{port}", str(model_dir), lora)
     (log_dir / f"{port}.json").write_text(json.dumps(asdict(server)))

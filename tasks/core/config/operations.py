@@ -103,6 +103,9 @@ class ServingParams(Section):
     vllm_args: tuple[str, ...] = ("--logprobs-mode", "processed_logprobs")
     """Extra vLLM server flags. processed_logprobs: logged behaviour log-probs are under the temperature-scaled
     distribution training uses. On CPU add --dtype float32 --enforce-eager."""
+    vllm_env: dict[str, str] = Field(default_factory=dict)
+    """Environment variables for the vLLM servers tabrl starts (one the environment already sets wins), e.g. the
+    CPU build's VLLM_CPU_NUM_OF_RESERVED_CPU and VLLM_CPU_KVCACHE_SPACE (params.vllm-cpu.yaml)."""
     vllm_start_timeout_s: float = Field(420.0, gt=0)
     """A new vLLM server must answer /health within this many seconds, else the rollout is undone."""
     vllm_max_loras: int = Field(4, ge=3)
