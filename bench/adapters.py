@@ -52,7 +52,7 @@ from tasks.deploy.tracking import CycleRuns
 from tasks.sim.editor import pause_requests, read_regions, regions_path
 from tests.support.harness import start_process, stop_process
 
-CPU_VLLM = ["--dtype", "float32", "--enforce-eager", "--enable-prefix-caching", "--logprobs-mode", "processed_logprobs"]
+CPU_OVERLAY = Path(__file__).resolve().parents[1] / "params.vllm-cpu.yaml"  # the CPU build's flags and threads
 MERGED = "merged"  # the third arm's name
 
 
@@ -116,10 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python")
     parser.add_argument("--seconds", type=float, default=60.0, help="wrk duration per arm")
     parser.add_argument("--concurrency", type=int, default=8, help="wrk connections")
-    parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--out", type=Path, default=Path("bench/out/adapters.json"))
     args = parser.parse_args(argv)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     state = Path(tempfile.mkdtemp(prefix="tabrl-bench-adapters-"))
     params = load_params(
         args.params,
@@ -128,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             "train.adapter=lora",
             "serving.backend=vllm",
             f"serving.vllm_python={args.vllm_python}",
-            "serving.vllm_args=" + json.dumps([*CPU_VLLM, "--max-model-len", str(args.max_model_len)]),
+            f"@{CPU_OVERLAY}",
             "serving.auth=false",
             "serving.config_ttl_s=0",
             f"paths.state_dir={state}",

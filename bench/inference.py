@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import tempfile
 import time
@@ -43,7 +42,7 @@ from tasks.sim.acceptance import type_regions
 from tasks.sim.corpus import read_corpus
 from tasks.sim.editor import pick_regions
 
-CPU_VLLM = ["--dtype", "float32", "--enforce-eager", "--enable-prefix-caching", "--logprobs-mode", "processed_logprobs"]
+CPU_OVERLAY = Path(__file__).resolve().parents[1] / "params.vllm-cpu.yaml"  # the CPU build's flags and threads
 
 
 def prefix_cache(url: str) -> tuple[float, float]:
@@ -88,16 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=160, help="typing requests per run")
     parser.add_argument("--prefix-chars", type=int, default=4000, help="file text before the cursor an editor sends")
     parser.add_argument("--regions", type=int, default=120, help="held-out regions to type (enough for --requests)")
-    parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--out", type=Path, default=Path("bench/out/inference.json"))
     args = parser.parse_args(argv)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     state = Path(tempfile.mkdtemp(prefix="tabrl-bench-inference-"))
     common = [
         f"evaluate.n_requests={args.requests}",
         f"traffic.max_prefix_chars={args.prefix_chars}",
         f"serving.vllm_python={args.vllm_python}",
-        "serving.vllm_args=" + json.dumps([*CPU_VLLM, "--max-model-len", str(args.max_model_len)]),
+        f"@{CPU_OVERLAY}",
         f"paths.state_dir={state}",
         *args.set,
     ]
