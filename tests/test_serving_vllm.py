@@ -21,11 +21,11 @@ import sqlalchemy as sa
 from serving.auth import add_key
 from serving.gateway import create_app
 from tasks.core.fim import PREFIX_ONLY, QWEN
-from tasks.core.generate import ShowRule, generate, load_model, merged_dir
-from tasks.core.inference import open_engine
+from tasks.core.generate import ShowRule, generate, load_model, merged_dir, stops_of
+from tasks.core.inference import VllmEngine, open_engine
 from tasks.core.procs import free_port, wait_until_up
 from tasks.core.store import Arm, Store, completions, init_schema, replace_arms
-from tasks.core.vllm import recorded_servers, same_checkpoint
+from tasks.core.vllm import recorded_servers, same_checkpoint, start_of_text
 from tests.conftest import tiny_params
 from tests.serving_util import post_completions, serve_app
 
@@ -134,10 +134,20 @@ def test_vllm_arm_serves_smollm2_with_its_own_template(vllm_python, smollm2_dir,
     engine.dispose()
 
 
-def test_a_vllm_arm_cuts_at_the_first_unsure_token_as_the_embedded_model_does(vllm_python, tmp_path, fim_samples):
+SHIPPED_BASE = Path(__file__).resolve().parents[1] / "models" / "tabrl-tiny"  # sure of some tokens, unlike the test's
+
+
+@pytest.fixture(scope="module")
+def base_vllm_url(vllm_python, tmp_path_factory):
+    """The shipped base (tabrl-tiny) on a vLLM server, named "base"."""
+    with vllm_server(vllm_python, SHIPPED_BASE, "base", tmp_path_factory.mktemp("vllm") / "vllm.log") as url:
+        yield url
+
+
+def test_a_vllm_arm_cuts_at_the_first_unsure_token_as_the_embedded_model_does(base_vllm_url, tmp_path, fim_samples):
     """serving.min_logprob through a real vLLM: the suggestion shown and logged is the one the same rule gives
     in process (greedy serving: log-probs at T = 1 on both sides), the shipped base being sure of some tokens."""
-    base = Path(__file__).resolve().parents[1] / "models" / "tabrl-tiny"
+    base = SHIPPED_BASE
     rule = ShowRule(-1.0, 1.0)
     params = tiny_params(tmp_path, serving={"config_ttl_s": 0, "max_tokens": 12, "temperature": 0, "min_logprob": -1.0})
     engine = Store(params.paths.database_url).engine
@@ -145,10 +155,9 @@ def test_a_vllm_arm_cuts_at_the_first_unsure_token_as_the_embedded_model_does(vl
     key = add_key(engine, "alice")
     model, tokenizer, template = load_model(base)
     prompts = [template.render(s["prefix"][-300:], s["suffix"][:100]) for s in fim_samples[:8]]
-    with vllm_server(vllm_python, base, "base", tmp_path / "vllm.log") as vllm_url:
-        replace_arms(engine, [Arm("champion", "base/vllm", vllm_url, "vllm", 1.0)])
-        with serve_app(create_app(params, engine=engine)) as url:
-            answers = post_completions(url, key, prompts, max_tokens=12)
+    replace_arms(engine, [Arm("champion", "base/vllm", base_vllm_url, "vllm", 1.0)])
+    with serve_app(create_app(params, engine=engine)) as url:
+        answers = post_completions(url, key, prompts, max_tokens=12)
     assert [a.status_code for a in answers] == [200] * len(answers), answers[0].text
     with engine.connect() as conn:
         rows = {r["id"]: r for r in conn.execute(sa.select(completions)).mappings()}
@@ -194,3 +203,24 @@ def test_an_adapter_evaluated_merged_types_on_a_server_of_its_own_stopped_and_de
         assert theirs.token_ids[:n] == mine.token_ids[:n]
     assert any(g.token_ids for g in served)
     assert recorded_servers(params) == [] and not merged.exists()
+
+
+def test_a_greedy_evaluation_on_vllm_shows_what_the_same_rule_shows_in_process(base_vllm_url, fim_samples):
+    """The gate types greedily, with the show rule at the serving temperature (T = 0.3); vLLM's log-probs of a
+    greedy request are at T = 1, so the engine rescales them from each position's top-k (`rule_logprobs`). It
+    shows what the same rule shows in process (never more: the tokens outside the top-k are bounded, not
+    dropped), where the rule applied to vLLM's own log-probs (T = 1) would cut more."""
+    model, tokenizer, template = load_model(SHIPPED_BASE)
+    engine = VllmEngine(
+        base_vllm_url, "base", template, stops_of(template, tokenizer), start_of_text(str(SHIPPED_BASE))
+    )
+    prompts = [template.render(s["prefix"][-300:], s["suffix"][:100]) for s in fim_samples[:16]]
+    rule = ShowRule(-0.25, 0.3)
+    on_vllm = engine.complete(prompts, 12, temperature=0.0, rule=rule)
+    in_process = generate(model, tokenizer, template, prompts, 12, rule=rule)
+    at_t1 = generate(model, tokenizer, template, prompts, 12, rule=ShowRule(-0.25, 1.0))
+    for served, local in zip(on_vllm, in_process, strict=True):
+        assert local.text.startswith(served.text), (served.text, local.text)
+    same = sum(served.text == local.text for served, local in zip(on_vllm, in_process, strict=True))
+    assert same >= 14 and sum(bool(g.text) for g in on_vllm) >= 4  # the shipped base is sure of some (8 of 16)
+    assert sum(len(g.text) for g in at_t1) < sum(len(g.text) for g in on_vllm)  # vLLM's own log-probs cut more

@@ -3,6 +3,8 @@ same way in generate (embedded arms, evaluation), in the vLLM answer mapping and
 
 from __future__ import annotations
 
+import math
+import random
 import re
 from pathlib import Path
 
@@ -17,7 +19,7 @@ from tasks.core.fim import parse_completion
 from tasks.core.generate import ShowRule, generate, load_model, show_rule, stops_of
 from tasks.core.inference import InProcess
 from tasks.core.store import Arm, Store, completions, init_schema, replace_arms
-from tasks.core.vllm import VllmError, generation_from_vllm
+from tasks.core.vllm import VllmError, generation_from_vllm, rule_logprobs
 from tasks.sim.acceptance import type_regions
 from tests.conftest import tiny_params
 from tests.serving_util import post_completions, serve_app
@@ -202,3 +204,30 @@ def test_the_gateway_explores_a_fraction_of_requests_at_the_looser_cut(tmp_path,
         assert all(lp >= -3.0 for lp in shown), row["logprobs"]  # never looser than the exploring cut
         loose += any(lp < -0.05 for lp in shown)  # shown past the strict cut: only an exploring request does
     assert 1 <= loose <= explored
+
+
+def _log_softmax(logits: list[float], temperature: float) -> list[float]:
+    scaled = [x / temperature for x in logits]
+    top = max(scaled)
+    norm = top + math.log(sum(math.exp(x - top) for x in scaled))
+    return [x - norm for x in scaled]
+
+
+@pytest.mark.parametrize("spread", [0.5, 3.0, 8.0])  # flat to peaked distributions over 200 tokens
+def test_a_greedy_rule_rescales_vllms_t1_logprobs_exactly_or_more_strictly(spread):
+    """rule_logprobs: from T = 1 log-probs and the top-k, the chosen token's log-prob at T = 0.3 is exact when the
+    top-k covers the vocabulary and never above the exact one when it does not (the tail is bounded)."""
+    rng = random.Random(int(spread * 10))
+    for _ in range(20):
+        logits = [rng.gauss(0.0, spread) for _ in range(200)]
+        at_1, at_t = _log_softmax(logits, 1.0), _log_softmax(logits, 0.3)
+        order = sorted(range(200), key=lambda j: -at_1[j])
+        best = order[0]
+        full = rule_logprobs([at_1[best]], [{str(j): at_1[j] for j in order}], 0.3)[0]
+        top20 = rule_logprobs([at_1[best]], [{str(j): at_1[j] for j in order[:20]}], 0.3)[0]
+        assert full == pytest.approx(at_t[best], abs=1e-9)
+        assert top20 <= at_t[best] + 1e-12
+        if spread >= 3.0:  # a peaked distribution's tail is negligible at T = 0.3
+            assert top20 == pytest.approx(at_t[best], abs=1e-3)
+    with pytest.raises(VllmError, match="T = 1.0"):
+        rule_logprobs([-0.1], [{"a": -0.1}], 1.0)

@@ -43,6 +43,7 @@ from tasks.core.generate import (
     stops_of,
 )
 from tasks.core.vllm import (
+    GREEDY_TOP_LOGPROBS,
     VllmError,
     adapter_name,
     base_server,
@@ -112,14 +113,17 @@ class VllmEngine:
             )
 
     async def _one(self, client, prompt, max_new_tokens, temperature, seed, rule: ShowRule | None) -> Generation:
-        body = completion_body(self.model, prompt or self.start, max_new_tokens, temperature, 1.0, self.stops, seed)
+        # greedy, with a rule at the serving temperature: vLLM's log-probs are at T = 1, the top-k rescales them
+        top = GREEDY_TOP_LOGPROBS if temperature == 0 and rule is not None and rule.temperature != 1.0 else 0
+        prompt = prompt or self.start
+        body = completion_body(self.model, prompt, max_new_tokens, temperature, 1.0, self.stops, seed, top)
         try:
             response = await client.post(f"{self.url}/v1/completions", json=body)
         except httpx.HTTPError as err:
             raise VllmError(f"vLLM at {self.url} unreachable: {type(err).__name__}: {err}") from err
         if response.status_code != 200:
             raise VllmError(f"vLLM at {self.url} answered {response.status_code}: {response.text[:300]}")
-        return generation_from_vllm(response.json(), self.stops, 0.0, rule)
+        return generation_from_vllm(response.json(), self.stops, 0.0, rule, greedy_top=top > 0)
 
 
 @contextlib.contextmanager

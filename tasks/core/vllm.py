@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import secrets
 import signal
@@ -304,11 +305,19 @@ def base_of(url: str) -> str:
 
 
 def completion_body(
-    model: str, prompt: str, max_tokens: int, temperature: float, top_p: float, stop: Sequence[str], seed: int | None
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    stop: Sequence[str],
+    seed: int | None,
+    top_logprobs: int = 0,
 ) -> dict:
     """The one /v1/completions request both vLLM paths send (the gateway's arm, the evaluation's engine): the raw
     FIM prompt (never `suffix`: Qwen2.5-Coder), the first VLLM_MAX_STOP stop strings (the full list is applied to
-    the text by `generation_from_vllm`), the sampled tokens' ids and log-probs (the behaviour policy's, for PPO)."""
+    the text by `generation_from_vllm`), the sampled tokens' ids and log-probs (the behaviour policy's, for PPO).
+    top_logprobs: also each position's most likely tokens (a greedy evaluation's show rule, `rule_logprobs`)."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -316,17 +325,45 @@ def completion_body(
         "temperature": temperature,
         "top_p": top_p,
         "stop": list(stop)[:VLLM_MAX_STOP],
-        "logprobs": 0,  # the sampled token's log-prob only
+        "logprobs": top_logprobs,  # 0: the sampled token's log-prob only
         "return_token_ids": True,
         "skip_special_tokens": False,
     }
     return body if seed is None else body | {"seed": seed}
 
 
+GREEDY_TOP_LOGPROBS = 20  # vLLM's default --max-logprobs
+
+
+def rule_logprobs(logprobs: Sequence[float], top: Sequence[dict[str, float] | None], temperature: float) -> list[float]:
+    """Log-probs at `temperature` (below 1) of greedily chosen tokens, from vLLM's log-probs at T = 1 and each
+    position's top-k: a greedy request's processed log-probs are at T = 1 (vLLM's sampler skips the temperature),
+    while the show rule compares them at the serving temperature, as in process. The tokens outside the top-k
+    (mass m, none above the k-th p_k) add at most m * p_k ** (1/T - 1) to the normaliser, which is counted, so a
+    log-prob here is never above the exact one: the cut is as strict, or (where the tail is not negligible)
+    stricter."""
+    if not 0 < temperature < 1:
+        raise VllmError(f"a greedy show rule at T = {temperature} is computed by vLLM itself (T = 1) or not at all")
+    out = []
+    for chosen, options in zip(logprobs, top, strict=True):
+        values = list((options or {}).values())
+        if not any(abs(v - chosen) < 1e-9 for v in values):
+            values.append(chosen)  # a token string shared by two ids collapses in the JSON map
+        terms = [(v - chosen) / temperature for v in values]  # log of p_v ** (1/T) / p_chosen ** (1/T)
+        tail_mass = 1.0 - sum(math.exp(v) for v in values)
+        if tail_mass > 0:
+            terms.append(math.log(tail_mass) + (1 / temperature - 1) * min(values) - chosen / temperature)
+        top_term = max(terms)
+        out.append(-(top_term + math.log(sum(math.exp(t - top_term) for t in terms))))
+    return out
+
+
 def generation_from_vllm(
-    body: dict, stop: Sequence[str], latency_ms: float, rule: ShowRule | None = None
+    body: dict, stop: Sequence[str], latency_ms: float, rule: ShowRule | None = None, greedy_top: bool = False
 ) -> Generation:
     """Map one vLLM /v1/completions choice onto a Generation (token ids + behaviour log-probs), cut by rule.
+    greedy_top: the request was greedy and asked for the top-k (`completion_body(top_logprobs=...)`), so the
+    rule compares `rule_logprobs` at its temperature, not vLLM's log-probs at T = 1.
     A cut's text is the kept tokens' strings (vLLM's `logprobs.tokens`); when they do not spell the start of
     the answer (a character split across tokens), nothing is shown: the model was unsure there anyway."""
     try:
@@ -347,7 +384,13 @@ def generation_from_vllm(
         latency_ms=latency_ms,
         finish_reason="length" if choice.get("finish_reason") == "length" else "stop",
     )
-    unsure = None if rule is None else rule.first_unsure(gen.logprobs, gen.finish_reason == "stop")
+    shown_logprobs = gen.logprobs
+    if rule is not None and greedy_top:  # a greedy request that asked for the top-k: the rule at its temperature
+        top = (choice.get("logprobs") or {}).get("top_logprobs")
+        if not top or len(top) != len(gen.logprobs):
+            raise VllmError("vLLM answer lacks the top log-probs a greedy show rule needs (logprobs.top_logprobs)")
+        shown_logprobs = rule_logprobs(gen.logprobs, top, rule.temperature)
+    unsure = None if rule is None else rule.first_unsure(shown_logprobs, gen.finish_reason == "stop")
     if unsure is None:
         return gen
     if tokens is None or len(tokens) != len(token_ids):
