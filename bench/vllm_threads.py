@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for name in THREAD_VARS:  # each setting names its own; one set in this shell would win over all of them
         os.environ.pop(name, None)
-    overrides = [f"evaluate.n_requests={args.requests}", f"serving.vllm_python={Path(args.vllm_python).resolve()}"]
+    overrides = [f"evaluate.n_requests={args.requests}", f"serving.vllm_python={Path(args.vllm_python).absolute()}"]
     results = {}
     for label, env in SETTINGS.items():
         results[label] = run(args.model.resolve(), env, [*overrides, *args.set])
