@@ -17,9 +17,10 @@ from serving.gateway import create_app
 from tasks.core.config import ServingParams
 from tasks.core.fim import parse_completion
 from tasks.core.generate import ShowRule, generate, load_model, show_rule, stops_of
+from tasks.core.greedy_rule import rule_logprobs
 from tasks.core.inference import InProcess
 from tasks.core.store import Arm, Store, completions, init_schema, replace_arms
-from tasks.core.vllm import VllmError, generation_from_vllm, rule_logprobs
+from tasks.core.vllm import VllmError, generation_from_vllm
 from tasks.sim.acceptance import type_regions
 from tests.conftest import tiny_params
 from tests.serving_util import post_completions, serve_app
@@ -229,5 +230,5 @@ def test_a_greedy_rule_rescales_vllms_t1_logprobs_exactly_or_more_strictly(sprea
         assert top20 <= at_t[best] + 1e-12
         if spread >= 3.0:  # a peaked distribution's tail is negligible at T = 0.3
             assert top20 == pytest.approx(at_t[best], abs=1e-3)
-    with pytest.raises(VllmError, match="T = 1.0"):
+    with pytest.raises(ValueError, match="T = 1.0"):
         rule_logprobs([-0.1], [{"a": -0.1}], 1.0)

@@ -42,8 +42,8 @@ from tasks.core.generate import (
     save_merged,
     stops_of,
 )
+from tasks.core.greedy_rule import GREEDY_TOP_LOGPROBS
 from tasks.core.vllm import (
-    GREEDY_TOP_LOGPROBS,
     VllmError,
     adapter_name,
     base_server,
