@@ -26,6 +26,7 @@ from tasks.core.inference import VllmEngine, open_engine
 from tasks.core.procs import free_port, wait_until_up
 from tasks.core.store import Arm, Store, completions, init_schema, replace_arms
 from tasks.core.vllm import recorded_servers, same_checkpoint, start_of_text
+from tasks.sim.acceptance import complete_samples, render_request
 from tests.conftest import tiny_params
 from tests.serving_util import post_completions, serve_app
 
@@ -224,3 +225,23 @@ def test_a_greedy_evaluation_on_vllm_shows_what_the_same_rule_shows_in_process(b
     same = sum(served.text == local.text for served, local in zip(on_vllm, in_process, strict=True))
     assert same >= 14 and sum(bool(g.text) for g in on_vllm) >= 4  # the shipped base is sure of some (8 of 16)
     assert sum(len(g.text) for g in at_t1) < sum(len(g.text) for g in on_vllm)  # vLLM's own log-probs cut more
+
+
+def test_fim_samples_go_to_vllm_all_at_once_with_the_completions_of_small_batches(base_vllm_url, fim_samples):
+    """complete_samples sends a vLLM engine every sample at once (no batch waits for its longest completion);
+    the completions are those of evaluate.batch_size batches (greedy, one seed per sample)."""
+    model, tokenizer, template = load_model(SHIPPED_BASE)
+    start = start_of_text(str(SHIPPED_BASE))
+    engine = VllmEngine(base_vllm_url, "base", template, stops_of(template, tokenizer), start)
+    params = tiny_params(serving={"window_chars": 600, "window_step_chars": 300})  # within the server's 512 tokens
+    samples = fim_samples[:40]
+    assert engine.samples_per_call(params.evaluate.batch_size) >= len(samples) > params.evaluate.batch_size
+    at_once = complete_samples(engine, samples, params)
+    prompts = [render_request(template, s, params.serving) for s in samples]
+    size = params.evaluate.batch_size
+    batched = [
+        g.text
+        for i in range(0, len(prompts), size)
+        for g in engine.complete(prompts[i : i + size], params.evaluate.max_new_tokens, seed=i)
+    ]
+    assert at_once == batched and any(at_once)

@@ -58,12 +58,18 @@ from tasks.core.vllm import (
     unload_adapter,
 )
 
+VLLM_SAMPLES_IN_FLIGHT = 256  # a bound on the client's open connections; vLLM queues what its KV cache cannot hold
+
 
 class Engine(Protocol):
     """Completes FIM prompts rendered in its model's template (``template``)."""
 
     @property
     def template(self) -> FimTemplate: ...
+
+    def samples_per_call(self, batch_size: int) -> int:
+        """How many independent prompts (FIM samples) to send at once, given evaluate.batch_size."""
+        ...
 
     def complete(
         self,
@@ -85,6 +91,9 @@ class InProcess:
     def template(self) -> FimTemplate:
         return self.lm.template
 
+    def samples_per_call(self, batch_size: int) -> int:
+        return batch_size  # padded together: the batch's memory grows with it
+
     def complete(self, prompts, max_new_tokens, temperature=0.0, seed=0, rule=None) -> list[Generation]:
         return generate(*self.lm, prompts, max_new_tokens, temperature=temperature, seed=seed, rule=rule)
 
@@ -99,6 +108,11 @@ class VllmEngine:
     stops: tuple[str, ...]
     start: str = ""  # what an empty prompt is sent as (`tasks.vllm.start_of_text`)
     timeout_s: float = 120.0
+
+    def samples_per_call(self, batch_size: int) -> int:
+        # all in flight: vLLM batches them continuously, with no batch waiting for its longest completion
+        # (200 FIM samples on 2 cores: 1.4x the samples/s of batches of 16, the same completions)
+        return max(batch_size, VLLM_SAMPLES_IN_FLIGHT)
 
     def complete(self, prompts, max_new_tokens, temperature=0.0, seed=0, rule=None) -> list[Generation]:
         return asyncio.run(self._complete(prompts, max_new_tokens, temperature, seed, rule))

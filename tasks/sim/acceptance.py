@@ -66,9 +66,10 @@ def complete_samples(
     seed: int = 0,
     desc: str = "generate",
 ) -> list[str]:
-    """Suggestions for FIM samples, evaluate.batch_size at a time, with a progress bar."""
+    """Suggestions for FIM samples, as many at a time as the engine takes (in process: evaluate.batch_size), with
+    a progress bar."""
     suggestions: list[str] = []
-    size = params.evaluate.batch_size
+    size = engine.samples_per_call(params.evaluate.batch_size)
     for start in tqdm(range(0, len(samples), size), desc=desc, unit="batch"):
         prompts = [render_request(engine.template, s, params.serving) for s in samples[start : start + size]]
         gens = engine.complete(prompts, params.evaluate.max_new_tokens, temperature=temperature, seed=seed + start)
