@@ -214,21 +214,26 @@ def _log_softmax(logits: list[float], temperature: float) -> list[float]:
     return [x - norm for x in scaled]
 
 
+@pytest.mark.parametrize("temperature", [0.3, 1.7])
 @pytest.mark.parametrize("spread", [0.5, 3.0, 8.0])  # flat to peaked distributions over 200 tokens
-def test_a_greedy_rule_rescales_vllms_t1_logprobs_exactly_or_more_strictly(spread):
-    """rule_logprobs: from T = 1 log-probs and the top-k, the chosen token's log-prob at T = 0.3 is exact when the
-    top-k covers the vocabulary and never above the exact one when it does not (the tail is bounded)."""
+def test_a_greedy_rule_rescales_vllms_t1_logprobs_exactly_or_more_strictly(spread, temperature):
+    """rule_logprobs: from T = 1 log-probs and the top-k, the chosen token's log-prob at the rule's temperature
+    (below or above 1) is exact when the top-k covers the vocabulary and never above the exact one when it does
+    not (the tail is bounded)."""
     rng = random.Random(int(spread * 10))
     for _ in range(20):
         logits = [rng.gauss(0.0, spread) for _ in range(200)]
-        at_1, at_t = _log_softmax(logits, 1.0), _log_softmax(logits, 0.3)
+        at_1, at_t = _log_softmax(logits, 1.0), _log_softmax(logits, temperature)
         order = sorted(range(200), key=lambda j: -at_1[j])
         best = order[0]
-        full = rule_logprobs([at_1[best]], [{str(j): at_1[j] for j in order}], 0.3)[0]
-        top20 = rule_logprobs([at_1[best]], [{str(j): at_1[j] for j in order[:20]}], 0.3)[0]
+        full = rule_logprobs([at_1[best]], [{str(j): at_1[j] for j in order}], temperature, 200)[0]
+        top20 = rule_logprobs([at_1[best]], [{str(j): at_1[j] for j in order[:20]}], temperature, 200)[0]
         assert full == pytest.approx(at_t[best], abs=1e-9)
         assert top20 <= at_t[best] + 1e-12
-        if spread >= 3.0:  # a peaked distribution's tail is negligible at T = 0.3
+        if spread >= 3.0 and temperature < 1:  # a peaked distribution's tail is negligible at T = 0.3
             assert top20 == pytest.approx(at_t[best], abs=1e-3)
-    with pytest.raises(ValueError, match="T = 1.0"):
-        rule_logprobs([-0.1], [{"a": -0.1}], 1.0)
+    assert rule_logprobs([-0.1, -2.0], [{"a": -0.1}, {"b": -2.0}], 1.0) == [-0.1, -2.0]  # vLLM's own at T = 1
+    with pytest.raises(ValueError, match="vocabulary"):
+        rule_logprobs([-0.1], [{"a": -0.1}], 1.7)  # above 1 the tail's bound needs the vocabulary's size
+    with pytest.raises(ValueError, match="above 0"):
+        rule_logprobs([-0.1], [{"a": -0.1}], 0.0)

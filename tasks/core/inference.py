@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -58,7 +59,9 @@ from tasks.core.vllm import (
     unload_adapter,
 )
 
-VLLM_SAMPLES_IN_FLIGHT = 256  # a bound on the client's open connections; vLLM queues what its KV cache cannot hold
+VLLM_SAMPLES_PER_CALL = 256  # FIM samples handed to a vLLM engine at once
+VLLM_IN_FLIGHT = 64  # of which at most this many are on the server: each one's timeout counts from when it is sent,
+# and 256 queued on 2 cores waited past 120 s; 64 keep the continuous batch full (~25 s each at 2.7 samples/s)
 
 
 class Engine(Protocol):
@@ -108,18 +111,20 @@ class VllmEngine:
     stops: tuple[str, ...]
     start: str = ""  # what an empty prompt is sent as (`tasks.vllm.start_of_text`)
     timeout_s: float = 120.0
+    vocab_size: int = 0  # the model's: a greedy show rule above T = 1 bounds the tokens outside the top-k with it
 
     def samples_per_call(self, batch_size: int) -> int:
-        # all in flight: vLLM batches them continuously, with no batch waiting for its longest completion
-        # (200 FIM samples on 2 cores: 1.4x the samples/s of batches of 16, the same completions)
-        return max(batch_size, VLLM_SAMPLES_IN_FLIGHT)
+        # all at once, VLLM_IN_FLIGHT on the server: vLLM batches them continuously, with no batch waiting for its
+        # longest completion (200 FIM samples on 2 cores: 1.4x the samples/s of batches of 16, the same completions)
+        return max(batch_size, VLLM_SAMPLES_PER_CALL)
 
     def complete(self, prompts, max_new_tokens, temperature=0.0, seed=0, rule=None) -> list[Generation]:
         return asyncio.run(self._complete(prompts, max_new_tokens, temperature, seed, rule))
 
     async def _complete(self, prompts, max_new_tokens, temperature, seed, rule) -> list[Generation]:
-        limits = httpx.Limits(max_connections=max(len(prompts), 1))
-        async with httpx.AsyncClient(timeout=self.timeout_s, limits=limits) as client:
+        # the client's connection pool keeps VLLM_IN_FLIGHT on the server; the rest wait for a connection, unbounded
+        limits = httpx.Limits(max_connections=min(max(len(prompts), 1), VLLM_IN_FLIGHT))
+        async with httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, pool=None), limits=limits) as client:
             return list(
                 await asyncio.gather(
                     *(self._one(client, p, max_new_tokens, temperature, seed + i, rule) for i, p in enumerate(prompts))
@@ -137,7 +142,9 @@ class VllmEngine:
             raise VllmError(f"vLLM at {self.url} unreachable: {type(err).__name__}: {err}") from err
         if response.status_code != 200:
             raise VllmError(f"vLLM at {self.url} answered {response.status_code}: {response.text[:300]}")
-        return generation_from_vllm(response.json(), self.stops, 0.0, rule, greedy_top=top > 0)
+        return generation_from_vllm(
+            response.json(), self.stops, 0.0, rule, greedy_top=top > 0, vocab_size=self.vocab_size
+        )
 
 
 @contextlib.contextmanager
@@ -152,13 +159,14 @@ def open_engine(model_dir: str | Path, params: Params, base_dir: str | Path | No
     template = model_template(model_dir)
     stops = _stops(model_dir, base_dir, template)
     start = start_of_text(str(_tokenizer_dir(model_dir, base_dir)))
+    vocab = _vocab_size(model_dir, base_dir)
     lora = params.serving.adapter_serving == "lora" and params.evaluate.adapter_engine == "lora"
     if is_adapter(model_dir) and lora:
         server = base_server(base_dir or _record_path(model_dir), params)
         name = adapter_name(f"eval/{model_dir.name}")
         load_adapter(server.url, name, model_dir)
         try:
-            yield VllmEngine(server.url, name, template, stops, start)
+            yield VllmEngine(server.url, name, template, stops, start, vocab_size=vocab)
         finally:
             unload_adapter(server.url, name)
         return
@@ -171,7 +179,7 @@ def open_engine(model_dir: str | Path, params: Params, base_dir: str | Path | No
     try:
         server = running or start_vllm(model_dir, params)
         try:
-            yield VllmEngine(server.url, server.model_dir, template, stops, start)
+            yield VllmEngine(server.url, server.model_dir, template, stops, start, vocab_size=vocab)
         finally:
             if running is None and server.pid is not None:
                 stop_vllm(server.pid)
@@ -196,3 +204,8 @@ def _stops(model_dir: Path, base_dir: str | Path | None, template: FimTemplate) 
 def _tokenizer_dir(model_dir: Path, base_dir: str | Path | None) -> str | Path:
     """Where model_dir's tokenizer is: its own dir, or an adapter's base."""
     return (base_dir or _record_path(model_dir)) if is_adapter(model_dir) else model_dir
+
+
+def _vocab_size(model_dir: Path, base_dir: str | Path | None) -> int:
+    """The model's vocabulary size (its config's; an adapter's base's)."""
+    return int(json.loads((Path(_tokenizer_dir(model_dir, base_dir)) / "config.json").read_text())["vocab_size"])

@@ -333,11 +333,17 @@ def completion_body(
 
 
 def generation_from_vllm(
-    body: dict, stop: Sequence[str], latency_ms: float, rule: ShowRule | None = None, greedy_top: bool = False
+    body: dict,
+    stop: Sequence[str],
+    latency_ms: float,
+    rule: ShowRule | None = None,
+    greedy_top: bool = False,
+    vocab_size: int = 0,
 ) -> Generation:
     """Map one vLLM /v1/completions choice onto a Generation (token ids + behaviour log-probs), cut by rule.
     greedy_top: the request was greedy and asked for the top-k (`completion_body(top_logprobs=...)`), so the
-    rule compares `rule_logprobs` at its temperature, not vLLM's log-probs at T = 1.
+    rule compares `rule_logprobs` at its temperature, not vLLM's log-probs at T = 1 (above T = 1 it needs the
+    model's vocab_size).
     A cut's text is the kept tokens' strings (vLLM's `logprobs.tokens`); when they do not spell the start of
     the answer (a character split across tokens), nothing is shown: the model was unsure there anyway."""
     try:
@@ -363,7 +369,7 @@ def generation_from_vllm(
         top = (choice.get("logprobs") or {}).get("top_logprobs")
         if not top or len(top) != len(gen.logprobs):
             raise VllmError("vLLM answer lacks the top log-probs a greedy show rule needs (logprobs.top_logprobs)")
-        shown_logprobs = rule_logprobs(gen.logprobs, top, rule.temperature)
+        shown_logprobs = rule_logprobs(gen.logprobs, top, rule.temperature, vocab_size)
     unsure = None if rule is None else rule.first_unsure(shown_logprobs, gen.finish_reason == "stop")
     if unsure is None:
         return gen
