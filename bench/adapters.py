@@ -37,6 +37,7 @@ from pathlib import Path
 import psutil
 from prefect import flow
 
+from bench import CPU_OVERLAY
 from bench.loadgen import wrk_bodies
 from flows.cli.console import console, print_table
 from tasks.core.config import Params, load_params
@@ -52,7 +53,6 @@ from tasks.deploy.tracking import CycleRuns
 from tasks.sim.editor import pause_requests, read_regions, regions_path
 from tests.support.harness import start_process, stop_process
 
-CPU_OVERLAY = Path(__file__).resolve().parents[1] / "params.vllm-cpu.yaml"  # the CPU build's flags and threads
 MERGED = "merged"  # the third arm's name
 
 

