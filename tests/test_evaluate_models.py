@@ -234,3 +234,39 @@ def test_the_demo_story_pairs_base_and_final_on_the_same_held_out_typing(
     # the test-size base never shows a suggestion: a model that always does is a change beyond doubt
     assert base.suggest_rate == 0.0 and story["suggest_rate"]["change"][1] > 0
     assert story["reward_per_request"]["change"][2] < 0  # wrong suggestions shown cost reward
+
+
+def test_a_models_fim_completions_are_made_once_and_remembered(
+    tiny_model_dir, babbler_dir, tiny_adapter_dir, fim_samples, tmp_path, monkeypatch
+):
+    """fim_completions: the samples a model completed before come from the cache with the texts it made, only
+    the new ones reach the engine; another model, another completion length or the cache off complete them all.
+    An adapter is another model than its base."""
+    from tasks.core.inference import open_engine
+    from tasks.evaluate import completions
+
+    made: list[int] = []
+    real = completions.complete_samples
+
+    def counted(engine, samples, params, desc="generate"):
+        made.append(len(samples))
+        return real(engine, samples, params, desc=desc)
+
+    monkeypatch.setattr(completions, "complete_samples", counted)
+    params = tiny_params(tmp_path, evaluate={"max_new_tokens": 8})
+    with open_engine(tiny_model_dir, params) as engine:
+        first, first_ms = completions.fim_completions(engine, tiny_model_dir, fim_samples[:12], params)
+        again, _ = completions.fim_completions(engine, tiny_model_dir, fim_samples[:16], params)
+        assert made == [12, 4] and again[:12] == first and first_ms > 0
+        assert completions.fim_completions(engine, tiny_model_dir, fim_samples[:12], params) == (first, first_ms)
+    with open_engine(babbler_dir, params) as engine:
+        other, _ = completions.fim_completions(engine, babbler_dir, fim_samples[:12], params)
+    assert made == [12, 4, 12] and other != first  # the babbler always shows something
+    adapter = completions.model_identity(tiny_adapter_dir)
+    assert adapter == completions.model_identity(tiny_adapter_dir) != completions.model_identity(tiny_model_dir)
+    for n, changed in enumerate(({"max_new_tokens": 6}, {"max_new_tokens": 8, "completion_cache": False})):
+        fresh = tiny_params(tmp_path, evaluate=changed)
+        with open_engine(tiny_model_dir, fresh) as engine:
+            texts, _ = completions.fim_completions(engine, tiny_model_dir, fim_samples[:12], fresh)
+        assert made == [12, 4, 12, *[12] * (n + 1)]
+    assert texts == first  # the cache off: the same model's completions, made again

@@ -38,7 +38,6 @@ as a table (``eval/samples.json``) and a bar plot of both models' metrics (``eva
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,10 +49,11 @@ from prefect.cache_policies import NO_CACHE
 from tasks.core.config import Params
 from tasks.core.inference import open_engine
 from tasks.core.outcomes import reward_of, reward_per_request
+from tasks.evaluate.completions import fim_completions
 from tasks.evaluate.gate import GateDecision, gate
 from tasks.evaluate.judge import JudgeRun, JudgeUnavailable, Verdict, judge
 from tasks.evaluate.reference import checks
-from tasks.sim.acceptance import TypingRun, complete_samples, type_regions, typing_acceptance
+from tasks.sim.acceptance import TypingRun, type_regions, typing_acceptance
 from tasks.sim.editor import Region
 from tasks.sim.sessions import TypingSummary
 from tasks.sim.users import make_users, replay, summarise
@@ -118,14 +118,13 @@ def suggest(
     params: Params,
     base_dir: str | Path | None = None,
 ) -> Suggestions:
-    """Greedy batched completions of a model (a checkpoint, or an adapter on base_dir) for the samples (timed)
-    and its typing sessions, on the engine serving.backend names (in process, or vLLM)."""
+    """Greedy batched completions of a model (a checkpoint, or an adapter on base_dir) for the samples (timed; those
+    it made before remembered, `tasks.evaluate.completions`) and its typing sessions, on the engine
+    serving.backend names (in process, or vLLM)."""
     with open_engine(model_dir, params, base_dir) as engine:
-        started = time.perf_counter()
-        texts = complete_samples(engine, samples, params, desc=f"generate {Path(model_dir).name}")
-        elapsed_ms = (time.perf_counter() - started) * 1000.0
+        texts, latency_ms = fim_completions(engine, model_dir, samples, params, desc=f"generate {Path(model_dir).name}")
         typing = type_regions(engine, regions, params, desc=f"type with {Path(model_dir).name}")
-    return Suggestions(str(model_dir), texts, elapsed_ms / max(len(samples), 1), typing)
+    return Suggestions(str(model_dir), texts, latency_ms, typing)
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -176,6 +176,10 @@ class EvaluateParams(Section):
     """Completion length limit."""
     batch_size: int = Field(16, ge=1)
     """Prompts generated together."""
+    completion_cache: bool = True
+    """Remember each model's greedy completions of the FIM samples (paths.state_dir/completion_cache.sqlite,
+    `tasks.evaluate.completions`): a gate's champion was the last gate's candidate, whose completions that gate
+    made. False: every evaluation completes every sample."""
     adapter_engine: Literal["lora", "merged"] = "lora"
     """How an evaluation on vLLM (serving.backend: vllm) types an adapter version: `lora`, loaded at runtime into
     its base's one server beside the arms (no new process; the default); `merged`, merged into a full checkpoint
