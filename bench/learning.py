@@ -86,8 +86,9 @@ def final_sessions(model_dir, seed: int, args) -> dict:
     per-session counts, and the final model's directory ("model")."""
     from tasks.sim.acceptance import typing_acceptance
 
-    params, regions = _final_params(seed, args)
-    sessions = [list(s) for s in typing_acceptance(model_dir, regions, params).sessions]
+    seen, regions = _final_params(seed, args, args.seen_requests)
+    sessions = [list(s) for s in typing_acceptance(model_dir, regions, seen).sessions]
+    params, _ = _final_params(seed, args)
     unseen = _unseen(model_dir, params, regions, sessions, args)
     return {"sessions": sessions, "unseen": unseen, "model": str(model_dir)}
 
@@ -101,13 +102,15 @@ def unseen_sessions(model_dir, seed: int, args, sessions: list) -> dict:
 
 
 def _unseen(model_dir, params, regions: list, sessions: list, args) -> list:
+    """The model typed through the unseen half, once `sessions` (typed at --seen-requests) show no gate reached it."""
     from tasks.core.config import load_params
     from tasks.sim.acceptance import typing_acceptance, unseen_regions
 
     unseen = unseen_regions(regions)
     half, cycles_n = len(regions) - len(unseen), load_params(args.params, args.set).evaluate.n_requests
     # started regions <= regions with a turn + one batch; scaled up where the cycles' evaluations asked more
-    reach = len(sessions) * max(1.0, cycles_n / params.evaluate.n_requests) + params.evaluate.batch_size
+    seen_n = args.seen_requests or params.evaluate.n_requests  # what `sessions` were typed at
+    reach = len(sessions) * max(1.0, cycles_n / seen_n) + params.evaluate.batch_size
     if reach >= half:
         raise SystemExit(
             f"the held-out evaluation may reach region {reach:.0f} of {len(regions)}: too few regions to hold half of "
@@ -117,11 +120,13 @@ def _unseen(model_dir, params, regions: list, sessions: list, args) -> list:
     return [list(s) for s in typing_acceptance(model_dir, unseen, params).sessions]
 
 
-def _final_params(seed: int, args):
+def _final_params(seed: int, args, n_requests: int | None = None):
+    """The final evaluation's params for seed's users (n_requests: instead of --final-requests) and the regions."""
     from tasks.core.config import load_params
     from tasks.sim.editor import read_regions, regions_path
 
-    params = load_params(args.params, [*args.set, *final_set(args), *serving_state(args), f"simulator.seed={seed}"])
+    sized = [f"evaluate.n_requests={n_requests}"] if n_requests else final_set(args)
+    params = load_params(args.params, [*args.set, *sized, *serving_state(args), f"simulator.seed={seed}"])
     return params, read_regions(regions_path(params.paths.data_dir, "test"))
 
 
@@ -274,6 +279,13 @@ def main(argv: list[str] | None = None) -> int:
         "models and are typed again at the new size",
     )
     parser.add_argument(
+        "--seen-requests",
+        type=int,
+        help="requests of the final models typed through the gate's first window, where gates chose them (the "
+        "optimistic comparison beside the unseen one; default: --final-requests): at the gates' evaluate.n_requests "
+        "it costs a third as much, and the held-out check still holds",
+    )
+    parser.add_argument(
         "--model",
         type=Path,
         help="base checkpoint to start from (default: model.base_dir, tabrl-tiny); e.g. SmolLM2-135M from "
@@ -298,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         args.settings, args.seeds, args.cycles, args.requests = ["defaults", "control"], 1, 3, 240
     elif args.final_requests is None:
         args.final_requests = FINAL_REQUESTS
+    args.seen_requests = args.seen_requests or args.final_requests
     args.final_cycle = args.final_cycle or args.cycles
     if not 1 <= args.final_cycle <= args.cycles:
         parser.error(f"--final-cycle {args.final_cycle}: expected 1 to --cycles ({args.cycles})")
@@ -390,6 +403,7 @@ def run(args, online: dict) -> int:
         if setting == "grpo":
             raise SystemExit("--final-cycle: online settings and the control only (grpo keeps no registry)")
         at = str(args.final_cycle) + (f"@{args.final_requests}" if args.final_requests else "")
+        at += f"/{args.seen_requests}" if args.seen_requests != args.final_requests else ""
         cached = saved.setdefault("at", {}).get(at)
         if cached is None:
             model = champion_after(loop_params(setting, seed), args.final_cycle, params.model.base_dir)
@@ -413,12 +427,14 @@ def run(args, online: dict) -> int:
                         if setting == "control"
                         else with_windows(curve, gate_windows(loop_params(setting, seed)))
                     )
-                if saved.get("final_requests") != args.final_requests:  # typed at another size: type them again
+                sizes = {"final_requests": args.final_requests, "seen_requests": args.seen_requests}
+                typed_at = {"seen_requests": saved.get("final_requests")} | saved  # stored before --seen-requests
+                if any(typed_at.get(k) != v for k, v in sizes.items()):  # typed at another size: type them again
                     if setting == "control":
                         final = base_final(seed)
                     else:
                         final = final_sessions(final.get("model") or final_model(setting, seed), seed, args)
-                    saved |= final | {"final_requests": args.final_requests}
+                    saved |= final | sizes
                 elif "unseen" not in final:  # stored before the unseen requests were typed: type them now, keep them
                     if setting == "control":
                         final = base_final(seed)
@@ -438,7 +454,7 @@ def run(args, online: dict) -> int:
                     curve, final = run_online(setting, online[setting], seed, args, base_window(seed, 0))
                 stored.parent.mkdir(parents=True, exist_ok=True)
                 saved = {"setting": setting, "seed": seed, "key": setting_key, "curve": curve}
-                saved |= final | {"final_requests": args.final_requests}
+                saved |= final | {"final_requests": args.final_requests, "seen_requests": args.seen_requests}
             curve, final = at_cycle(setting, seed, saved, curve, final)
             stored.write_text(json.dumps(saved))
             curves.setdefault(setting, []).append(curve)
@@ -606,7 +622,7 @@ def report(curves, finals, base, args, params, seconds) -> None:
         "evaluate.gate_windows is 1), where gates chose them (optimistic: the winner's curse)"
         + (
             " and on into the next windows (--final-requests)"
-            if (args.final_requests or 0) > params.evaluate.n_requests
+            if (args.seen_requests or 0) > params.evaluate.n_requests
             else ""
         )
         + ":"
