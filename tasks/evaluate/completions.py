@@ -2,8 +2,8 @@
 
 Every gate completes the same held-out FIM samples (the first evaluate.n_samples) with the candidate and the
 champion, greedily; from the second cycle on the champion is the last gate's candidate, whose completions that
-gate already made. `fim_completions` keeps each model's in one SQLite file under paths.state_dir, keyed by
-what decides a greedy completion:
+gate already made. `fim_completions` keeps each model's in a diskcache (SQLite underneath, safe across
+processes) under paths.state_dir, keyed by what decides a greedy completion:
 
 * the model's identity: a checkpoint's weights (`checkpoint_sha256`), or an adapter's files and its base's;
 * the engine: serving.backend, vLLM's arguments (its dtype), and for an adapter whether it runs merged;
@@ -18,18 +18,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sqlite3
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
+
+from diskcache import Cache
 
 from tasks.core.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, checkpoint_sha256, file_sha256, is_adapter, read_base
 from tasks.core.config import Params
 from tasks.core.inference import Engine
 from tasks.sim.acceptance import complete_samples, render_request
 
-CACHE_FILE = "completion_cache.sqlite"
+CACHE_DIR = "completion_cache"  # a diskcache directory under paths.state_dir
 
 
 def model_identity(model_dir: str | Path) -> str:
@@ -58,42 +59,6 @@ def model_key(model_dir: str | Path, engine: Engine, params: Params) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
-class CompletionCache:
-    """(model key, sha256 of the prompt) -> the completion and the generation time per sample of its call."""
-
-    def __init__(self, path: str | Path):
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(path)
-        self._db.execute(
-            "CREATE TABLE IF NOT EXISTS completions (model_key TEXT NOT NULL, prompt_sha256 TEXT NOT NULL, "
-            "text TEXT NOT NULL, latency_ms REAL NOT NULL, created_at REAL NOT NULL, "
-            "PRIMARY KEY (model_key, prompt_sha256))"
-        )
-        self._db.commit()
-
-    def get(self, key: str, prompt_shas: Sequence[str]) -> dict[str, tuple[str, float]]:
-        found = {}
-        for sha in prompt_shas:
-            row = self._db.execute(
-                "SELECT text, latency_ms FROM completions WHERE model_key = ? AND prompt_sha256 = ?", (key, sha)
-            ).fetchone()
-            if row is not None:
-                found[sha] = (row[0], row[1])
-        return found
-
-    def put(self, key: str, items: dict[str, tuple[str, float]]) -> None:
-        now = time.time()
-        self._db.executemany(
-            "INSERT OR REPLACE INTO completions VALUES (?, ?, ?, ?, ?)",
-            [(key, sha, text, ms, now) for sha, (text, ms) in items.items()],
-        )
-        self._db.commit()
-
-    def close(self) -> None:
-        self._db.close()
-
-
 def fim_completions(
     engine: Engine, model_dir: str | Path, samples: Sequence[dict], params: Params, desc: str = "generate"
 ) -> tuple[list[str], float]:
@@ -104,18 +69,14 @@ def fim_completions(
         texts = complete_samples(engine, samples, params, desc=desc)
         return texts, (time.perf_counter() - started) * 1000.0 / max(len(samples), 1)
     shas = [hashlib.sha256(render_request(engine.template, s, params.serving).encode()).hexdigest() for s in samples]
-    cache = CompletionCache(Path(params.paths.state_dir) / CACHE_FILE)
-    try:
-        key = model_key(model_dir, engine, params)
-        known = cache.get(key, shas)
+    key = model_key(model_dir, engine, params)
+    with Cache(str(Path(params.paths.state_dir) / CACHE_DIR)) as cache:  # SQLite-backed, safe across processes
+        known = {sha: cache[f"{key}:{sha}"] for sha in shas if f"{key}:{sha}" in cache}
         missing = [i for i, sha in enumerate(shas) if sha not in known]
         if missing:
             started = time.perf_counter()
             texts = complete_samples(engine, [samples[i] for i in missing], params, desc=desc)
             ms = (time.perf_counter() - started) * 1000.0 / len(missing)
-            made = {shas[i]: (text, ms) for i, text in zip(missing, texts, strict=True)}
-            cache.put(key, made)
-            known |= made
-    finally:
-        cache.close()
+            for i, text in zip(missing, texts, strict=True):
+                known[shas[i]] = cache[f"{key}:{shas[i]}"] = (text, ms)
     return [known[sha][0] for sha in shas], sum(known[sha][1] for sha in shas) / max(len(shas), 1)

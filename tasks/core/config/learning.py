@@ -177,7 +177,7 @@ class EvaluateParams(Section):
     batch_size: int = Field(16, ge=1)
     """Prompts generated together."""
     completion_cache: bool = True
-    """Remember each model's greedy completions of the FIM samples (paths.state_dir/completion_cache.sqlite,
+    """Remember each model's greedy completions of the FIM samples (a diskcache under paths.state_dir,
     `tasks.evaluate.completions`): a gate's champion was the last gate's candidate, whose completions that gate
     made. False: every evaluation completes every sample."""
     adapter_engine: Literal["lora", "merged"] = "lora"
