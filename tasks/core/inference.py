@@ -160,8 +160,7 @@ def open_engine(model_dir: str | Path, params: Params, base_dir: str | Path | No
     stops = _stops(model_dir, base_dir, template)
     start = start_of_text(str(_tokenizer_dir(model_dir, base_dir)))
     vocab = _vocab_size(model_dir, base_dir)
-    lora = params.serving.adapter_serving == "lora" and params.evaluate.adapter_engine == "lora"
-    if is_adapter(model_dir) and lora:
+    if is_adapter(model_dir) and not adapters_merged(params):
         server = base_server(base_dir or _record_path(model_dir), params)
         name = adapter_name(f"eval/{model_dir.name}")
         load_adapter(server.url, name, model_dir)
@@ -209,3 +208,9 @@ def _tokenizer_dir(model_dir: Path, base_dir: str | Path | None) -> str | Path:
 def _vocab_size(model_dir: Path, base_dir: str | Path | None) -> int:
     """The model's vocabulary size (its config's; an adapter's base's)."""
     return int(json.loads((Path(_tokenizer_dir(model_dir, base_dir)) / "config.json").read_text())["vocab_size"])
+
+
+def adapters_merged(params: Params) -> bool:
+    """Does an evaluation on vLLM type an adapter as merged weights (serving.adapter_serving or
+    evaluate.adapter_engine: merged), not as a LoRA adapter on its base's server?"""
+    return params.serving.adapter_serving == "merged" or params.evaluate.adapter_engine == "merged"

@@ -27,7 +27,7 @@ from diskcache import Cache
 
 from tasks.core.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, checkpoint_sha256, file_sha256, is_adapter, read_base
 from tasks.core.config import Params
-from tasks.core.inference import Engine
+from tasks.core.inference import Engine, adapters_merged
 from tasks.sim.acceptance import complete_samples, render_request
 
 CACHE_DIR = "completion_cache"  # a diskcache directory under paths.state_dir
@@ -46,13 +46,12 @@ def model_identity(model_dir: str | Path) -> str:
 def model_key(model_dir: str | Path, engine: Engine, params: Params) -> str:
     """The key of a model's greedy FIM completions on this engine (see the module docstring)."""
     serving = params.serving
-    adapter = is_adapter(model_dir)
-    merged = serving.adapter_serving == "merged" or params.evaluate.adapter_engine == "merged"
+    runs_as = "peft" if serving.backend == "embedded" else "merged" if adapters_merged(params) else "lora"
     spec = {
         "model": model_identity(model_dir),
         "backend": serving.backend,
         "vllm_args": serving.vllm_args if serving.backend == "vllm" else [],
-        "adapter": "" if not adapter else "peft" if serving.backend == "embedded" else "merged" if merged else "lora",
+        "adapter": runs_as if is_adapter(model_dir) else "",
         "max_new_tokens": params.evaluate.max_new_tokens,
         "template": asdict(engine.template),
     }
@@ -65,18 +64,21 @@ def fim_completions(
     """Greedy completions of the samples by the engine's model (model_dir), those it made before remembered, and
     the generation wall time per sample (a remembered one's from the call that made it)."""
     if not params.evaluate.completion_cache:
-        started = time.perf_counter()
-        texts = complete_samples(engine, samples, params, desc=desc)
-        return texts, (time.perf_counter() - started) * 1000.0 / max(len(samples), 1)
+        return _complete_timed(engine, samples, params, desc)
     shas = [hashlib.sha256(render_request(engine.template, s, params.serving).encode()).hexdigest() for s in samples]
     key = model_key(model_dir, engine, params)
     with Cache(str(Path(params.paths.state_dir) / CACHE_DIR)) as cache:  # SQLite-backed, safe across processes
-        known = {sha: cache[f"{key}:{sha}"] for sha in shas if f"{key}:{sha}" in cache}
+        known = {sha: found for sha in shas if (found := cache.get(f"{key}:{sha}")) is not None}
         missing = [i for i, sha in enumerate(shas) if sha not in known]
         if missing:
-            started = time.perf_counter()
-            texts = complete_samples(engine, [samples[i] for i in missing], params, desc=desc)
-            ms = (time.perf_counter() - started) * 1000.0 / len(missing)
+            texts, ms = _complete_timed(engine, [samples[i] for i in missing], params, desc)
             for i, text in zip(missing, texts, strict=True):
                 known[shas[i]] = cache[f"{key}:{shas[i]}"] = (text, ms)
     return [known[sha][0] for sha in shas], sum(known[sha][1] for sha in shas) / max(len(shas), 1)
+
+
+def _complete_timed(engine: Engine, samples: Sequence[dict], params: Params, desc: str) -> tuple[list[str], float]:
+    """The samples' greedy completions and the generation wall time per sample."""
+    started = time.perf_counter()
+    texts = complete_samples(engine, samples, params, desc=desc)
+    return texts, (time.perf_counter() - started) * 1000.0 / max(len(samples), 1)
