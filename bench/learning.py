@@ -142,19 +142,23 @@ def final_set(args) -> list[str]:
 
 
 def run_online(setting, overrides: list[str], seed, args, base: dict) -> tuple[list[dict], dict]:
+    from flows.loop_state import LoopMismatch
     from flows.online_loop import champion_dir, run_online_loop
 
-    rows, params = run_online_loop(
-        args.params,
-        [*overrides, *args.set],
-        args.cycles,
-        args.requests,
-        args.users,
-        args.out / f"{setting}-seed{seed}",
-        seed=seed,
-        ab_test=False,
-        resume=True,  # a run stopped mid-way goes on after its last finished cycle
-    )
+    try:
+        rows, params = run_online_loop(
+            args.params,
+            [*overrides, *args.set],
+            args.cycles,
+            args.requests,
+            args.users,
+            args.out / f"{setting}-seed{seed}",
+            seed=seed,
+            ab_test=False,
+            resume=not args.fresh,  # a run stopped mid-way goes on after its last finished cycle (--fresh: anew)
+        )
+    except LoopMismatch as err:
+        raise SystemExit(f"{setting} seed {seed}: {err} (here: --fresh reruns it)") from err
     curve, last = [], base
     for row in rows:
         last = _pick(row.serving_eval) if row.serving_eval else last  # a skipped or diverged cycle keeps the model

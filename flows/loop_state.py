@@ -5,13 +5,17 @@ An online loop's state dir holds everything a cycle changes: the log store and t
 the vLLM servers it started. After each finished cycle the whole dir is copied to
 ``STATE/checkpoints/last`` (SQLite files through SQLite's backup API, so a copy is consistent;
 immutable weights and snapshots hard-linked, so a 538 MB base costs nothing), with ``loop.json``
-saying which cycle it ends and under which key (the loop's params and size). A loop started again
-with the same key goes back to that checkpoint, which drops whatever a killed cycle half did (rows it
-logged, a run it opened), and goes on with the next cycle.
+saying which cycle it ends and which loop it belongs to (its params and size, `loop_identity`). A loop
+resumed with the same identity goes back to that checkpoint, which drops whatever a killed cycle half did
+(rows it logged, a run it opened), and goes on with the next cycle, up to as many cycles as it is now asked
+for (a finished loop can be extended). Resuming under another identity is refused, naming the settings
+that differ, and leaves the state dir as it was: a run that spans sessions is never wiped by a changed
+setting.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -47,26 +51,42 @@ def _copy_tree(src: Path, dst: Path) -> None:
                 shutil.copy2(s, d, follow_symlinks=False)
 
 
-def save_checkpoint(state: Path, key: str, cycle: int, rows: list[dict]) -> None:
+class LoopMismatch(ValueError):
+    """A resume that the state dir's checkpoint does not fit: another loop's, or more cycles than asked for."""
+
+
+def save_checkpoint(state: Path, identity: dict, cycle: int, rows: list[dict]) -> None:
     """The state after `cycle` finished, with the rows so far, as the loop's one checkpoint (replacing the last)."""
     checkpoint = state / CHECKPOINTS / "last"
     staging = state / CHECKPOINTS / "staging"
     _copy_tree(state, staging)
-    (staging / META).write_text(json.dumps({"key": key, "cycle": cycle, "rows": rows}, indent=2) + "\n")
+    meta = {"key": identity_key(identity), "identity": identity, "cycle": cycle, "rows": rows}
+    (staging / META).write_text(json.dumps(meta, indent=2) + "\n")
     shutil.rmtree(checkpoint, ignore_errors=True)
     staging.rename(checkpoint)
 
 
-def restore_checkpoint(state: Path, key: str) -> dict | None:
+def restore_checkpoint(state: Path, identity: dict, cycles: int) -> dict | None:
     """{"cycle": the last finished cycle, "rows": its rows} with the state dir put back as it was after it; None
-    (the state dir untouched) when there is no checkpoint or it was made under another key."""
+    (the state dir untouched) when there is no checkpoint. LoopMismatch, the state dir untouched, when the
+    checkpoint is another loop's or holds more than `cycles` cycles."""
     checkpoint = state / CHECKPOINTS / "last"
     meta_file = checkpoint / META
     if not meta_file.is_file():
         return None
     meta = json.loads(meta_file.read_text())
-    if meta.get("key") != key:
-        return None
+    if meta.get("key") != identity_key(identity):
+        differ = identity_diff(meta.get("identity", {}), identity)
+        raise LoopMismatch(
+            f"{state} holds the checkpoint of another loop (after cycle {meta.get('cycle')}); it differs in "
+            f"{differ or 'settings it did not record'}. Resume it with the same params and size, or start afresh "
+            "in another state dir (or without resuming, which wipes this one)"
+        )
+    if meta["cycle"] > cycles:
+        raise LoopMismatch(
+            f"{state} holds a loop after cycle {meta['cycle']}, more than the {cycles} asked for; ask for "
+            f"{meta['cycle']} or more cycles (its earlier models stay in its registry)"
+        )
     for entry in state.iterdir():
         if entry.name != CHECKPOINTS:
             shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
@@ -77,6 +97,23 @@ def restore_checkpoint(state: Path, key: str) -> dict | None:
         entry.rename(state / entry.name)
     restored.rmdir()
     return meta
+
+
+def identity_key(identity: dict) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def identity_diff(old: dict, new: dict, prefix: str = "") -> str:
+    """The settings two loop identities differ in, as `key: old -> new` ("absent" where one lacks it)."""
+    out = []
+    for name in sorted(set(old) | set(new)):
+        a, b = old.get(name, "absent"), new.get(name, "absent")
+        if isinstance(a, dict) and isinstance(b, dict):
+            inner = identity_diff(a, b, f"{prefix}{name}.")
+            out += [inner] if inner else []
+        elif a != b:
+            out.append(f"{prefix}{name}: {a!r} -> {b!r}")
+    return "; ".join(out)
 
 
 @dataclass

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -28,7 +27,7 @@ from pathlib import Path
 
 from flows.ab_decision import ab_decision
 from flows.cycle import online_rl_cycle
-from flows.loop_state import CycleRow, restore_checkpoint, save_checkpoint
+from flows.loop_state import CycleRow, LoopMismatch, restore_checkpoint, save_checkpoint
 from flows.report import print_report, print_story, print_ui_pointers
 from serving.simulate import run_simulation
 from tasks.core.config import DEFAULT_PARAMS_FILE, Params, load_params
@@ -124,8 +123,8 @@ def run_online_loop(
     (`flows/loop_state.py`); otherwise, and without a checkpoint, the state dir starts fresh."""
     overrides = loop_overrides(overrides, state, seed)
     params = load_params(params_file, overrides)
-    key = loop_key(params, cycles, requests, n_users, seed, ab_test)
-    restored = restore_checkpoint(state, key) if resume and state.is_dir() else None
+    identity = loop_identity(params, requests, n_users, seed, ab_test)
+    restored = restore_checkpoint(state, identity, cycles) if resume and state.is_dir() else None
     os.environ["MLFLOW_TRACKING_URI"] = params.paths.mlflow_tracking_uri
     rows = _start_state(params, state, restored, cycles)
     repo = state / "repo"
@@ -149,7 +148,7 @@ def run_online_loop(
                 _row(cycle, by_arm, decision, report, params, ab_test, traffic_s, time.perf_counter() - started)
             )
             print(json.dumps(asdict(rows[-1])), flush=True)
-            save_checkpoint(state, key, cycle, [asdict(r) for r in rows])
+            save_checkpoint(state, identity, cycle, [asdict(r) for r in rows])
     finally:
         gateway.terminate()
         gateway.wait(timeout=30)
@@ -185,12 +184,13 @@ def _row(cycle, by_arm, decision, report, params: Params, ab_test: bool, traffic
     )
 
 
-def loop_key(params: Params, cycles: int, requests: int, n_users: int, seed: int, ab_test: bool) -> str:
-    """What a loop's checkpoint is valid for: its resolved params (but where its files go) and its size."""
+def loop_identity(params: Params, requests: int, n_users: int, seed: int, ab_test: bool) -> dict:
+    """What a loop's checkpoint is valid for: its resolved params (but where its files go) and its size. Not the
+    number of cycles: a resumed loop may be asked for more."""
     body = params.model_dump(mode="json")
     body.pop("paths")
-    body["loop"] = [cycles, requests, n_users, seed, ab_test]
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+    body["loop"] = {"requests": requests, "users": n_users, "seed": seed, "ab_test": ab_test}
+    return body
 
 
 def loop_overrides(overrides: list[str], state: Path, seed: int) -> list[str]:
@@ -251,19 +251,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cycles", type=int, default=3, help="online RL cycles to run")
     parser.add_argument("--requests", type=int, default=240, help="simulated completion requests per cycle")
     parser.add_argument("--users", type=int, default=24, help="simulated users")
-    parser.add_argument("--state", type=Path, default=Path("state/demo"), help="state dir (wiped at start)")
+    parser.add_argument("--state", type=Path, default=Path("state/demo"), help="state dir (wiped, unless --resume)")
     parser.add_argument(
         "--resume",
         action="store_true",
-        help="go on after the last finished cycle of a stopped loop with the same params and size (same --state)",
+        help="go on after the last finished cycle of a stopped loop with the same params and size (same --state), "
+        "up to --cycles (a finished loop can be given more); another loop's state is refused, not wiped",
     )
     args = parser.parse_args(argv)
     exit_on_sigterm()  # a `kill` stops the gateway this loop started, too
     # Prefect's ephemeral server gets 20 s to start by default; a busy 2-core laptop can need more.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-    rows, params = run_online_loop(
-        args.params, args.set, args.cycles, args.requests, args.users, args.state, resume=args.resume
-    )
+    try:
+        rows, params = run_online_loop(
+            args.params, args.set, args.cycles, args.requests, args.users, args.state, resume=args.resume
+        )
+    except LoopMismatch as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print_report(rows, args.state, params)
     print_story(Path(params.model.base_dir), champion_dir(params), args.state, params)
     print_ui_pointers(params)
