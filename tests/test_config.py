@@ -4,7 +4,7 @@ import pytest
 from pydantic import ValidationError
 
 from tasks.core.config import ParamsError, env_overrides, load_params, parse_override
-from tasks.core.vllm import server_env
+from tasks.core.vllm import server_command, server_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,6 +32,24 @@ def test_the_shipped_overlays_load_together_on_params_yaml():
     assert params.serving.backend == "vllm" and params.evaluate.adapter_engine == "merged"
     assert params.serving.adapter_serving == "lora"  # the arms stay adapters on one server
     assert {"--enforce-eager", "processed_logprobs", "--enable-prefix-caching"} <= set(params.serving.vllm_args)
+    assert (params.train.compute_dtype, params.serving.vllm_dtype) == ("host", "host")
+
+
+@pytest.mark.parametrize(("amx", "dtype"), [(True, "bfloat16"), (False, "float32")])
+def test_host_dtype_is_bf16_only_where_the_cpu_has_bf16_matrix_units(monkeypatch, amx, dtype):
+    """`host` (the overlays' dtype): bfloat16 on a CPU with AMX, float32 on one without, where bf16 is slow; a
+    server gets the resolved --dtype once, and a second --dtype in vllm_args is refused."""
+    import torch
+
+    from tasks.core.dtypes import resolve_dtype
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert resolve_dtype("host") == dtype and resolve_dtype("float32") == "float32"
+    params = load_params(REPO / "params.yaml", [f"@{REPO / 'params.vllm-cpu.yaml'}"], environ={})
+    cmd = server_command("models/m", 8000, params, lora=False)
+    assert cmd.count("--dtype") == 1 and cmd[cmd.index("--dtype") + 1] == dtype
+    with pytest.raises(ParamsError, match="both set the servers' dtype"):
+        load_params(REPO / "params.yaml", [f"@{REPO / 'params.vllm-cpu.yaml'}", "serving.vllm_args=[--dtype,float32]"])
 
 
 def test_a_vllm_server_gets_the_overlays_environment_under_the_callers(monkeypatch):

@@ -142,6 +142,24 @@ def test_one_step_changes_params_and_lowers_the_loss_on_its_batch(tiny_model_dir
     assert not (tmp_path / ".out.tmp").exists()
 
 
+def test_a_bf16_update_computes_pi_prox_in_bf16_too_and_keeps_fp32_weights(tiny_model_dir, snapshot, tmp_path):
+    fp32 = train(snapshot, tiny_model_dir, tmp_path / "fp32", _params(tmp_path, micro_batch=32, lr=3e-3))
+    params = _params(tmp_path, micro_batch=32, lr=3e-3, compute_dtype="bfloat16")
+    out = tmp_path / "bf16"
+    result = train(snapshot, tiny_model_dir, out, params)
+    assert (result.compute_dtype, fp32.compute_dtype) == ("bfloat16", "float32")
+    # pi_prox came from the same bf16 forward as the step: at the starting weights their KL is 0 (one in fp32
+    # against the other in bf16 would differ by the rounding of every matrix product)
+    assert result.final["train/approx_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert result.final["train/loss"] == pytest.approx(fp32.final["train/loss"], abs=0.02)
+    after = load_file(out / "model.safetensors")
+    assert all(w.dtype == torch.float32 for w in after.values())  # fp32 on disk: small updates do not vanish
+    reference = load_file(tmp_path / "fp32" / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(after[name], reference[name])  # bf16 arithmetic: another, close update
+    assert torch.allclose(after[name], reference[name], atol=1e-2)
+
+
 @pytest.mark.parametrize(("rows", "sizes"), [(17, [8, 9]), (20, [8, 8, 4]), (19, [8, 11]), (5, [5]), (16, [8, 8])])
 def test_a_short_tail_joins_the_step_before(rows, sizes):
     examples = [Example([1, 2, 3], 2, 0.5, 1.0, None) for _ in range(rows)]

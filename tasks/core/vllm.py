@@ -36,6 +36,7 @@ import httpx
 
 from tasks.core.adapters import AdapterBaseError, checkpoint_sha256
 from tasks.core.config import Params
+from tasks.core.dtypes import resolve_dtype
 from tasks.core.fim import parse_completion
 from tasks.core.generate import Generation, ShowRule, cut_unsure
 from tasks.core.greedy_rule import rule_logprobs
@@ -80,6 +81,8 @@ def server_command(model_dir: str | Path, port: int, params: Params, lora: bool)
     ]
     if lora:
         cmd += ["--enable-lora", "--max-loras", str(s.vllm_max_loras), "--max-lora-rank", str(s.vllm_max_lora_rank)]
+    if s.vllm_dtype is not None:
+        cmd += ["--dtype", resolve_dtype(s.vllm_dtype)]
     return cmd + list(s.vllm_args)
 
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tasks.core.config import TrainParams
+from tasks.core.dtypes import resolve_dtype
 
 T = TypeVar("T")
 
@@ -104,7 +105,7 @@ def lr_at(step: int, total: int, tp: TrainParams) -> float:
 
 
 class TorchEngine:
-    """One process, or DDP over gloo/NCCL: fp32 weights, torch AdamW."""
+    """One process, or DDP over gloo/NCCL: fp32 weights, torch AdamW; the forward in train.compute_dtype."""
 
     name = "torch"
 
@@ -114,6 +115,14 @@ class TorchEngine:
         self.module = torch.nn.parallel.DistributedDataParallel(self.policy) if world > 1 else self.policy
         self.opt = torch.optim.AdamW(self.params, lr=tp.lr, betas=(0.9, 0.95), weight_decay=tp.weight_decay)
         self.tp = tp
+        self.device_type = device.type
+        self.dtype = resolve_dtype(tp.compute_dtype, device.type)
+
+    def autocast(self):
+        """Context of a forward: bf16 autocast when the engine computes in bfloat16 (weights stay fp32)."""
+        if self.dtype == "bfloat16":
+            return torch.autocast(self.device_type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     def micro_step(self, boundary: bool):
         """Context of one forward+backward; gradients are synchronised only at the step boundary."""
@@ -166,6 +175,11 @@ class DeepSpeedEngine:
             "wall_clock_breakdown": False,
         }
         self.module, self.opt, _, _ = deepspeed.initialize(model=policy, optimizer=opt, config=config)
+        self.dtype = "bfloat16" if config["bf16"]["enabled"] else "float32"
+
+    def autocast(self):
+        """DeepSpeed casts the weights itself (its bf16 config): a forward needs no autocast."""
+        return contextlib.nullcontext()
 
     def micro_step(self, boundary: bool):
         self.module.set_gradient_accumulation_boundary(boundary)

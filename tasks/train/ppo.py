@@ -12,9 +12,9 @@
 1. rows -> examples: prompt ids exactly as served (`encode_prompt` with `serving.max_tokens`),
    completion ids as sampled (stop token included); rows with no completion tokens are skipped.
 2. pi_prox: one no-grad pass with the starting weights (the same engine and numerics as the
-   update) gives log pi_prox of every completion token at the row's temperature; the truncated
-   importance weight min(pi_prox / pi_behaviour, train.is_cap) uses the logged behaviour
-   log-probs where present (weight 1 where absent). See `tasks/train/loss.py`.
+   update, train.compute_dtype included) gives log pi_prox of every completion token at the row's
+   temperature; the truncated importance weight min(pi_prox / pi_behaviour, train.is_cap) uses the
+   logged behaviour log-probs where present (weight 1 where absent). See `tasks/train/loss.py`.
 3. epochs x optimiser steps: each step takes micro_batch x grad_accum x world rows, balanced
    over ranks by tokens; each rank packs its rows into micro-batches (one row per micro-batch,
    sequences concatenated, position ids restarting per sequence: no padding); the LM head runs
@@ -93,6 +93,7 @@ class TrainResult:
     inputs_sha256: str = ""  # snapshot + starting checkpoint + train params: same inputs, same result
     stopped_early: str = ""  # why the update stopped before its last step (train.target_kl), "" when it ran to the end
     base_dir: str = ""  # the base checkpoint of an adapter ("" for a full checkpoint)
+    compute_dtype: str = "float32"  # what the forward computed in: float32 | bfloat16 (the weights are fp32 either way)
 
 
 # ---------------------------------------------------------------- the job
@@ -111,7 +112,8 @@ def prox_logps(
     for step in plan:
         for idx in step.micro:
             batch = make_batch(idx).to(device)
-            logits = engine.module(batch.input_ids, batch.position_ids, batch.gather_idx)
+            with engine.autocast():
+                logits = engine.module(batch.input_ids, batch.position_ids, batch.gather_idx)
             logz = row_log_softmax(logits, batch.inv_temp)  # (N, V)
             logp, _ = target_logp(logz, batch.targets)
             if tp.kl_top_k:
@@ -218,7 +220,8 @@ def _step_sums(job: _Job, plan: StepPlan) -> tuple[StepSums, float, int]:
         boundary = k == len(plan.micro) - 1
         batch = job.make_batch(idx).to(job.device)
         with job.engine.micro_step(boundary):
-            logits = job.engine.module(batch.input_ids, batch.position_ids, batch.gather_idx)  # (N, V)
+            with job.engine.autocast():
+                logits = job.engine.module(batch.input_ids, batch.position_ids, batch.gather_idx)  # (N, V)
             logz = row_log_softmax(logits, batch.inv_temp)  # (N, V), read by every term below
             logp, entropy = target_logp(logz, batch.targets)  # (N,)
             if idx:
@@ -245,6 +248,7 @@ def _result(
         algorithm=job.tp.algorithm,
         engine=job.engine.name,
         weights=job.start.name,
+        compute_dtype=job.engine.dtype,
         world_size=job.world,
         rows=len(job.rows),
         rows_used=len(examples),

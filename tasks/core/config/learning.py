@@ -94,6 +94,13 @@ class TrainParams(Section):
     before that step and the checkpoint so far is kept. Set it above max_approx_kl to turn it off."""
     zero_stage: Literal[0, 1, 2, 3] = 2
     """DeepSpeed ZeRO stage on GPUs."""
+    compute_dtype: Literal["float32", "bfloat16", "host"] = "float32"
+    """What the plain torch engine computes in: the weights, gradients and Adam stay float32, and with `bfloat16`
+    the forward runs under bf16 autocast, pi_prox's pass and the update's alike (so their ratio starts at 1).
+    `host`: bfloat16 where the device has bf16 matrix units (a CPU with AMX, a CUDA GPU), else float32; a CPU
+    without them runs bf16 many times slower (`tasks/core/dtypes.py`). On a 2-core Xeon with AMX a SmolLM2 LoRA
+    step ran 1.9x as fast (docs/results.md, "Compute dtype"). DeepSpeed on GPUs computes in bf16 whatever this
+    says."""
     engine: Literal["auto", "deepspeed", "torch"] = "auto"
     """`auto`: DeepSpeed on GPUs, plain torch (DDP over gloo for nproc > 1) on CPU, where DeepSpeed's
     first start JIT-compiles a comm op for minutes; `deepspeed` forces DeepSpeed's CPU accelerator too."""
