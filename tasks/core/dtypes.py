@@ -8,10 +8,7 @@ dtype"). Training (`train.compute_dtype`) and vLLM's CPU build (`serving.vllm_dt
 
 from __future__ import annotations
 
-from typing import Literal
-
 HOST = "host"
-ComputeDtype = Literal["float32", "bfloat16", "host"]
 
 
 def has_bf16_units(device_type: str = "cpu") -> bool:

@@ -102,12 +102,12 @@ class ServingParams(Section):
     the rollout starts `{vllm_python} -m vllm.entrypoints.openai.api_server` for each new version."""
     vllm_args: tuple[str, ...] = ("--logprobs-mode", "processed_logprobs")
     """Extra vLLM server flags. processed_logprobs: logged behaviour log-probs are under the temperature-scaled
-    distribution training uses. On CPU add --dtype float32 --enforce-eager."""
+    distribution training uses. On CPU add --enforce-eager (and set serving.vllm_dtype)."""
     vllm_dtype: Literal["float32", "bfloat16", "float16", "host"] | None = None
     """The --dtype of the vLLM servers tabrl starts; None: vLLM's own choice (the checkpoint's), or a --dtype in
     vllm_args. `host`, for vLLM's CPU build: bfloat16 on a CPU with bf16 matrix units (AMX), else float32
-    (`tasks/core/dtypes.py`); on a 2-core Xeon with AMX, SmolLM2 typed 2.4x as many requests a second in bfloat16
-    as in float32 (docs/results.md, "Compute dtype")."""
+    (`tasks/core/dtypes.py`); on a 2-core Xeon with AMX, SmolLM2 typed 1.8-2.4x as many requests a second in
+    bfloat16 as in float32 (docs/results.md, "Compute dtype")."""
     vllm_env: dict[str, str] = Field(default_factory=dict)
     """Environment variables for the vLLM servers tabrl starts (one the environment already sets wins), e.g. the
     CPU build's VLLM_CPU_NUM_OF_RESERVED_CPU and VLLM_CPU_KVCACHE_SPACE (params.vllm-cpu.yaml)."""
