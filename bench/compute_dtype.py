@@ -20,7 +20,6 @@ Nothing else should run meanwhile: compare ratios within one run. Prints a table
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import time
@@ -61,19 +60,20 @@ def train_timing(model_dir: Path, params: Params, rows: int, micro_batch: int) -
     import torch
 
     from tasks.train.batching import pack
-    from tasks.train.engines import row_log_softmax, target_logp
+    from tasks.train.engines import TorchEngine, row_log_softmax, target_logp
 
     policy, examples = _examples(model_dir, params, rows)
     batches = [list(range(i, min(i + micro_batch, rows))) for i in range(0, rows, micro_batch)]
     out: dict = {"rows": rows, "tokens_per_row": round(sum(len(e.input_ids) for e in examples) / rows, 1)}
     logps = {}
     for dtype in ("float32", "bfloat16"):
+        # the training job's own engine, so the forward runs under the autocast training runs under
+        engine = TorchEngine(policy, params.train.model_copy(update={"compute_dtype": dtype}), 1, torch.device("cpu"))
 
-        def forward(idx, dtype=dtype):
+        def forward(idx, engine=engine):
             b = pack(examples, idx)
-            cast = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bfloat16" else contextlib.nullcontext()
-            with cast:
-                logits = policy(b.input_ids, b.position_ids, b.gather_idx)
+            with engine.autocast():
+                logits = engine.module(b.input_ids, b.position_ids, b.gather_idx)
             return target_logp(row_log_softmax(logits, b.inv_temp), b.targets)[0]
 
         forward(batches[0][:2])  # warm-up: oneDNN picks its kernels on the first call
