@@ -270,6 +270,15 @@ def main(argv: list[str] | None = None) -> int:
         "(e.g. t0.3:serving.temperature=0.3,train.lr=1e-4)",
     )
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument(
+        "--only-seeds",
+        type=int,
+        nargs="+",
+        metavar="SEED",
+        help="run only these of the --seeds seeds (e.g. 1: seed 1 of --seeds 2); the others are reported where "
+        "stored under --out, else left out. To add seeds to a run another machine or session stored, copy its "
+        "OUT/runs/*.json here first",
+    )
     parser.add_argument("--cycles", type=int, default=5)
     parser.add_argument("--requests", type=int, default=240, help="simulated requests per online cycle")
     parser.add_argument("--users", type=int, default=16)
@@ -316,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         args.final_requests = FINAL_REQUESTS
     args.seen_requests = args.seen_requests or args.final_requests
     args.final_cycle = args.final_cycle or args.cycles
+    if any(not 0 <= seed < args.seeds for seed in args.only_seeds or []):
+        parser.error(f"--only-seeds {args.only_seeds}: expected seeds from 0 to --seeds - 1 ({args.seeds - 1})")
     if not 1 <= args.final_cycle <= args.cycles:
         parser.error(f"--final-cycle {args.final_cycle}: expected 1 to --cycles ({args.cycles})")
     online = dict(ONLINE)  # the online settings' overrides, the variants added
@@ -417,6 +428,7 @@ def run(args, online: dict) -> int:
     key = run_key(params, args)
     curves: dict[str, list[list[dict]]] = {}
     finals: dict[str, list[dict]] = {}  # setting -> per seed: the final model's typing sessions (final_sessions)
+    done: dict[str, dict[int, tuple[list, dict]]] = {}  # setting -> seed -> (curve, final), run or stored
     for setting in args.settings:
         setting_key = ",".join([key, *online.get(setting, [])])  # a variant renamed or changed is rerun
         for seed in range(args.seeds):
@@ -446,7 +458,7 @@ def run(args, online: dict) -> int:
                         final["model"] = final.get("model") or final_model(setting, seed)
                         final |= unseen_sessions(final["model"], seed, args, final["sessions"])
                     saved |= final
-            elif args.report_only:
+            elif args.report_only or (args.only_seeds and seed not in args.only_seeds):
                 print(f"{setting} seed {seed}: no stored result for these params; left out of the report", flush=True)
                 continue
             else:
@@ -461,15 +473,30 @@ def run(args, online: dict) -> int:
                 saved |= final | {"final_requests": args.final_requests, "seen_requests": args.seen_requests}
             curve, final = at_cycle(setting, seed, saved, curve, final)
             stored.write_text(json.dumps(saved))
-            curves.setdefault(setting, []).append(curve)
-            finals.setdefault(setting, []).append(final)
+            done.setdefault(setting, {})[seed] = curve, final
             print(json.dumps({"setting": setting, "seed": seed, "curve": curve}), flush=True)
+    reported = args.reported_seeds = paired_seeds(done, args.settings)
+    for setting, runs in done.items():  # seed k of every setting at position k: the differences are paired
+        curves[setting] = [runs[seed][0] for seed in reported]
+        finals[setting] = [runs[seed][1] for seed in reported]
     # cycle 0 of every curve: the base model scored by the same seeds' users (as the control is)
-    base = {k: statistics.mean(base_window(seed, 0)[k] for seed in range(args.seeds)) for k in KEYS}
+    base = {k: statistics.mean(base_window(seed, 0)[k] for seed in reported) for k in KEYS}
     for entry in [base, *(e for seeds in curves.values() for curve in seeds for e in curve if e)]:
         entry["reward_per_request"] = product_reward(entry, params.reward)
     report(curves, finals, base, args, params, time.time() - started)
     return 0
+
+
+def paired_seeds(done: dict[str, dict[int, tuple]], settings: list[str]) -> list[int]:
+    """The seeds every setting has a result for (the report pairs seed k of every setting); says which it drops."""
+    seeds = [set(done.get(setting, {})) for setting in settings]
+    common = sorted(set.intersection(*seeds)) if seeds else []
+    for setting, have in zip(settings, seeds, strict=True):
+        if have - set(common):
+            print(f"{setting} seeds {sorted(have - set(common))}: left out, not every setting has them", flush=True)
+    if not common:
+        raise SystemExit("no seed has a result for every setting: nothing to report")
+    return common
 
 
 def stop_bench_servers(args) -> None:
@@ -618,8 +645,8 @@ def report(curves, finals, base, args, params, seconds) -> None:
     lines, final = final_table({k: [f["unseen"] for f in v] for k, v in finals.items()}, params.reward)
     seen_lines, seen = final_table({k: [f["sessions"] for f in v] for k, v in finals.items()}, params.reward)
     unseen_title = (
-        f"After {args.final_cycle} cycles, the final model of each seed typed through held-out regions no evaluation "
-        "reached (value [95 % interval], bootstrap over seeds and typing sessions):"
+        f"After {args.final_cycle} cycles, the final model of each seed (seeds {args.reported_seeds}) typed through "
+        "held-out regions no evaluation reached (value [95 % interval], bootstrap over seeds and typing sessions):"
     )
     seen_title = (
         "The same models on the gate's first held-out window (typed by cycle 1's gate, and by every gate when "
