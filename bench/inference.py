@@ -9,7 +9,10 @@ The same held-out typing sessions (regions of the shipped corpus's test files; t
 by the same simulated users, greedy, through ``tasks.sim.acceptance.type_regions`` (what the gate, `tabrl
 acceptance` and the learning bench run):
 
-1. in process: ``tasks.core.generate`` on this machine's cores, evaluate.batch_size prompts padded together;
+1. in process: ``tasks.core.generate`` on this machine's cores, evaluate.batch_size prompts padded together,
+   twice: float32 weights (what serving.backend: embedded runs) and bfloat16 weights, so vLLM in the dtype
+   serving.vllm_dtype gives it (`host` in the CPU overlay: bfloat16 on a CPU with AMX) is also compared with
+   in-process work in the same dtype;
 2. vLLM, anchored window: every prompt of a batch in flight at once, the prefix cut to
    serving.window_chars at an anchor line (``window_prefix``), so successive prompts of a session share
    their start and the prefix cache serves it;
@@ -25,23 +28,36 @@ bench/out/inference.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import torch
 
 from bench import CPU_OVERLAY
 from flows.cli.console import console, print_table
 from tasks.core.config import Params, load_params
-from tasks.core.inference import open_engine
+from tasks.core.dtypes import resolve_dtype
+from tasks.core.generate import load_model
+from tasks.core.inference import Engine, InProcess, open_engine
 from tasks.core.intervals import interval, metric_fns
 from tasks.core.vllm import recorded_servers, stop_vllm
 from tasks.sim.acceptance import type_regions
 from tasks.sim.corpus import read_corpus
 from tasks.sim.editor import pick_regions
+
+
+def resolved_dtype(params: Params) -> str:
+    """What the run's weights compute in: vLLM's serving.vllm_dtype (its own default, bfloat16 on CPU, when
+    unset), float32 in process."""
+    if params.serving.backend != "vllm":
+        return "float32"
+    return resolve_dtype(params.serving.vllm_dtype, "cpu") if params.serving.vllm_dtype else "vLLM's default"
 
 
 def prefix_cache(url: str) -> tuple[float, float]:
@@ -54,9 +70,19 @@ def prefix_cache(url: str) -> tuple[float, float]:
     return total("vllm:prefix_cache_queries"), total("vllm:prefix_cache_hits")
 
 
-def run(label: str, params: Params, regions, model: Path) -> dict:
+@contextlib.contextmanager
+def in_process(model: Path, dtype: str | None, params: Params) -> Iterator[Engine]:
+    """The engine of serving.backend: embedded (float32 weights), or the model loaded in `dtype` here."""
+    if dtype is None:
+        with open_engine(model, params) as engine:
+            yield engine
+        return
+    yield InProcess(load_model(model, dtype=getattr(torch, dtype)))
+
+
+def run(label: str, params: Params, regions, model: Path, dtype: str | None = None) -> dict:
     """One way of typing the sessions: its speed, what users did, the prefix cache's hits."""
-    with open_engine(model, params) as engine:
+    with in_process(model, dtype, params) as engine:
         url = getattr(engine, "url", None)
         before = prefix_cache(url) if url else (0.0, 0.0)
         started = time.perf_counter()
@@ -103,8 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"data.source {base.data.source!r}: this bench reads a corpus table (files.parquet)")
     regions = pick_regions(test, args.regions, base.traffic, base.fim.seed, "bench-inference")
     window = f"{base.serving.window_chars} chars"
+    embedded = load_params(args.params, [*common, "serving.backend=embedded"])
     configs = {
-        "in process": load_params(args.params, [*common, "serving.backend=embedded"]),
+        "in process, float32": embedded,
+        "in process, bfloat16": embedded,
         f"vLLM, window {window} anchored": load_params(args.params, [*common, "serving.backend=vllm"]),
         f"vLLM, window {window} sliding": load_params(
             args.params, [*common, "serving.backend=vllm", "serving.window_step_chars=0"]
@@ -113,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     try:
         for label, params in configs.items():
-            results[label] = run(label, params, regions, args.model)
+            results[label] = run(label, params, regions, args.model, "bfloat16" if "bfloat16" in label else None)
+            results[label]["dtype"] = "bfloat16" if "bfloat16" in label else resolved_dtype(params)
             console.print(f"{label}: {json.dumps(results[label])}", highlight=False)
     finally:
         for server in recorded_servers(base):
@@ -131,21 +160,25 @@ def report(results: dict, args) -> None:
     )
     for col in (
         "run",
+        "dtype",
         "requests/s",
-        "vs in process",
+        "vs in process fp32",
+        "vs in process bf16",
         "prefix-cache hits",
         "accept/shown",
         "right/shown",
         "chars saved",
     ):
         table.add_column(col, justify="right")
-    first = next(iter(results.values()))["requests_per_s"]
+    fp32, bf16 = (results[f"in process, {d}"]["requests_per_s"] for d in ("float32", "bfloat16"))
     for label, r in results.items():
         hit = r["prefix_cache_hit_rate"]
         table.add_row(
             label,
+            r["dtype"],
             f"{r['requests_per_s']:.2f}",
-            f"{r['requests_per_s'] / first:.1f}x",
+            f"{r['requests_per_s'] / fp32:.1f}x",
+            f"{r['requests_per_s'] / bf16:.1f}x",
             "-" if hit is None else f"{hit:.0%}",
             *(f"{r[k][0]:.3f} [{r[k][1]:.3f}, {r[k][2]:.3f}]" for k in ("accept_rate", "right_rate", "chars_saved")),
         )
