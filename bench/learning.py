@@ -538,16 +538,19 @@ def product_reward(entry: dict, reward) -> float:
 
 
 def run_key(params, args) -> str:
-    """What a stored (setting, seed) result depends on: the params (less where files go) and the loop's size.
+    """What a stored (setting, seed) result depends on: the params that differ from their defaults (less where
+    files go; so a setting added later with a default that keeps today's behaviour leaves stored runs valid, as in
+    a run that spans sessions with its runs/*.json carried over) and the loop's size.
     Not the final evaluation's size: a stored run's final models are typed again when --final-requests
     changes (None holds its place, where the keys of runs stored before had it)."""
     import hashlib
 
     from tasks.core.adapters import checkpoint_sha256
 
-    body = params.model_dump(mode="json")
-    body.pop("paths")
-    body["evaluate"]["judge"].pop("cache_path")
+    body = params.model_dump(mode="json", exclude_defaults=True)
+    body.pop("paths", None)
+    body.get("evaluate", {}).get("judge", {}).pop("cache_path", None)
+    body.setdefault("model", {})
     body["model"]["base_dir"] = checkpoint_sha256(params.model.base_dir)
     body["loop"] = [args.cycles, args.requests, args.users, str(args.corpus), None, "editor traffic"]
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
