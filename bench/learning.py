@@ -38,7 +38,10 @@ on the same window, with the final difference's paired interval); prints the per
 numbers are its gate's, on its window of held-out regions (the "window" column; windows differ in
 difficulty), so the control is typed through the same window at each cycle.
 Each finished (setting, seed) is stored under OUT/runs/ and reused by a later invocation with the
-same params and loop size, so a long run can be stopped and resumed (--fresh reruns everything).
+same params and loop size, so a long run can be stopped and resumed (--fresh reruns everything), and
+with the same dtypes: `host` resolves by the machine's CPU, so a run stored on another machine may have
+computed in another. OUT/runs/*.json carried to another session or machine adds its seeds to the report
+(--only-seeds runs the rest).
 """
 
 from __future__ import annotations
@@ -425,7 +428,7 @@ def run(args, online: dict) -> int:
             cached = saved["at"][at] = final_sessions(model, seed, args)
         return curve[: args.final_cycle], cached
 
-    key = run_key(params, args)
+    key, dtypes = run_key(params, args), computed_dtypes(params)
     curves: dict[str, list[list[dict]]] = {}
     finals: dict[str, list[dict]] = {}  # setting -> per seed: the final model's typing sessions (final_sessions)
     done: dict[str, dict[int, tuple[list, dict]]] = {}  # setting -> seed -> (curve, final), run or stored
@@ -434,6 +437,9 @@ def run(args, online: dict) -> int:
         for seed in range(args.seeds):
             stored = args.out / "runs" / f"{setting}-seed{seed}.json"
             saved = json.loads(stored.read_text()) if stored.is_file() and not args.fresh else None
+            if saved is not None and saved.get("dtypes", dtypes) != dtypes:  # "host" resolved otherwise there
+                print(f"{setting} seed {seed}: stored in {saved['dtypes']}, computed here in {dtypes}", flush=True)
+                saved = None
             if saved is not None and saved["key"] == setting_key:  # resumed: finished by an earlier invocation
                 curve, final = saved["curve"], {k: saved[k] for k in ("sessions", "unseen", "model") if k in saved}
                 print(f"{setting} seed {seed}: stored result reused ({stored})", flush=True)
@@ -469,7 +475,7 @@ def run(args, online: dict) -> int:
                 else:
                     curve, final = run_online(setting, online[setting], seed, args, base_window(seed, 0))
                 stored.parent.mkdir(parents=True, exist_ok=True)
-                saved = {"setting": setting, "seed": seed, "key": setting_key, "curve": curve}
+                saved = {"setting": setting, "seed": seed, "key": setting_key, "curve": curve, "dtypes": dtypes}
                 saved |= final | {"final_requests": args.final_requests, "seen_requests": args.seen_requests}
             curve, final = at_cycle(setting, seed, saved, curve, final)
             stored.write_text(json.dumps(saved))
@@ -535,6 +541,21 @@ def product_reward(entry: dict, reward) -> float:
 
     shown, accepted = entry["suggest_rate"], entry["suggest_rate"] * entry["accept_rate"]
     return total_reward(1.0, shown, accepted, reward)  # rates: one request's worth
+
+
+def computed_dtypes(params) -> dict[str, str | None]:
+    """What training and vLLM compute in on this machine: `host` (the real-model overlays') resolves by its CPU,
+    so runs stored on another machine under the same params may have computed in another dtype."""
+    import torch
+
+    from tasks.core.dtypes import resolve_dtype
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    vllm = params.serving.vllm_dtype
+    return {
+        "train": resolve_dtype(params.train.compute_dtype, device),
+        "vllm": resolve_dtype(vllm, device) if vllm else None,
+    }
 
 
 def run_key(params, args) -> str:
