@@ -13,7 +13,8 @@ What `host` (train.compute_dtype, serving.vllm_dtype; tasks/core/dtypes.py) deci
 2. serving: one vLLM CPU server per dtype (params.vllm-cpu.yaml, serving.vllm_dtype set), the same held-out typing
    sessions as bench.vllm_threads: requests/s, and the suggestions' suggest rate and characters saved.
 
-Whether this machine's CPU has bf16 matrix units (AMX) is printed first: without them bf16 runs many times slower.
+Whether this machine's CPU multiplies bf16 in hardware (AMX tiles, AVX512-BF16) is printed first: with neither,
+bf16 runs many times slower.
 Nothing else should run meanwhile: compare ratios within one run. Prints a table, writes bench/out/compute_dtype.json.
 """
 
@@ -93,6 +94,15 @@ def train_timing(model_dir: Path, params: Params, rows: int, micro_batch: int) -
     return out
 
 
+def cpu_bf16_units() -> str:
+    """This CPU's bf16 hardware by torch's probes: "AMX", "AVX512-BF16", both, or "none"."""
+    import torch
+
+    names = {"AMX": "_is_amx_tile_supported", "AVX512-BF16": "_is_avx512_bf16_supported"}
+    found = [unit for unit, probe in names.items() if getattr(torch.cpu, probe, lambda: False)()]
+    return " + ".join(found) or "none"
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -109,10 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/out/compute_dtype.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(os.cpu_count() or 1)
-    amx = has_bf16_units("cpu")
-    console.print(f"{os.cpu_count()} cores; bf16 matrix units (AMX): {'yes' if amx else 'no'}", highlight=False)
+    units = cpu_bf16_units()
+    console.print(f"{os.cpu_count()} cores; bf16 in hardware: {units}", highlight=False)
     params = load_params("params.yaml", ["@params.real-model.yaml", *args.set])
-    results: dict = {"amx": amx, "training": train_timing(args.model.resolve(), params, args.rows, args.micro_batch)}
+    results: dict = {
+        "bf16_units": units,
+        "host": "bfloat16" if has_bf16_units("cpu") else "float32",
+        "training": train_timing(args.model.resolve(), params, args.rows, args.micro_batch),
+    }
     if args.requests:
         overrides = [f"evaluate.n_requests={args.requests}", f"serving.vllm_python={Path(args.vllm_python).absolute()}"]
         results["vllm"] = {}
@@ -127,7 +141,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _table(results: dict, args) -> Table:
-    table = Table(title=f"float32 vs bfloat16 on {os.cpu_count()} cores (AMX: {'yes' if results['amx'] else 'no'})")
+    table = Table(
+        title=f"float32 vs bfloat16 on {os.cpu_count()} cores (bf16 in hardware: {results['bf16_units']}; "
+        f"`host` is {results['host']})"
+    )
     for col in ("what", "float32", "bfloat16", "bf16 speed-up"):
         table.add_column(col, justify="right")
     t = results["training"]

@@ -35,15 +35,19 @@ def test_the_shipped_overlays_load_together_on_params_yaml():
     assert (params.train.compute_dtype, params.serving.vllm_dtype) == ("host", "host")
 
 
-@pytest.mark.parametrize(("amx", "dtype"), [(True, "bfloat16"), (False, "float32")])
-def test_host_dtype_is_bf16_only_where_the_cpu_has_bf16_matrix_units(monkeypatch, amx, dtype):
-    """`host` (the overlays' dtype): bfloat16 on a CPU with AMX, float32 on one without, where bf16 is slow; a
-    server gets the resolved --dtype once, and a second --dtype in vllm_args is refused."""
+@pytest.mark.parametrize(
+    ("amx", "avx512_bf16", "dtype"),
+    [(True, False, "bfloat16"), (False, True, "bfloat16"), (True, True, "bfloat16"), (False, False, "float32")],
+)
+def test_host_dtype_is_bf16_only_where_the_cpu_has_bf16_matrix_units(monkeypatch, amx, avx512_bf16, dtype):
+    """`host` (the overlays' dtype): bfloat16 on a CPU with AMX or AVX512-BF16, float32 on one with neither, where
+    bf16 is slow; a server gets the resolved --dtype once, and a second --dtype in vllm_args is refused."""
     import torch
 
     from tasks.core.dtypes import resolve_dtype
 
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     assert resolve_dtype("host") == dtype and resolve_dtype("float32") == "float32"
     params = load_params(REPO / "params.yaml", [f"@{REPO / 'params.vllm-cpu.yaml'}"], environ={})
     cmd = server_command("models/m", 8000, params, lora=False)

@@ -105,7 +105,8 @@ class ServingParams(Section):
     distribution training uses. On CPU add --enforce-eager (and set serving.vllm_dtype)."""
     vllm_dtype: Literal["float32", "bfloat16", "float16", "host"] | None = None
     """The --dtype of the vLLM servers tabrl starts; None: vLLM's own choice (the checkpoint's), or a --dtype in
-    vllm_args. `host`, for vLLM's CPU build: bfloat16 on a CPU with bf16 matrix units (AMX), else float32
+    vllm_args. `host`, for vLLM's CPU build: bfloat16 on a CPU that multiplies bf16 in hardware (AMX or AVX512-BF16),
+    else float32
     (`tasks/core/dtypes.py`); on a 2-core Xeon with AMX, SmolLM2 typed 1.8-2.4x as many requests a second in
     bfloat16 as in float32 (docs/results.md, "Compute dtype")."""
     vllm_env: dict[str, str] = Field(default_factory=dict)
