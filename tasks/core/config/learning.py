@@ -98,9 +98,9 @@ class TrainParams(Section):
     """What the plain torch engine computes in: the weights, gradients and Adam stay float32, and with `bfloat16`
     the forward runs under bf16 autocast, pi_prox's pass and the update's alike (so their ratio starts at 1).
     `host`: bfloat16 where the device multiplies bf16 in hardware (a CPU with AMX or AVX512-BF16, a CUDA GPU),
-    else float32; a CPU with neither runs bf16 many times slower (`tasks/core/dtypes.py`). On a 2-core Xeon with AMX a SmolLM2 LoRA
-    step ran 1.9x as fast (docs/results.md, "Compute dtype"). DeepSpeed on GPUs computes in bf16 whatever this
-    says."""
+    else float32; a CPU with neither runs bf16 many times slower (`tasks/core/dtypes.py`). A SmolLM2 LoRA step ran
+    1.9x as fast on a 2-core Xeon with AMX, 2.75x on a 2-core EPYC (Zen 5) with AVX512-BF16 (docs/results.md,
+    "Compute dtype"). DeepSpeed on GPUs computes in bf16 whatever this says."""
     engine: Literal["auto", "deepspeed", "torch"] = "auto"
     """`auto`: DeepSpeed on GPUs, plain torch (DDP over gloo for nproc > 1) on CPU, where DeepSpeed's
     first start JIT-compiles a comm op for minutes; `deepspeed` forces DeepSpeed's CPU accelerator too."""
