@@ -94,20 +94,11 @@ def train_timing(model_dir: Path, params: Params, rows: int, micro_batch: int) -
     return out
 
 
-def cpu_bf16_units() -> str:
-    """This CPU's bf16 hardware by torch's probes: "AMX", "AVX512-BF16", both, or "none"."""
-    import torch
-
-    names = {"AMX": "_is_amx_tile_supported", "AVX512-BF16": "_is_avx512_bf16_supported"}
-    found = [unit for unit, probe in names.items() if getattr(torch.cpu, probe, lambda: False)()]
-    return " + ".join(found) or "none"
-
-
 def main(argv: list[str] | None = None) -> int:
     import torch
 
     from bench.vllm_threads import run as type_on_vllm
-    from tasks.core.dtypes import has_bf16_units
+    from tasks.core.dtypes import cpu_bf16_units, resolve_dtype
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, required=True)
@@ -119,12 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/out/compute_dtype.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(os.cpu_count() or 1)
-    units = cpu_bf16_units()
+    units = " + ".join(cpu_bf16_units()) or "none"
     console.print(f"{os.cpu_count()} cores; bf16 in hardware: {units}", highlight=False)
     params = load_params("params.yaml", ["@params.real-model.yaml", *args.set])
     results: dict = {
         "bf16_units": units,
-        "host": "bfloat16" if has_bf16_units("cpu") else "float32",
+        "host": resolve_dtype("host", "cpu"),
         "training": train_timing(args.model.resolve(), params, args.rows, args.micro_batch),
     }
     if args.requests:

@@ -11,8 +11,8 @@ acceptance` and the learning bench run):
 
 1. in process: ``tasks.core.generate`` on this machine's cores, evaluate.batch_size prompts padded together,
    twice: float32 weights (what serving.backend: embedded runs) and bfloat16 weights, so vLLM in the dtype
-   serving.vllm_dtype gives it (`host` in the CPU overlay: bfloat16 on a CPU with AMX) is also compared with
-   in-process work in the same dtype;
+   serving.vllm_dtype gives it (`host` in the CPU overlay: bfloat16 on a CPU with AMX or AVX512-BF16) is
+   compared with in-process work in the same dtype;
 2. vLLM, anchored window: every prompt of a batch in flight at once, the prefix cut to
    serving.window_chars at an anchor line (``window_prefix``), so successive prompts of a session share
    their start and the prefix cache serves it;
@@ -52,14 +52,6 @@ from tasks.sim.corpus import read_corpus
 from tasks.sim.editor import pick_regions
 
 
-def resolved_dtype(params: Params) -> str:
-    """What the run's weights compute in: vLLM's serving.vllm_dtype (its own default, bfloat16 on CPU, when
-    unset), float32 in process."""
-    if params.serving.backend != "vllm":
-        return "float32"
-    return resolve_dtype(params.serving.vllm_dtype, "cpu") if params.serving.vllm_dtype else "vLLM's default"
-
-
 def prefix_cache(url: str) -> tuple[float, float]:
     """(queries, hits) of vLLM's prefix cache so far, in tokens (its Prometheus counters)."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
@@ -71,18 +63,19 @@ def prefix_cache(url: str) -> tuple[float, float]:
 
 
 @contextlib.contextmanager
-def in_process(model: Path, dtype: str | None, params: Params) -> Iterator[Engine]:
-    """The engine of serving.backend: embedded (float32 weights), or the model loaded in `dtype` here."""
-    if dtype is None:
+def engine_for(model: Path, params: Params, in_process_dtype: str | None) -> Iterator[Engine]:
+    """params' engine (open_engine: in process in float32 weights, or on vLLM), or, with in_process_dtype, the
+    model loaded here in that dtype."""
+    if in_process_dtype is None:
         with open_engine(model, params) as engine:
             yield engine
         return
-    yield InProcess(load_model(model, dtype=getattr(torch, dtype)))
+    yield InProcess(load_model(model, dtype=getattr(torch, in_process_dtype)))
 
 
-def run(label: str, params: Params, regions, model: Path, dtype: str | None = None) -> dict:
+def run(label: str, params: Params, regions, model: Path, in_process_dtype: str | None = None) -> dict:
     """One way of typing the sessions: its speed, what users did, the prefix cache's hits."""
-    with in_process(model, dtype, params) as engine:
+    with engine_for(model, params, in_process_dtype) as engine:
         url = getattr(engine, "url", None)
         before = prefix_cache(url) if url else (0.0, 0.0)
         started = time.perf_counter()
@@ -130,19 +123,19 @@ def main(argv: list[str] | None = None) -> int:
     regions = pick_regions(test, args.regions, base.traffic, base.fim.seed, "bench-inference")
     window = f"{base.serving.window_chars} chars"
     embedded = load_params(args.params, [*common, "serving.backend=embedded"])
-    configs = {
-        "in process, float32": embedded,
-        "in process, bfloat16": embedded,
-        f"vLLM, window {window} anchored": load_params(args.params, [*common, "serving.backend=vllm"]),
-        f"vLLM, window {window} sliding": load_params(
-            args.params, [*common, "serving.backend=vllm", "serving.window_step_chars=0"]
-        ),
+    anchored = load_params(args.params, [*common, "serving.backend=vllm"])
+    sliding = load_params(args.params, [*common, "serving.backend=vllm", "serving.window_step_chars=0"])
+    served = resolve_dtype(anchored.serving.vllm_dtype, "cpu") if anchored.serving.vllm_dtype else "vLLM's default"
+    configs = {  # label: (params, the dtype loaded in process, or None: params' engine; the dtype it computes in)
+        "in process, float32": (embedded, None, "float32"),
+        "in process, bfloat16": (embedded, "bfloat16", "bfloat16"),
+        f"vLLM, window {window} anchored": (anchored, None, served),
+        f"vLLM, window {window} sliding": (sliding, None, served),
     }
     results = {}
     try:
-        for label, params in configs.items():
-            results[label] = run(label, params, regions, args.model, "bfloat16" if "bfloat16" in label else None)
-            results[label]["dtype"] = "bfloat16" if "bfloat16" in label else resolved_dtype(params)
+        for label, (params, in_process_dtype, dtype) in configs.items():
+            results[label] = run(label, params, regions, args.model, in_process_dtype) | {"dtype": dtype}
             console.print(f"{label}: {json.dumps(results[label])}", highlight=False)
     finally:
         for server in recorded_servers(base):

