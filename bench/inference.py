@@ -42,11 +42,10 @@ import torch
 from bench import CPU_OVERLAY
 from flows.cli.console import console, print_table
 from tasks.core.config import Params, load_params
-from tasks.core.dtypes import resolve_dtype
 from tasks.core.generate import load_model
 from tasks.core.inference import Engine, InProcess, open_engine
 from tasks.core.intervals import interval, metric_fns
-from tasks.core.vllm import recorded_servers, stop_vllm
+from tasks.core.vllm import recorded_servers, server_dtype, stop_vllm
 from tasks.sim.acceptance import type_regions
 from tasks.sim.corpus import read_corpus
 from tasks.sim.editor import pick_regions
@@ -125,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     embedded = load_params(args.params, [*common, "serving.backend=embedded"])
     anchored = load_params(args.params, [*common, "serving.backend=vllm"])
     sliding = load_params(args.params, [*common, "serving.backend=vllm", "serving.window_step_chars=0"])
-    served = resolve_dtype(anchored.serving.vllm_dtype, "cpu") if anchored.serving.vllm_dtype else "vLLM's default"
+    served = server_dtype(anchored.serving) or "vLLM's default"
     configs = {  # label: (params, the dtype loaded in process, or None: params' engine; the dtype it computes in)
         "in process, float32": (embedded, None, "float32"),
         "in process, bfloat16": (embedded, "bfloat16", "bfloat16"),

@@ -549,13 +549,10 @@ def computed_dtypes(params) -> dict[str, str | None]:
     import torch
 
     from tasks.core.dtypes import resolve_dtype
+    from tasks.core.vllm import server_dtype
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    vllm = params.serving.vllm_dtype
-    return {
-        "train": resolve_dtype(params.train.compute_dtype, device),
-        "vllm": resolve_dtype(vllm, device) if vllm else None,
-    }
+    return {"train": resolve_dtype(params.train.compute_dtype, device), "vllm": server_dtype(params.serving)}
 
 
 def run_key(params, args) -> str:

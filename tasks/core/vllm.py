@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 
 from tasks.core.adapters import AdapterBaseError, checkpoint_sha256
-from tasks.core.config import Params
+from tasks.core.config import Params, ServingParams
 from tasks.core.dtypes import resolve_dtype
 from tasks.core.fim import parse_completion
 from tasks.core.generate import Generation, ShowRule, cut_unsure
@@ -81,9 +81,16 @@ def server_command(model_dir: str | Path, port: int, params: Params, lora: bool)
     ]
     if lora:
         cmd += ["--enable-lora", "--max-loras", str(s.vllm_max_loras), "--max-lora-rank", str(s.vllm_max_lora_rank)]
-    if s.vllm_dtype is not None:
-        cmd += ["--dtype", resolve_dtype(s.vllm_dtype)]
+    dtype = server_dtype(s)
+    if dtype is not None:
+        cmd += ["--dtype", dtype]
     return cmd + list(s.vllm_args)
+
+
+def server_dtype(serving: ServingParams) -> str | None:
+    """The --dtype of the servers tabrl starts: serving.vllm_dtype resolved on this machine (`host`); None: vLLM's
+    own choice."""
+    return resolve_dtype(serving.vllm_dtype) if serving.vllm_dtype is not None else None
 
 
 def server_env(params: Params, lora: bool) -> dict[str, str]:
