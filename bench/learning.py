@@ -38,10 +38,11 @@ on the same window, with the final difference's paired interval); prints the per
 numbers are its gate's, on its window of held-out regions (the "window" column; windows differ in
 difficulty), so the control is typed through the same window at each cycle.
 Each finished (setting, seed) is stored under OUT/runs/ and reused by a later invocation with the
-same params and loop size, so a long run can be stopped and resumed (--fresh reruns everything), and
-with the same dtypes: `host` resolves by the machine's CPU, so a run stored on another machine may have
-computed in another. OUT/runs/*.json carried to another session or machine adds its seeds to the report
-(--only-seeds runs the rest).
+same params and loop size, so a long run can be stopped and resumed (--fresh reruns everything). The
+dtypes count as computed: `host` resolves by the machine's CPU, so a run stored where it meant float32
+is reused under an explicit float32 (--set train.compute_dtype=float32 --set serving.vllm_dtype=float32)
+and not under `host` on a CPU where it means bfloat16. OUT/runs/*.json carried to another session or
+machine adds its seeds to the report (--only-seeds runs the rest).
 """
 
 from __future__ import annotations
@@ -557,8 +558,9 @@ def computed_dtypes(params) -> dict[str, str | None]:
 
 def run_key(params, args) -> str:
     """What a stored (setting, seed) result depends on: the params that differ from their defaults (less where
-    files go; so a setting added later with a default that keeps today's behaviour leaves stored runs valid, as in
-    a run that spans sessions with its runs/*.json carried over) and the loop's size.
+    files go and where vLLM is installed; so a setting added later with a default that keeps today's behaviour
+    leaves stored runs valid, as in a run that spans sessions with its runs/*.json carried over), with the
+    training and vLLM dtypes as this machine resolves them, and the loop's size.
     Not the final evaluation's size: a stored run's final models are typed again when --final-requests
     changes (None holds its place, where the keys of runs stored before had it)."""
     import hashlib
@@ -568,6 +570,10 @@ def run_key(params, args) -> str:
     body = params.model_dump(mode="json", exclude_defaults=True)
     body.pop("paths", None)
     body.get("evaluate", {}).get("judge", {}).pop("cache_path", None)
+    body.get("serving", {}).pop("vllm_python", None)  # where vLLM is installed, as paths are where files go
+    body.get("train", {}).pop("compute_dtype", None)  # the dtypes as computed: `host` or float32 on a CPU without
+    body.get("serving", {}).pop("vllm_dtype", None)  # bf16 units is the same run, `host` on another CPU is not
+    body["dtypes"] = computed_dtypes(params)
     body.setdefault("model", {})
     body["model"]["base_dir"] = checkpoint_sha256(params.model.base_dir)
     body["loop"] = [args.cycles, args.requests, args.users, str(args.corpus), None, "editor traffic"]
