@@ -602,8 +602,9 @@ def paired_differences(a: list, b: list, fns: dict) -> tuple[dict[str, Interval]
     return diffs, rel, [*cells, f"{rel.value:+.1%} [{rel.low:+.1%}, {rel.high:+.1%}]{star(rel)}"]
 
 
-def final_table(finals: dict[str, list[list]], reward) -> tuple[list[str], dict]:
-    """Markdown rows: each setting's final metrics with 95 % intervals, and its difference from the control."""
+def final_table(finals: dict[str, list[list]], reward, seeds: list[int]) -> tuple[list[str], dict]:
+    """Markdown rows: each setting's final metrics with 95 % intervals, and its difference from the control, over
+    all seeds and (with more than one) each seed alone: the spread between seeds is most of a pooled interval."""
     from tasks.core.intervals import interval, metric_fns, pair_sessions
 
     fns = metric_fns(reward)
@@ -635,6 +636,12 @@ def final_table(finals: dict[str, list[list]], reward) -> tuple[list[str], dict]
             numbers[f"{setting} - control"] = {k: [d.value, d.low, d.high, d.excludes_zero] for k, d in diffs.items()}
             numbers[f"{setting} / control - 1, accept_rate"] = [rel.value, rel.low, rel.high, rel.excludes_zero]
             lines.append(f"| {setting} | " + " | ".join(cells) + " |")
+            for i, seed in enumerate(seeds if len(seeds) > 1 else []):
+                diffs, rel, cells = paired_differences([a[i]], [b[i]], fns)
+                numbers[f"{setting} - control, seed {seed}"] = {
+                    k: [d.value, d.low, d.high, d.excludes_zero] for k, d in diffs.items()
+                }
+                lines.append(f"| {setting}, seed {seed} alone | " + " | ".join(cells) + " |")
         lines.append(
             "\n`*`: the 95 % interval excludes 0. Differences are paired (seed k of each setting typed the same "
             "held-out regions with the same users and noise draws; seeds and sessions resampled together); "
@@ -669,8 +676,9 @@ def report(curves, finals, base, args, params, seconds) -> None:
             "Wall time per cycle (mean over seeds, seconds): serving the traffic, training, the gate's evaluation"
         )
         console.print("\n".join(timing), highlight=False)
-    lines, final = final_table({k: [f["unseen"] for f in v] for k, v in finals.items()}, params.reward)
-    seen_lines, seen = final_table({k: [f["sessions"] for f in v] for k, v in finals.items()}, params.reward)
+    seeds = args.reported_seeds
+    lines, final = final_table({k: [f["unseen"] for f in v] for k, v in finals.items()}, params.reward, seeds)
+    seen_lines, seen = final_table({k: [f["sessions"] for f in v] for k, v in finals.items()}, params.reward, seeds)
     unseen_title = (
         f"After {args.final_cycle} cycles, the final model of each seed (seeds {args.reported_seeds}) typed through "
         "held-out regions no evaluation reached (value [95 % interval], bootstrap over seeds and typing sessions):"

@@ -36,3 +36,23 @@ def test_a_stored_run_is_keyed_by_the_dtypes_it_computed_in_not_by_host(monkeypa
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(LOOP, "requests", 200)
         assert _key(monkeypatch, False) != stored
+
+
+def test_the_final_table_gives_each_seed_alone_beside_the_pooled_difference():
+    """With seeds that disagree the pooled interval is wide; the rows per seed say which seed did what."""
+    from bench.learning import final_table
+
+    # per session: requests, shown, accepted, right, saved chars, typed chars
+    base = [[10, 5, 1, 1, 10, 100]] * 30
+    better = [[10, 5, 3, 3, 40, 100]] * 30
+    finals = {"control": [base, base], "defaults": [better, base]}
+    reward = load_params(REPO / "params.yaml", [], environ={}).reward
+    lines, numbers = final_table(finals, reward, [3, 7])
+    assert numbers["defaults - control, seed 3"]["chars_saved"][:3] == pytest.approx([0.3, 0.3, 0.3])
+    assert numbers["defaults - control, seed 7"]["chars_saved"][:3] == pytest.approx([0.0, 0.0, 0.0])
+    assert numbers["defaults - control"]["chars_saved"][0] == pytest.approx(0.15)
+    rows = [line for line in lines if line.startswith("| defaults, seed")]
+    assert [row.split(" |")[0] for row in rows] == ["| defaults, seed 3 alone", "| defaults, seed 7 alone"]
+    assert "+0.3000 [+0.3000, +0.3000] *" in rows[0] and "+0.0000 [+0.0000, +0.0000] |" in rows[1]
+    _, one_seed = final_table({"control": [base], "defaults": [better]}, reward, [0])
+    assert not any(", seed" in key for key in one_seed)  # one seed: the pooled row is that seed
