@@ -571,8 +571,9 @@ def run_key(params, args) -> str:
     body.pop("paths", None)
     body.get("evaluate", {}).get("judge", {}).pop("cache_path", None)
     body.get("serving", {}).pop("vllm_python", None)  # where vLLM is installed, as paths are where files go
-    body.get("train", {}).pop("compute_dtype", None)  # the dtypes as computed: `host` or float32 on a CPU without
-    body.get("serving", {}).pop("vllm_dtype", None)  # bf16 units is the same run, `host` on another CPU is not
+    # the dtypes as computed, not as written: `host` on a CPU without bf16 units is the run of an explicit float32
+    body.get("train", {}).pop("compute_dtype", None)
+    body.get("serving", {}).pop("vllm_dtype", None)
     body["dtypes"] = computed_dtypes(params)
     body.setdefault("model", {})
     body["model"]["base_dir"] = checkpoint_sha256(params.model.base_dir)
@@ -600,6 +601,11 @@ def paired_differences(a: list, b: list, fns: dict) -> tuple[dict[str, Interval]
     star = lambda d: " *" if d.excludes_zero else ""  # noqa: E731
     cells = [f"{d.value:+.4f} [{d.low:+.4f}, {d.high:+.4f}]{star(d)}" for d in diffs.values()]
     return diffs, rel, [*cells, f"{rel.value:+.1%} [{rel.low:+.1%}, {rel.high:+.1%}]{star(rel)}"]
+
+
+def _numbers(diffs: dict[str, Interval]) -> dict[str, list]:
+    """results.json's form of paired_differences' intervals: metric -> [value, low, high, excludes 0]."""
+    return {k: [d.value, d.low, d.high, d.excludes_zero] for k, d in diffs.items()}
 
 
 def final_table(finals: dict[str, list[list]], reward, seeds: list[int]) -> tuple[list[str], dict]:
@@ -633,14 +639,12 @@ def final_table(finals: dict[str, list[list]], reward, seeds: list[int]) -> tupl
             a, b = finals[setting], finals["control"]
             diffs, rel, cells = paired_differences(a, b, fns)
             unpaired.append(f"{setting} {pair_sessions(a, b)[2]}")
-            numbers[f"{setting} - control"] = {k: [d.value, d.low, d.high, d.excludes_zero] for k, d in diffs.items()}
+            numbers[f"{setting} - control"] = _numbers(diffs)
             numbers[f"{setting} / control - 1, accept_rate"] = [rel.value, rel.low, rel.high, rel.excludes_zero]
             lines.append(f"| {setting} | " + " | ".join(cells) + " |")
             for i, seed in enumerate(seeds if len(seeds) > 1 else []):
                 diffs, rel, cells = paired_differences([a[i]], [b[i]], fns)
-                numbers[f"{setting} - control, seed {seed}"] = {
-                    k: [d.value, d.low, d.high, d.excludes_zero] for k, d in diffs.items()
-                }
+                numbers[f"{setting} - control, seed {seed}"] = _numbers(diffs)
                 lines.append(f"| {setting}, seed {seed} alone | " + " | ".join(cells) + " |")
         lines.append(
             "\n`*`: the 95 % interval excludes 0. Differences are paired (seed k of each setting typed the same "
