@@ -556,6 +556,9 @@ def computed_dtypes(params) -> dict[str, str | None]:
     return {"train": resolve_dtype(params.train.compute_dtype, device), "vllm": server_dtype(params.serving)}
 
 
+EDITOR_KEYS = ("client", "debounce_s", "pause_sigma", "min_display_s")  # simulator params of the editor's pace
+
+
 def run_key(params, args) -> str:
     """What a stored (setting, seed) result depends on: the params that differ from their defaults (less where
     files go and where vLLM is installed; so a setting added later with a default that keeps today's behaviour
@@ -575,6 +578,16 @@ def run_key(params, args) -> str:
     body.get("train", {}).pop("compute_dtype", None)
     body.get("serving", {}).pop("vllm_dtype", None)
     body["dtypes"] = computed_dtypes(params)
+    # How the simulated editors treat answers: in full when they act as Continue does (cancel, discard), and
+    # nothing when they wait for every answer, as every run stored before 2026-12-02 did: those keep their keys.
+    simulator = body.get("simulator", {})
+    for name in EDITOR_KEYS:
+        simulator.pop(name, None)
+    if not simulator:
+        body.pop("simulator", None)
+    if params.simulator.client != "waits":
+        editor = params.simulator.model_dump(mode="json", include=set(EDITOR_KEYS))
+        body["editor"] = editor | {"pause_s": [persona.pause_s for persona in params.simulator.personas]}
     body.setdefault("model", {})
     body["model"]["base_dir"] = checkpoint_sha256(params.model.base_dir)
     body["loop"] = [args.cycles, args.requests, args.users, str(args.corpus), None, "editor traffic"]

@@ -168,23 +168,35 @@ def _traffic_until_planned(
     """Requests per arm after live traffic from the far end of `regions` (train regions no cycle offered) until
     each arm has plan.per_arm. Half the users are on each arm (`_users_per_arm`), but users type at their own
     pace, so a first round of 2 x plan.per_arm can leave an arm short; the next rounds top it up with that arm's
-    users only, typing further regions. When to stop depends on counts only, never on outcomes, so the one look
-    at the end keeps its alpha."""
+    users only, typing further regions, as many more requests as the arm's share of never-shown ones (cancelled,
+    not shown: no request of the test) says it needs. When to stop depends on counts only, never on outcomes, so
+    the one look at the end keeps its alpha."""
     sim_users, arm_of = _users_per_arm(users, params, seed)
-    served: dict[str, int] = {}
+    served: dict[str, int] = {}  # decided requests per arm
+    logged: dict[str, int] = {}  # completions per arm, never-shown ones included
     typing, total = sim_users, 2 * plan.per_arm
     width = min(max(users, total // 4), len(regions))  # regions per round
     for round_ in range(4):
         end = len(regions) - (round_ * width) % len(regions)  # rounds walk back from the end, wrapping
         window = regions[max(end - width, 0) : end]
         by_arm = run_simulation(
-            url, window, typing, total, None, concurrency=4, seed=seed * 1000 + 999 + round_, traffic=params.traffic
+            url,
+            window,
+            typing,
+            total,
+            None,
+            concurrency=4,
+            seed=seed * 1000 + 999 + round_,
+            traffic=params.traffic,
+            simulator=params.simulator,
         )
         for arm, summary in by_arm.items():
             served[arm] = served.get(arm, 0) + summary.requests
+            logged[arm] = logged.get(arm, 0) + summary.logged
         shorter = min((CHAMPION, CHALLENGER), key=lambda arm: served.get(arm, 0))
-        total = plan.per_arm - served.get(shorter, 0)
-        if total <= 0:
+        missing = plan.per_arm - served.get(shorter, 0)
+        total = math.ceil(missing * logged.get(shorter, 1) / max(served.get(shorter, 0), 1))
+        if missing <= 0:
             break
         typing = [u for u in sim_users if arm_of[u.user_id] == shorter]
         print(f"A/B traffic: {served}; {total} more requests from the {shorter} arm's {len(typing)} users", flush=True)

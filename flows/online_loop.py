@@ -99,6 +99,7 @@ def _simulate(
         concurrency=4,
         seed=seed * 1000 + cycle,
         traffic=params.traffic,
+        simulator=params.simulator,
     )
 
 

@@ -3,7 +3,10 @@
 A key is shown once, when `tabrl keys add USER` creates it; the store keeps only its sha256. The
 gateway maps ``Authorization: Bearer KEY`` to a user id and caches the answer (and the user's
 opt-out flag) for ``serving.config_ttl_s`` seconds, so revoking a key or opting a user out takes
-effect without a restart, in every replica (they read the same store).
+effect without a restart, in every replica (they read the same store). A key also says whether its
+client reports every outcome itself (``reports_outcomes``: Continue's data destination), which the
+gateway stamps on each completion it serves: the timeout rule reads it from the row, never from what
+arrives later (``tasks/core/outcomes.py``).
 The rate limits a caller is counted against are in ``serving/limits.py``.
 """
 
@@ -30,14 +33,19 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def add_key(engine: Engine, user_id: str) -> str:
-    """Create a key for user_id (the user row too, opted in); returns the key, which is not stored."""
+def add_key(engine: Engine, user_id: str, reports_outcomes: bool = False) -> str:
+    """Create a key for user_id (the user row too, opted in); returns the key, which is not stored.
+    reports_outcomes: its client reports every outcome itself, so a completion it never reported was not shown."""
     if not user_id.strip() or len(user_id) > 128:
         raise ValueError(f"user id {user_id!r} must be 1-128 characters")
     key = KEY_PREFIX + secrets.token_urlsafe(24)
     now = time.time()
     with engine.begin() as conn:
-        conn.execute(api_keys.insert().values(key_hash=hash_key(key), user_id=user_id, created_at=now))
+        conn.execute(
+            api_keys.insert().values(
+                key_hash=hash_key(key), user_id=user_id, created_at=now, reports_outcomes=reports_outcomes
+            )
+        )
         if conn.execute(sa.select(users.c.user_id).where(users.c.user_id == user_id)).first() is None:
             conn.execute(users.insert().values(user_id=user_id, opted_out=False, updated_at=now))
     return key
@@ -54,11 +62,31 @@ def set_opt_out(engine: Engine, user_id: str, opted_out: bool) -> None:
             conn.execute(users.insert().values(user_id=user_id, opted_out=opted_out, updated_at=now))
 
 
-def _lookup_key(engine: Engine, key_hash: str) -> str | None:
-    with engine.connect() as conn:
+def set_reports_outcomes(engine: Engine, user_id: str, reports: bool) -> int:
+    """Say whether the live keys of user_id belong to a client that reports every outcome itself (completions
+    served from now on; rows already logged keep what they were served with). Returns how many keys changed."""
+    with engine.begin() as conn:
         return conn.execute(
-            sa.select(api_keys.c.user_id).where(api_keys.c.key_hash == key_hash, api_keys.c.revoked == sa.false())
-        ).scalar()
+            api_keys.update()
+            .where(api_keys.c.user_id == user_id, api_keys.c.revoked == sa.false())
+            .values(reports_outcomes=reports)
+        ).rowcount
+
+
+@dataclass(frozen=True)
+class KeyOwner:
+    user_id: str
+    reports_outcomes: bool  # the key's client reports every outcome itself
+
+
+def _lookup_key(engine: Engine, key_hash: str) -> KeyOwner | None:
+    with engine.connect() as conn:
+        row = conn.execute(
+            sa.select(api_keys.c.user_id, api_keys.c.reports_outcomes).where(
+                api_keys.c.key_hash == key_hash, api_keys.c.revoked == sa.false()
+            )
+        ).first()
+    return None if row is None else KeyOwner(row.user_id, bool(row.reports_outcomes))
 
 
 def _lookup_opted_out(engine: Engine, user_id: str) -> bool:
@@ -93,15 +121,15 @@ class TtlCache:
 
 
 class Directory:
-    """Key -> user and user -> opted-out, read from the store with a TTL cache."""
+    """Key -> its owner (user, reporting client) and user -> opted-out, read from the store with a TTL cache."""
 
     def __init__(self, engine: Engine, ttl_s: float):
         self.engine = engine
         self._users = TtlCache(ttl_s, keep=lambda user: user is not None)  # unknown keys are not cached
         self._opted_out = TtlCache(ttl_s)
 
-    async def user_for_key(self, key_hash: str) -> str | None:
-        """The user of the key with this sha256 (hash_key), None when no such key is live."""
+    async def owner_of_key(self, key_hash: str) -> KeyOwner | None:
+        """The owner of the key with this sha256 (hash_key), None when no such key is live."""
         return await self._users.get(key_hash, lambda: _lookup_key(self.engine, key_hash))
 
     async def opted_out(self, user_id: str) -> bool:
@@ -114,6 +142,7 @@ class Caller:
     logged: bool  # False: opted out; served, never stored
     owner_checked: bool  # True with auth: feedback only for the caller's own completions
     key_hash: str | None = None  # sha256 of the API key (auth on), for the per-key rate limit
+    reports_outcomes: bool = False  # its key's client reports every outcome itself (auth on)
 
 
 async def resolve_caller(
@@ -129,11 +158,12 @@ async def resolve_caller(
                 401, "missing API key: send `Authorization: Bearer KEY` (create one with `tabrl keys add USER`)"
             )
         key_hash = hash_key(key.strip())
-        user_id = await directory.user_for_key(key_hash)
-        if user_id is None:
+        owner = await directory.owner_of_key(key_hash)
+        if owner is None:
             raise ApiError(401, "invalid or revoked API key")
+        user_id, reports = owner.user_id, owner.reports_outcomes
     else:
         user_id = claimed_user or headers.get("x-tabrl-user") or "anonymous"
-        key_hash = None
+        key_hash, reports = None, False
     logged = not header_opt_out and not await directory.opted_out(user_id)
-    return Caller(user_id, logged, owner_checked=require_auth, key_hash=key_hash)
+    return Caller(user_id, logged, owner_checked=require_auth, key_hash=key_hash, reports_outcomes=reports)

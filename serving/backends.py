@@ -2,10 +2,12 @@
 
 * ``EmbeddedBackend``: transformers in the gateway process (``tasks.core.generate``), run in a worker
   thread behind a lock so a slow generation never blocks the event loop (other requests, feedback
-  and /healthz keep being answered while the model works).
+  and /healthz keep being answered while the model works). A cancelled request (its client hung up)
+  stops at the next token, or before it starts when it still waits for the lock.
 * ``VLLMBackend``: an OpenAI-compatible vLLM server, called with ``logprobs: 0`` and
   ``return_token_ids: true`` so the behaviour log-probs and token ids are logged. The raw FIM
-  prompt is always sent: vLLM's ``suffix`` parameter is rejected for Qwen2.5-Coder.
+  prompt is always sent: vLLM's ``suffix`` parameter is rejected for Qwen2.5-Coder. A cancelled
+  request closes its HTTP connection, and vLLM aborts a request whose client went away.
 
 Both apply a request's ``ShowRule`` (cut at the first unsure token) to the log-probs they log, and
 return ``tasks.core.generate.Generation`` (text, token ids, per-token log-probs); both raise
@@ -183,19 +185,33 @@ class EmbeddedBackend:
             return lm.template
         return await asyncio.to_thread(self._template)
 
-    def _complete(self, prompt: str, s: Sampling) -> Generation:
+    def _complete(self, prompt: str, s: Sampling, abandoned: threading.Event) -> Generation | None:
         with self._base.lock:
+            if abandoned.is_set():  # cancelled while it waited for the model: never started
+                return None
             if self.adapter is not None and self.name is not None:
-                return self._generate(self._base.with_adapter(self.name, self.adapter), prompt, s)
+                return self._generate(self._base.with_adapter(self.name, self.adapter), prompt, s, abandoned)
             with self._base.base_only() as lm:
-                return self._generate(lm, prompt, s)
+                return self._generate(lm, prompt, s, abandoned)
 
     @staticmethod
-    def _generate(lm: LoadedModel, prompt: str, s: Sampling) -> Generation:
-        return generate(*lm, [prompt], s.max_tokens, s.temperature, s.top_p, stop=s.stop, rule=s.rule)[0]
+    def _generate(lm: LoadedModel, prompt: str, s: Sampling, abandoned: threading.Event) -> Generation:
+        return generate(
+            *lm, [prompt], s.max_tokens, s.temperature, s.top_p, stop=s.stop, rule=s.rule, abandoned=abandoned.is_set
+        )[0]
 
     async def complete(self, prompt: str, sampling: Sampling) -> Generation:
-        return await asyncio.to_thread(self._complete, prompt, sampling)
+        """The generation, in a worker thread. Cancelled (the client hung up), the thread is told to stop at its next
+        token, so the model is free for the next request at once."""
+        abandoned = threading.Event()
+        work = asyncio.ensure_future(asyncio.to_thread(self._complete, prompt, sampling, abandoned))
+        try:
+            gen = await asyncio.shield(work)
+        except asyncio.CancelledError:
+            abandoned.set()
+            raise
+        assert gen is not None, "only an abandoned generation returns None"
+        return gen
 
     async def aclose(self) -> None:
         if self.adapter is not None and self.name is not None:

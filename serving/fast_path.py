@@ -8,6 +8,7 @@ returns an ``Answer``.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -18,7 +19,46 @@ from serving.errors import ANSWERED, ApiError, error_answer, error_body
 from serving.metrics import Metrics
 from serving.protocol import Answer, encode_json, sse_chunks
 
-Handler = Callable[[Mapping[str, str], bytes], Awaitable[Answer]]
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was sent: there is no one to answer."""
+
+
+class HangUp:
+    """Whether the client of one request hung up once its body was read (an editor aborts a completion request
+    when the user types on). A handler that cares calls ``watch()``; watching ends when the answer is sent.
+
+    The ASGI server reports a closed connection as ``http.disconnect`` on the request's receive channel; a
+    hang-up still in flight when the answer's first byte is handed to the server is not seen (the network's
+    latency plus one turn of the event loop)."""
+
+    def __init__(self, receive: Callable[[], Awaitable[dict]]):
+        self._receive = receive
+        self._seen = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def watch(self) -> None:
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._listen())
+
+    async def _listen(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        self._seen.set()
+
+    @property
+    def gone(self) -> bool:
+        return self._seen.is_set()
+
+    async def wait(self) -> None:
+        await self._seen.wait()
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
+Handler = Callable[[Mapping[str, str], bytes, HangUp], Awaitable[Answer]]
 
 
 class BodyLimit:
@@ -62,10 +102,6 @@ def body_too_large(max_bytes: int) -> str:
     return f"request body exceeds the limit of {max_bytes} bytes (serving.max_body_bytes)"
 
 
-class ClientGone(Exception):
-    """The client disconnected before its request body arrived: there is no one to answer."""
-
-
 class HotRoutes:
     """ASGI in front of the FastAPI app: POST /v1/completions and /v1/feedback, the two routes every suggestion
     takes, go straight to their handlers; everything else goes to FastAPI (which also documents these two).
@@ -86,13 +122,16 @@ class HotRoutes:
         headers: dict[str, str] = {}
         for name, value in scope["headers"]:
             headers.setdefault(name.decode("latin-1"), value.decode("latin-1"))  # the first of repeated headers
+        hang_up = HangUp(receive)
         try:
             body = await self._body(receive, headers.get("content-length"))
-            answer = await handler(headers, body)
+            answer = await handler(headers, body, hang_up)
         except ClientGone:
             return
         except ANSWERED as err:
             answer = error_answer(err, f"POST {scope['path']}")
+        finally:
+            hang_up.close()
         self.metrics.requests.labels(scope["path"], str(answer.status)).inc()
         extra = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers.items()]
         if answer.events:
@@ -134,7 +173,13 @@ def as_response(answer: Answer) -> Response:
 
 def fastapi_route(handler: Handler, metrics: Metrics) -> Callable[[Request], Awaitable[Response]]:
     async def route(request: Request) -> Response:  # errors go to the app's handlers, which count them
-        answer = await handler(request.headers, await request.body())
+        hang_up = HangUp(request.receive)
+        try:
+            answer = await handler(request.headers, await request.body(), hang_up)
+        except ClientGone:
+            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+        finally:
+            hang_up.close()
         metrics.requests.labels(request.url.path, str(answer.status)).inc()
         return as_response(answer)
 

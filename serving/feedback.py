@@ -11,6 +11,7 @@ from fastapi import Request
 from serving.auth import Caller
 from serving.compat import CONTINUE_SCHEMA, CompatError, outcome_from_continue, outcome_from_rlinf, texts_of
 from serving.errors import ApiError
+from serving.fast_path import HangUp
 from serving.log import Outcome, RecordFeedback, record_outcome
 from serving.normalise import check_size
 from serving.protocol import Answer, ContinueData, FeedbackRequest
@@ -42,23 +43,24 @@ async def record(gw: Gateway, caller: Caller, outcome: Outcome, require_ours: bo
     if rec.status == "conflict":
         raise ApiError(
             409,
-            f"feedback for {rec.completion_id!r} was already recorded as accepted={rec.accepted}; "
-            "the first answer wins",
+            f"feedback for {rec.completion_id!r} was already recorded as accepted={rec.accepted}, "
+            f"shown={rec.shown}; the first answer wins",
             "accepted",
         )
     return {
         "completion_id": rec.completion_id,
         "matched": rec.matched,
         "accepted": rec.accepted,
+        "shown": rec.shown,
         "duplicate": rec.status == "duplicate",
         "logged": True,
     }
 
 
-async def feedback(gw: Gateway, headers: Mapping[str, str], body: bytes) -> Answer:
+async def feedback(gw: Gateway, headers: Mapping[str, str], body: bytes, _hang_up: HangUp) -> Answer:
     req = FeedbackRequest.model_validate_json(body)
     caller = await gw.caller_of(headers, None)
-    outcome = Outcome(req.accepted, "api", req.completion_id, accepted_chars=req.accepted_chars)
+    outcome = Outcome(bool(req.accepted), "api", req.completion_id, accepted_chars=req.accepted_chars, shown=req.shown)
     return Answer(200, await record(gw, caller, outcome, require_ours=True))
 
 

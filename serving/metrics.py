@@ -58,6 +58,18 @@ class Metrics:
             ["arm"],
             registry=self.registry,
         )
+        self.cancelled = Counter(
+            "tabrl_cancelled",
+            "Completions whose client hung up before the answer was sent, by arm: never shown, in no rate.",
+            ["arm"],
+            registry=self.registry,
+        )
+        self.not_shown = Counter(
+            "tabrl_not_shown",
+            "Outcomes by which a client said it never displayed the suggestion, by arm: in no rate.",
+            ["arm"],
+            registry=self.registry,
+        )
         self.fallbacks = Counter(
             "tabrl_fallbacks", "Requests a failing arm handed to the champion.", ["arm"], registry=self.registry
         )
@@ -83,13 +95,18 @@ class Metrics:
     def recorded(self, rec: Recorded) -> None:
         if rec.status != "recorded":
             return
+        if rec.shown is False:
+            self.not_shown.labels(rec.arm or "").inc()
+            if rec.arm and rec.arm in self._shown:  # it was counted as shown when it was served
+                self._shown[rec.arm] -= 1
+            return
         self.feedback.labels(rec.arm or "", str(rec.accepted).lower()).inc()
         if rec.accepted and rec.arm:
             self._accepted[rec.arm] = self._accepted.get(rec.arm, 0) + 1
 
     def render(self) -> bytes:
         for arm, shown in self._shown.items():
-            self.accept_rate.labels(arm).set(self._accepted.get(arm, 0) / shown)
+            self.accept_rate.labels(arm).set(self._accepted.get(arm, 0) / shown if shown else 0.0)
         for arm, recent in self._recent_ms.items():
             for q, value in zip(LATENCY_QUANTILES, latency_quantiles(recent, LATENCY_QUANTILES), strict=True):
                 self.latency_quantiles.labels(arm, f"{q:g}").set(value)

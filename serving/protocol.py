@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from tasks.core.generate import Generation
 from tasks.core.store import Arm
@@ -29,11 +29,23 @@ class CompletionRequest(BaseModel):
 
 
 class FeedbackRequest(BaseModel):
+    """An outcome for one of our completions. `shown: false` says the client never displayed it (it discarded an
+    answer that no longer fit what the user typed): not shown, never a rejection, never trained on."""
+
     model_config = ConfigDict(extra="forbid")
 
     completion_id: str = Field(min_length=1, max_length=128)
-    accepted: StrictBool
+    accepted: StrictBool | None = None
     accepted_chars: int | None = Field(None, ge=0)
+    shown: StrictBool = True
+
+    @model_validator(mode="after")
+    def _answer(self) -> FeedbackRequest:
+        if self.shown and self.accepted is None:
+            raise ValueError("accepted is required (true or false) unless shown is false")
+        if not self.shown and (self.accepted or self.accepted_chars is not None):
+            raise ValueError("a suggestion that was not shown cannot be accepted: send shown=false alone")
+        return self
 
 
 class ContinueData(BaseModel):

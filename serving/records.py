@@ -59,6 +59,19 @@ def insert_completion(row: dict) -> InsertRow:
     return InsertRow(completions, row)
 
 
+def mark_cancelled(completion_id: str, at: float) -> Op:
+    """Stamp a committed completion as cancelled: its client hung up before the answer was sent."""
+
+    def op(conn: Connection) -> None:
+        conn.execute(
+            completions.update()
+            .where(completions.c.id == completion_id, completions.c.cancelled_at.is_(None))
+            .values(cancelled_at=at)
+        )
+
+    return op
+
+
 def insert_ignore(conn: Connection, table: sa.Table, values: dict, key: str) -> bool:
     """INSERT unless a row with the same key exists (first write wins); True when inserted."""
     if conn.dialect.name == "postgresql":
@@ -81,6 +94,7 @@ class Outcome:
     accepted_chars: int | None = None
     trainable: bool = True  # False for Continue's noCode events (texts withheld)
     payload: dict | None = None  # the client's texts, kept when the completion is not ours
+    shown: bool = True  # False: the client never displayed the suggestion (accepted is then False)
 
 
 @dataclass(frozen=True)
@@ -90,6 +104,7 @@ class Recorded:
     matched: bool = False
     accepted: bool | None = None  # the stored answer (the first one)
     arm: str | None = None
+    shown: bool | None = None  # the stored answer's `shown` (the first one)
 
 
 def record_outcome(outcome: Outcome, user_id: str | None, require_ours: bool) -> Op:
@@ -141,14 +156,15 @@ def record_outcome(outcome: Outcome, user_id: str | None, require_ours: bool) ->
                 "user_id": user_id if user_id is not None else (row.user_id if row is not None else None),
                 "trainable": outcome.trainable,
                 "payload": None if row is not None else outcome.payload,
+                "shown": outcome.shown,
             },
             "completion_id",
         )
-        arm = row.arm if row is not None else None
         if inserted:
-            return Recorded("recorded", key, row is not None, outcome.accepted, arm)
-        first = conn.execute(sa.select(feedback.c.accepted).where(feedback.c.completion_id == key)).scalar_one()
-        return Recorded("duplicate" if first == outcome.accepted else "conflict", key, row is not None, first, arm)
+            return Recorded("recorded", key, row is not None, outcome.accepted, row and row.arm, outcome.shown)
+        first = conn.execute(_ANSWERS, {"ids": [key]}).one()
+        status: Literal["duplicate", "conflict"] = "duplicate" if _same(first, outcome) else "conflict"
+        return Recorded(status, key, row is not None, first.accepted, row and row.arm, _shown(first.shown))
 
     return op
 
@@ -156,7 +172,7 @@ def record_outcome(outcome: Outcome, user_id: str | None, require_ours: bool) ->
 _BY_IDS = sa.select(completions.c.id, completions.c.user_id, completions.c.arm).where(
     completions.c.id.in_(sa.bindparam("ids", expanding=True))
 )
-_ANSWERS = sa.select(feedback.c.completion_id, feedback.c.accepted).where(
+_ANSWERS = sa.select(feedback.c.completion_id, feedback.c.accepted, feedback.c.shown).where(
     feedback.c.completion_id.in_(sa.bindparam("ids", expanding=True))
 )
 
@@ -209,6 +225,7 @@ class RecordFeedback:
                     "user_id": ops[i].user_id if ops[i].user_id is not None else found[cid].user_id,
                     "trainable": ops[i].outcome.trainable,
                     "payload": None,
+                    "shown": ops[i].outcome.shown,
                 }
                 for cid, i in first.items()
             ]
@@ -218,22 +235,29 @@ class RecordFeedback:
         stored = {}  # the answer stored first, for ops whose answer was not the one inserted
         if later:
             wanted = sorted({ops[i].outcome.completion_id or "" for i in later})
-            stored = dict(conn.execute(_ANSWERS, {"ids": wanted}).tuples().all())
+            stored = {r.completion_id: r for r in conn.execute(_ANSWERS, {"ids": wanted})}
         out: list[Recorded] = []
         for i, op in enumerate(ops):
             done = results[i]
             if done is None:
                 row = found[op.outcome.completion_id or ""]
                 if i in recorded:
-                    done = Recorded("recorded", row.id, True, op.outcome.accepted, row.arm)
+                    done = Recorded("recorded", row.id, True, op.outcome.accepted, row.arm, op.outcome.shown)
                 else:
                     answer = stored[row.id]
-                    status: Literal["duplicate", "conflict"] = (
-                        "duplicate" if answer == op.outcome.accepted else "conflict"
-                    )
-                    done = Recorded(status, row.id, True, answer, row.arm)
+                    status: Literal["duplicate", "conflict"] = "duplicate" if _same(answer, op.outcome) else "conflict"
+                    done = Recorded(status, row.id, True, answer.accepted, row.arm, _shown(answer.shown))
             out.append(done)
         return out
+
+
+def _shown(stored: bool | None) -> bool:
+    return stored is not False  # NULL: a row written before `shown` existed, when every outcome was displayed
+
+
+def _same(stored: sa.Row, outcome: Outcome) -> bool:
+    """Is a second outcome for a completion the answer stored first (a retry), not a changed one?"""
+    return bool(stored.accepted) == outcome.accepted and _shown(stored.shown) == outcome.shown
 
 
 BATCHED = (InsertRow, RecordFeedback)  # op kinds the writer runs as one set of statements per group commit

@@ -10,7 +10,7 @@ challenger falls back to it (the gateway logs and counts that).
 Each arm's model speaks its own FIM template: the request's prefix, suffix and context are rendered
 in it here, so two families can be A/B tested on the same traffic, and the prompt the arm's model
 saw is what the gateway logs. A long prefix is first cut to serving.window_chars at an anchor line
-(``tasks.core.generate.window_prefix``), so successive requests of a typing session share their prompt's
+(``tasks.core.window.window_prefix``), so successive requests of a typing session share their prompt's
 start and vLLM reuses its KV cache; the evaluation renders its prompts the same way.
 """
 
@@ -27,8 +27,9 @@ from sqlalchemy.engine import Engine
 from serving.backends import Backend, BackendError, Sampling, make_backend
 from serving.errors import ApiError
 from tasks.core.fim import FimPrompt, FimTemplate
-from tasks.core.generate import Generation, ShowRule, window_prefix
+from tasks.core.generate import Generation, ShowRule
 from tasks.core.store import CHAMPION, Arm, read_arms
+from tasks.core.window import window_prefix
 
 
 @dataclass(frozen=True)

@@ -8,17 +8,28 @@ to type, or keeps typing (silence: the ingest timeout rule turns it into a rejec
 concurrently; their decisions are seeded per (user, request), so a run is reproducible however
 requests interleave.
 
-    run_simulation(base_url, regions, users, n_requests, api_keys, concurrency, seed, traffic) -> {arm: TypingSummary}
+With ``simulator.client: continue`` (the default) the editor behaves as Continue does. Each pause lasts
+``Session.pause`` (the persona's pace); the editor asks ``simulator.debounce_s`` into it (a shorter pause asks
+nothing), keeps one request in flight per user, and aborts it when the pause ends before the answer: the client
+hangs up and the gateway logs the completion as cancelled. An answer that came as the user typed on (on screen
+for less than ``simulator.min_display_s``) is discarded with ``shown: false``. Only what was displayed gets an
+outcome. Time is compressed: nothing sleeps the pauses; a request waits at most until the pause would end.
+``simulator.client: waits`` waits for every answer and shows it (older results).
+
+    run_simulation(base_url, regions, users, n_requests, api_keys, concurrency, seed, traffic, simulator)
+        -> {arm: TypingSummary}
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 import httpx
 
-from tasks.core.config import TrafficParams
+from tasks.core.config import SimulatorParams, TrafficParams
 from tasks.sim.editor import Region
 from tasks.sim.sessions import Session, Turn, TypingSummary, summarise_turns
 from tasks.sim.users import SimUser
@@ -28,61 +39,112 @@ class SimulationError(RuntimeError):
     """The gateway refused a simulated request; the message carries its answer."""
 
 
+@dataclass
+class _Editor:
+    """One simulated user's editor: its client, key, share of the request budget, and the turns it saw."""
+
+    client: httpx.AsyncClient
+    user: SimUser
+    key: str | None
+    sim: SimulatorParams
+    limiter: asyncio.Semaphore
+    max_tokens: int | None
+    turns: list[Turn] = field(default_factory=list)
+    arm: str = ""  # the arm the user's answers came from (sticky per user); "" before the first answer
+    unattributed: list[int] = field(default_factory=list)  # turns cancelled before any answer named the arm
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"} if self.key else {}
+
+    async def ask(self, request: dict, wait_s: float | None) -> tuple[dict | None, float]:
+        """POST /v1/completions for the request; (its answer, seconds it took), or (None, seconds waited) when the
+        user typed on first (after wait_s): the request is aborted, as Continue aborts it (the gateway sees the
+        client hang up)."""
+        # prefix + suffix: the gateway renders them in the serving arm's own template, whatever its family
+        body = {"prompt": request["prefix"], "suffix": request["suffix"], "user": self.user.user_id}
+        if self.max_tokens is not None:
+            body["max_tokens"] = self.max_tokens
+        async with self.limiter:
+            started = time.perf_counter()
+            try:
+                response = await asyncio.wait_for(
+                    self.client.post("/v1/completions", json=body, headers=self.headers), wait_s
+                )
+            except TimeoutError:
+                return None, time.perf_counter() - started
+        if response.status_code != 200:
+            raise SimulationError(
+                f"POST /v1/completions for {self.user.user_id} answered {response.status_code}: {response.text[:300]}"
+            )
+        return response.json(), time.perf_counter() - started
+
+    async def tell(self, completion_id: str, body: dict) -> None:
+        async with self.limiter:
+            fb = await self.client.post(
+                "/v1/feedback", json={"completion_id": completion_id, **body}, headers=self.headers
+            )
+        if fb.status_code != 200:
+            raise SimulationError(f"POST /v1/feedback for {completion_id} answered {fb.status_code}: {fb.text[:300]}")
+
+    def saw(self, turn: Turn) -> None:
+        if turn.arm and not self.arm:  # the first answer names the user's arm: earlier cancelled turns were on it
+            self.arm = turn.arm
+            for i in self.unattributed:
+                self.turns[i] = replace(self.turns[i], arm=turn.arm)
+            self.unattributed.clear()
+        if not turn.arm:
+            self.unattributed.append(len(self.turns))
+        self.turns.append(turn)
+
+    async def turn(self, session: Session) -> None:
+        """One pause of a typing session: maybe a request, and what the user did with its answer."""
+        request = session.request()
+        pause = None if self.sim.client == "waits" else session.pause(self.sim)
+        wait_s = None if pause is None else pause - self.sim.debounce_s  # from the request to the next keystroke
+        answer, took = await self.ask(request, wait_s)
+        if answer is None:
+            self.saw(session.unseen("cancelled", arm=self.arm))
+            return
+        arm = answer.get("tabrl", {}).get("arm", answer["model"])
+        text = answer["choices"][0]["text"]
+        if wait_s is not None and text.strip() and wait_s - took < self.sim.min_display_s:
+            # it came as the user typed on (or after): never seen, and the editor says so
+            await self.tell(answer["id"], {"shown": False})
+            self.saw(session.unseen("not_shown", text, arm))
+            return
+        turn = session.answer(text, arm)
+        if self.user.persona.think_s:
+            await asyncio.sleep(self.user.persona.think_s)
+        if turn.outcome == "accepted":
+            await self.tell(answer["id"], {"accepted": True, "accepted_chars": len(turn.suggestion)})
+        self.saw(turn)  # a rejection is the user's silence: the timeout rule's
+
+
 async def _one_user(
-    client: httpx.AsyncClient,
-    user: SimUser,
+    editor: _Editor,
     regions: Sequence[Region],
     budget: list[int],
-    key: str | None,
     seed: int,
     traffic: TrafficParams,
-    limiter: asyncio.Semaphore,
-    max_tokens: int | None,
     done: Callable[[], None],
-) -> tuple[list[Turn], dict[str, int]]:
-    """Type this user's regions in order until the shared request budget is spent."""
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    turns: list[Turn] = []
+) -> dict[str, int]:
+    """Type this user's regions in order until the shared request budget is spent; characters typed per arm."""
     typed: dict[str, int] = {}  # arm -> characters typed in sessions it served
     for region in regions:
         if budget[0] <= 0:
             break
-        session = Session(region, user, traffic, seed)
-        arm = ""
+        session = Session(region, editor.user, traffic, seed)
         while not session.done and budget[0] > 0:  # the budget spent, the user stops where the cursor is
+            if editor.sim.client == "continue" and session.pause(editor.sim) < editor.sim.debounce_s:
+                session.type_on()  # typed on within the debounce: the editor never asked
+                continue
             budget[0] -= 1
-            request = session.request()
-            # prefix + suffix: the gateway renders them in the serving arm's own template, whatever its family
-            body = {"prompt": request["prefix"], "suffix": request["suffix"], "user": user.user_id}
-            if max_tokens is not None:
-                body["max_tokens"] = max_tokens
-            async with limiter:
-                response = await client.post("/v1/completions", json=body, headers=headers)
-            if response.status_code != 200:
-                raise SimulationError(
-                    f"POST /v1/completions for {user.user_id} answered {response.status_code}: {response.text[:300]}"
-                )
-            answer = response.json()
-            arm = answer.get("tabrl", {}).get("arm", answer["model"])
-            turn = session.answer(answer["choices"][0]["text"], arm)
-            if user.persona.think_s:
-                await asyncio.sleep(user.persona.think_s)
-            if turn.outcome == "accepted":
-                async with limiter:
-                    fb = await client.post(
-                        "/v1/feedback",
-                        json={"completion_id": answer["id"], "accepted": True, "accepted_chars": len(turn.suggestion)},
-                        headers=headers,
-                    )
-                if fb.status_code != 200:
-                    raise SimulationError(
-                        f"POST /v1/feedback for {answer['id']} answered {fb.status_code}: {fb.text[:300]}"
-                    )
-            turns.append(turn)
+            await editor.turn(session)
             done()
-        if arm:
-            typed[arm] = typed.get(arm, 0) + session.typed_chars
-    return turns, typed
+        if editor.arm:
+            typed[editor.arm] = typed.get(editor.arm, 0) + session.typed_chars
+    return typed
 
 
 async def simulate_async(
@@ -94,6 +156,7 @@ async def simulate_async(
     concurrency: int,
     seed: int,
     traffic: TrafficParams,
+    simulator: SimulatorParams,
     timeout_s: float = 60.0,
     max_tokens: int | None = None,
     progress: Callable[[], None] = lambda: None,
@@ -105,28 +168,20 @@ async def simulate_async(
     limiter = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+        editors = [
+            _Editor(client, user, (api_keys or {}).get(user.user_id), simulator, limiter, max_tokens) for user in users
+        ]
         per_user = await asyncio.gather(
             *[
-                _one_user(
-                    client,
-                    user,
-                    regions[i :: len(users)],
-                    budget,
-                    (api_keys or {}).get(user.user_id),
-                    seed,
-                    traffic,
-                    limiter,
-                    max_tokens,
-                    progress,
-                )
-                for i, user in enumerate(users)
+                _one_user(editor, regions[i :: len(users)], budget, seed, traffic, progress)
+                for i, editor in enumerate(editors)
             ]
         )
     typed: dict[str, int] = {}
-    for _, by_arm in per_user:
+    for by_arm in per_user:
         for arm, chars in by_arm.items():
             typed[arm] = typed.get(arm, 0) + chars
-    return [t for turns, _ in per_user for t in turns], typed
+    return [t for editor in editors for t in editor.turns], typed
 
 
 def summarise_by_arm(turns: Sequence[Turn], typed: dict[str, int]) -> dict[str, TypingSummary]:
@@ -143,6 +198,7 @@ def run_simulation(
     concurrency: int,
     seed: int,
     traffic: TrafficParams,
+    simulator: SimulatorParams,
     max_tokens: int | None = None,
     progress: Callable[[], None] = lambda: None,
 ) -> dict[str, TypingSummary]:
@@ -157,6 +213,7 @@ def run_simulation(
             concurrency,
             seed,
             traffic,
+            simulator,
             max_tokens=max_tokens,
             progress=progress,
         )

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import os
-import threading
-import time
-from contextlib import contextmanager
 
 import httpx
 import pytest
-import uvicorn
 
-from serving.gateway import UVICORN_OPTIONS
-from tasks.core.procs import free_port
-from tests.support.harness import throwaway_schema
+from tests.support.harness import serve_app, throwaway_schema
+
+__all__ = ["post_completions", "serve_app", "store_url"]
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -27,25 +23,6 @@ def store_url(request, tmp_path):
         pytest.skip("PostgreSQL store skipped: set TABRL_TEST_POSTGRES_URL to run it")
     with throwaway_schema(url) as schema_url:
         yield schema_url
-
-
-@contextmanager
-def serve_app(app, timeout_s: float = 20.0):
-    """Run an ASGI app with uvicorn in a thread on a free loopback port; yields its base URL."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="on", **UVICORN_OPTIONS))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout_s
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout_s)
 
 
 def post_completions(url: str, key: str, prompts, timeout_s: float = 60.0, **body) -> list[httpx.Response]:

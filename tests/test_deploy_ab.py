@@ -147,9 +147,9 @@ def test_the_record_and_the_decision_numbers_keep_their_names():
     params = tiny_params()
     a = stats_from_counts(CHAMPION, "m/1", 30, 50, 20, params.reward, timed_out=7, pending=2, accepted_chars=300)
     numbers = [
-        "requests", "shown", "accepted", "rejected", "timed_out", "abstained", "pending", "suggest_rate",
-        "accept_rate", "reward_per_request", "reward_std", "accepted_chars", "chars_per_request",
-        "chars_std",
+        "requests", "shown", "accepted", "rejected", "timed_out", "abstained", "pending", "cancelled",
+        "not_shown", "cancel_rate", "suggest_rate", "accept_rate", "reward_per_request", "reward_std",
+        "accepted_chars", "chars_per_request", "chars_std",
     ]  # fmt: skip
     record = a.as_record()
     assert list(record) == ["arm", "model_version", *numbers, "latency"]

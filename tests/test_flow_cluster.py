@@ -36,7 +36,7 @@ from tasks.deploy.model_cache import resolve_model_dir
 from tasks.deploy.registry import Registry
 from tasks.ingest.pull import read_watermark
 from tasks.sim.users import make_users
-from tests.test_flow_cycle import ACCEPT_ALL, FAST_TRAIN, _dvc_repo, write_cycle_inputs
+from tests.test_flow_cycle import EVERY_ANSWER_TAKEN, FAST_TRAIN, _dvc_repo, write_cycle_inputs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
@@ -177,7 +177,7 @@ def test_cycle_trains_on_the_gpu_worker_and_survives_losing_it(
     for name in ("MLFLOW_TRACKING_URI", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "COLUMNS", "LINES"):
         env.pop(name, None)
     sections = {
-        "simulator": {"personas": ACCEPT_ALL},
+        "simulator": EVERY_ANSWER_TAKEN,
         "serving": {"auth": False, "temperature": 1.0, "max_tokens": 1, "port": gateway_port, "config_ttl_s": 0.5},
         "ingest": {"feedback_timeout_s": 0.5},
         "train": FAST_TRAIN,
@@ -266,6 +266,7 @@ def test_cycle_trains_on_the_gpu_worker_and_survives_losing_it(
                 concurrency=4,
                 seed=seed,
                 traffic=params.traffic,
+                simulator=params.simulator,
             )
             time.sleep(params.ingest.feedback_timeout_s + 0.2)
 

@@ -45,6 +45,9 @@ FAST_TRAIN = {
     "grad_accum": 1,
 }
 ACCEPT_ALL = [{"name": "easy", "weight": 1.0, "min_accept_chars": 1, "p_accept_wrong": 1.0, "p_ignore_right": 0.0}]
+# Users who take every suggestion they see, in an editor that waits for every answer: the pipeline's tests need
+# outcomes on every request, whatever the machine's pace (the Continue-like editor is tests/test_simulator_http.py's).
+EVERY_ANSWER_TAKEN = {"personas": ACCEPT_ALL, "client": "waits"}
 
 
 def _dvc_repo(path):
@@ -84,7 +87,15 @@ def champion_serving_traffic(base_dir, params, regions, n_users: int, n_requests
     with serve_app(create_app(params, engine=engine, auth=False)) as url:
         users = make_users(n_users, params.simulator)
         run_simulation(
-            url, regions, users, n_requests, api_keys=None, concurrency=n_users, seed=0, traffic=params.traffic
+            url,
+            regions,
+            users,
+            n_requests,
+            api_keys=None,
+            concurrency=n_users,
+            seed=0,
+            traffic=params.traffic,
+            simulator=params.simulator,
         )
     return champion, engine
 
@@ -95,7 +106,7 @@ def test_cycle_registers_and_rolls_out_a_challenger(
     repo = _dvc_repo(tmp_path / "repo")
     monkeypatch.chdir(repo)
     sections = {
-        "simulator": {"personas": ACCEPT_ALL},
+        "simulator": EVERY_ANSWER_TAKEN,
         "serving": {"auth": False, "temperature": 1.0, "max_tokens": 1},
         "ingest": {"feedback_timeout_s": 0.5},
         "train": FAST_TRAIN,
@@ -179,6 +190,7 @@ def test_cycle_registers_and_rolls_out_a_challenger(
             concurrency=4,
             seed=1,
             traffic=params.traffic,
+            simulator=params.simulator,
         )
     time.sleep(params.ingest.feedback_timeout_s + 0.2)
     # (raw rewards with abstaining worth 1: every row moves the weights, so step 2's approx-KL is > 0)

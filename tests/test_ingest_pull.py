@@ -4,8 +4,9 @@ import pyarrow.parquet as pq
 import pytest
 import sqlalchemy as sa
 
+from tasks.core.config import IngestParams
+from tasks.core.outcomes import outcome_of
 from tasks.core.store import late_feedback, snapshots, watermarks
-from tasks.ingest.pull import outcome_of
 from tasks.ingest.snapshot import file_sha256, run_ingest
 from tests.conftest import tiny_params
 from tests.ingest_helpers import add_completions, add_feedback, completion_row, store
@@ -22,12 +23,25 @@ def _outcomes(path) -> dict[str, str]:
     return dict(zip(table.column("completion_id").to_pylist(), table.column("outcome").to_pylist(), strict=True))
 
 
+def _rule(abstained, created_at, received_at, accepted, timeout, **row):
+    ingest = IngestParams(feedback_timeout_s=timeout)
+    fields = {"cancelled": False, "reports_outcomes": None, "shown": None, **row}
+    return outcome_of(
+        abstained=abstained,
+        created_at=created_at,
+        received_at=received_at,
+        accepted=accepted,
+        ingest=ingest,
+        **fields,
+    )
+
+
 def test_outcome_rule_at_the_deadline():
-    assert outcome_of(False, 100.0, None, None, 10.0) == ("rejected", False)
-    assert outcome_of(False, 100.0, 110.0, True, 10.0) == ("accepted", False)  # at the deadline: in time
-    assert outcome_of(False, 100.0, 110.001, True, 10.0) == ("rejected", True)  # after: late, rejected
-    assert outcome_of(False, 100.0, 105.0, False, 10.0) == ("rejected", False)
-    assert outcome_of(True, 100.0, 101.0, True, 10.0) == ("abstained", False)
+    assert _rule(False, 100.0, None, None, 10.0) == ("rejected", False)
+    assert _rule(False, 100.0, 110.0, True, 10.0) == ("accepted", False)  # at the deadline: in time
+    assert _rule(False, 100.0, 110.001, True, 10.0) == ("rejected", True)  # after: late, rejected
+    assert _rule(False, 100.0, 105.0, False, 10.0) == ("rejected", False)
+    assert _rule(True, 100.0, 101.0, True, 10.0) == ("abstained", False)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -26,7 +26,7 @@ from tasks.core.store import CHALLENGER, completions
 from tasks.deploy.model_cache import resolve_model_dir
 from tasks.deploy.registry import Registry
 from tasks.train.import_model import ImportModelError, import_model
-from tests.test_flow_cycle import ACCEPT_ALL, _dvc_repo, champion_serving_traffic, write_cycle_inputs
+from tests.test_flow_cycle import EVERY_ANSWER_TAKEN, _dvc_repo, champion_serving_traffic, write_cycle_inputs
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +52,7 @@ def test_smollm2_is_served_logged_trained_evaluated_and_registered(
     repo = _dvc_repo(tmp_path / "repo")
     monkeypatch.chdir(repo)
     sections = {
-        "simulator": {"personas": ACCEPT_ALL},
+        "simulator": EVERY_ANSWER_TAKEN,
         "serving": {"auth": False, "temperature": 1.0, "max_tokens": 4},
         "traffic": {"max_prefix_chars": 160, "max_suffix_chars": 40},
         "ingest": {"feedback_timeout_s": 0.5},

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -76,14 +77,15 @@ def test_serve_and_simulate_over_http(served, tmp_path, typing_regions):
     assert result.exit_code == 0, result.output
     assert "champion" in result.output and "suggestion" in result.output
     summary = json.loads((tmp_path / "sim.json").read_text())
-    n_requests = summary["champion"]["requests"]
-    assert list(summary) == ["champion"] and n_requests == 12
+    arm = summary["champion"]
+    assert list(summary) == ["champion"] and arm["requests"] + arm["cancelled"] + arm["not_shown"] == 12
     engine = Store(db).engine
+    time.sleep(0.5)  # an editor that hung up has moved on before the gateway logged the cancel
     with engine.connect() as conn:
         rows = conn.execute(sa.select(completions.c.user_id, completions.c.id)).all()
         n_feedback = conn.execute(sa.select(sa.func.count()).select_from(feedback)).scalar()
-    assert len(rows) == n_requests and len({r.user_id for r in rows}) == 4
-    assert n_feedback == summary["champion"]["accepted"]  # Tab sends feedback; silence sends none
+    assert arm["requests"] + arm["not_shown"] <= len(rows) <= 12 and len({r.user_id for r in rows}) == 4
+    assert n_feedback == arm["accepted"] + arm["not_shown"]  # Tab, or "never shown", sends feedback; silence none
 
     # Arms: bad specs exit 2 naming the problem; a good change is picked up by the running gateway.
     bad = runner.invoke(app, ["arms", "--arm", "name=champion,uri=/models/x,share=0.7", *sets])

@@ -38,7 +38,7 @@ from tasks.deploy.tracking import tracking_client
 from tasks.deploy.versions import BASE_VERSION_TAG
 from tasks.sim.users import make_users
 from tests.serving_util import serve_app
-from tests.test_flow_cycle import ACCEPT_ALL, _dvc_repo, write_cycle_inputs
+from tests.test_flow_cycle import EVERY_ANSWER_TAKEN, _dvc_repo, write_cycle_inputs
 from tests.test_serving_vllm import VLLM_CPU_ARGS
 
 pytestmark = pytest.mark.slow
@@ -73,7 +73,7 @@ def test_a_lora_version_goes_live_on_the_one_vllm_server_and_survives_a_restart(
     monkeypatch.chdir(repo)
     sections = {
         "model": {"base_dir": str(smollm2_dir)},
-        "simulator": {"personas": ACCEPT_ALL},
+        "simulator": EVERY_ANSWER_TAKEN,
         "serving": {
             "auth": False,
             "temperature": 1.0,
@@ -106,6 +106,7 @@ def test_a_lora_version_goes_live_on_the_one_vllm_server_and_survives_a_restart(
                 concurrency=2,
                 seed=0,
                 traffic=params.traffic,
+                simulator=params.simulator,
             )
         time.sleep(params.ingest.feedback_timeout_s + 0.2)
 

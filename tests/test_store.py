@@ -74,7 +74,7 @@ def test_a_store_of_schema_1_is_migrated_in_place_and_keeps_its_arms(tmp_path):
         init_schema(engine)  # idempotent once migrated
         assert read_arms(engine) == [Arm("champion", "m/1", "/models/a", "embedded", 1.0)]  # NULL: as before
         with engine.connect() as conn:
-            assert conn.execute(sa.select(schema_version.c.version)).scalars().all() == [1, 2]
+            assert conn.execute(sa.select(schema_version.c.version)).scalars().all() == [1, 2, 3]
         adapter_arm = Arm("champion", "m/2", "http://127.0.0.1:9", "vllm", 1.0, "m-v2-abc", "/models/v2")
         replace_arms(engine, [adapter_arm])
         assert read_arms(engine) == [adapter_arm]

@@ -27,7 +27,8 @@ def rollback_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -
 
 def ab_status_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -> None:
     """Per-arm live numbers since the challenger went live (latency p50/p95 of the same requests), and what the
-    decision rule says now (changes nothing).
+    decision rule says now (changes nothing). Completions never shown (cancelled: the client hung up before the
+    answer; not shown: the client said so) are counted apart, in no rate: the cancel rate is a latency guardrail.
 
     Example: tabrl ab-status --set ingest.feedback_timeout_s=30"""
     from rich.table import Table
@@ -40,7 +41,7 @@ def ab_status_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) 
         stats = arm_stats(engine, p)
     table = Table(title="Live A/B numbers per arm (p50, p95: latency of the same requests)")
     columns = ("arm", "model version", "requests", "pending", "suggest rate", "accept rate", "reward/request")
-    for col in (*columns, "p50 ms", "p95 ms"):
+    for col in (*columns, "p50 ms", "p95 ms", "cancelled", "not shown", "cancel rate"):
         table.add_column(col, justify="right")
     for s in stats.values():
         table.add_row(
@@ -53,6 +54,9 @@ def ab_status_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) 
             f"{s.reward_per_request:.4f}",
             f"{s.latency.p50_ms:.1f}" if s.latency else "-",
             f"{s.latency.p95_ms:.1f}" if s.latency else "-",
+            str(s.cancelled),
+            str(s.not_shown),
+            f"{s.cancel_rate:.3f}",
         )
     print_table(table)
     if CHAMPION in stats and CHALLENGER in stats:

@@ -23,9 +23,16 @@ def _fail(message: str, code: int = 2) -> None:
     fail(message, code)
 
 
-@keys_app.command("add", epilog="Example: tabrl keys add alice")
+REPORTS_HELP = (
+    "The key's client reports every outcome itself (Continue's data destination, RLinf's fork): a completion it "
+    "never reported within ingest.reported_timeout_s was not shown, never rejected."
+)
+
+
+@keys_app.command("add", epilog="Example: tabrl keys add alice --reports-outcomes")
 def keys_add_cmd(
     user: Annotated[str, typer.Argument(help="User id the key maps to.")],
+    reports_outcomes: Annotated[bool, typer.Option("--reports-outcomes", help=REPORTS_HELP)] = False,
     params: ParamsOpt = DEFAULT_PARAMS_FILE,
     set_: SetOpt = None,
 ) -> None:
@@ -35,10 +42,30 @@ def keys_add_cmd(
     p = _params(params, set_)
     with open_store(p.paths.database_url) as engine:
         try:
-            key = add_key(engine, user)
+            key = add_key(engine, user, reports_outcomes)
         except ValueError as err:
             _fail(str(err))
     typer.echo(key)
+
+
+@keys_app.command("reports-outcomes", epilog="Example: tabrl keys reports-outcomes alice")
+def keys_reports_cmd(
+    user: Annotated[str, typer.Argument(help="User id whose live keys change.")],
+    undo: Annotated[bool, typer.Option("--undo", help="Its client does not report: silence is a rejection.")] = False,
+    params: ParamsOpt = DEFAULT_PARAMS_FILE,
+    set_: SetOpt = None,
+) -> None:
+    """Mark USER's live keys as a client that reports every outcome itself (completions served from now on);
+    --undo: silence after ingest.feedback_timeout_s is a rejection again."""
+    from serving.auth import set_reports_outcomes
+
+    p = _params(params, set_)
+    with open_store(p.paths.database_url) as engine:
+        changed = set_reports_outcomes(engine, user, not undo)
+    if not changed:
+        _fail(f"{user!r} has no live API key; create one with `tabrl keys add {user}`", 1)
+    what = "reports its own outcomes" if not undo else "does not report its outcomes (silence is a rejection)"
+    console.print(f"{user}: {changed} key(s); the client {what}", highlight=False)
 
 
 @keys_app.command("opt-out", epilog="Example: tabrl keys opt-out alice")

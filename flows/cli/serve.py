@@ -276,6 +276,7 @@ def simulate_cmd(
                 concurrency,
                 p.simulator.seed,
                 p.traffic,
+                p.simulator,
                 progress=lambda: bar.update(1),
             )
         except (SimulationError, httpx.HTTPError) as err:

@@ -12,16 +12,22 @@ rule, on the same log-probs, in the gateway's embedded and vLLM arms and in the 
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from tasks.core.adapters import ADAPTER_WEIGHTS, base_dir_of, file_sha256, is_adapter
 from tasks.core.config import ServingParams
@@ -179,38 +185,6 @@ def split_stops(tokenizer: PreTrainedTokenizerBase, stops: Sequence[str]) -> tup
     return ids, [s for s in stops if s and s not in vocab]
 
 
-def window_prefix(prefix: str, max_chars: int, step_chars: int) -> str:
-    """The end of prefix a prompt keeps: all of it when it fits in max_chars, else from an anchor line on.
-
-    A KV cache (vLLM's prefix caching) is reused only when successive prompts start with the same text, so
-    the cut must not slide with the cursor. Editors send prefixes that slide themselves (the last N characters
-    or lines before the cursor), so the anchor cannot be a fixed offset from the prefix's start; it is chosen
-    by the text (winnowing): of the line starts in the first step_chars characters of the window, the one whose
-    preceding line (complete, so typing never changes it) hashes lowest. It stays the cut while the user
-    types, until it leaves that stretch or a line with a lower hash enters it: about every step_chars / 2
-    characters typed, whatever the prefix's own start. With no line start in the stretch, the last max_chars
-    characters. Deterministic: the gateway, the evaluation and training (reading the prompts the gateway
-    logged) cut the same text the same way."""
-    if len(prefix) <= max_chars:
-        return prefix
-    lo = len(prefix) - max_chars
-    if step_chars <= 0:  # no anchor: the window slides with the cursor
-        return prefix[lo:]
-    best, best_hash = -1, 2.0
-    start = prefix.find("\n", lo - 1) + 1
-    while 0 < start < min(lo + step_chars, len(prefix)):
-        line = prefix[prefix.rfind("\n", 0, start - 1) + 1 : start]  # the complete line before `start`
-        if (h := _unit_hash(line)) < best_hash:
-            best, best_hash = start, h
-        start = prefix.find("\n", start) + 1
-    return prefix[best:] if best >= 0 else prefix[lo:]
-
-
-def _unit_hash(text: str) -> float:
-    """A number in [0, 1) from the text (the same in every process and on every machine)."""
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") / 2**64
-
-
 def fit_prompt(ids: list[int], limit: int, keep_first: bool = True) -> list[int]:
     """Prompt ids within limit tokens, dropping the oldest; keep_first keeps a leading FIM or repo marker."""
     if len(ids) <= limit:
@@ -297,6 +271,16 @@ def _row_generation(
     )
 
 
+class _Abandoned(StoppingCriteria):
+    """Ends every row at the next token once nobody waits for the answer (the client hung up)."""
+
+    def __init__(self, abandoned: Callable[[], bool]):
+        self.abandoned = abandoned
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), self.abandoned(), dtype=torch.bool, device=input_ids.device)
+
+
 def _sample(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -308,13 +292,16 @@ def _sample(
     stops: list[int],
     pad_id: int,
     text_stops: Sequence[str],
+    abandoned: Callable[[], bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """HF generate on the left-padded batch: the (B, new) new tokens and their (B, new, V) logits, on the CPU."""
     width = input_ids.shape[1]
     device = next(model.parameters()).device
     sample = temperature > 0
     # Plain-text stops (a newline for a prefix-only model) end a row early too; its tokens are cut below.
-    text_stop_kw = {"stop_strings": text_stops, "tokenizer": tokenizer} if text_stops else {}
+    text_stop_kw: dict = {"stop_strings": text_stops, "tokenizer": tokenizer} if text_stops else {}
+    if abandoned is not None:
+        text_stop_kw["stopping_criteria"] = StoppingCriteriaList([_Abandoned(abandoned)])
     out = model.generate(
         input_ids=input_ids.to(device),
         attention_mask=attention.to(device),
@@ -356,10 +343,12 @@ def generate(
     seed: int | None = None,
     stop: Sequence[str] | None = None,
     rule: ShowRule | None = None,
+    abandoned: Callable[[], bool] | None = None,
 ) -> list[Generation]:
     """Complete a batch of prompts in the model's template (left-padded); greedy when temperature == 0.
     stop: the request's stop strings (default: the template's, with the tokenizer's EOS); rule: cut each
-    suggestion at its first unsure token."""
+    suggestion at its first unsure token; abandoned: asked after every token, True ends the generation there
+    (what it made so far comes back, cut like a length-limited one)."""
     if not prompts:
         return []
     started = time.perf_counter()
@@ -373,7 +362,7 @@ def generate(
         torch.manual_seed(seed)
     sample = temperature > 0
     new_tokens, logits = _sample(
-        model, tokenizer, input_ids, attention, max_new_tokens, temperature, top_p, stops, pad_id, text_stops
+        model, tokenizer, input_ids, attention, max_new_tokens, temperature, top_p, stops, pad_id, text_stops, abandoned
     )
     scale = temperature if sample else 1.0
     logps = _logps_at(logits, new_tokens, scale)  # (B, new)

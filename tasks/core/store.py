@@ -5,7 +5,8 @@ for both, created on start and stamped with ``SCHEMA_VERSION`` in ``schema_versi
 an older tabrl is migrated in place on start (``MIGRATIONS``: columns added, nothing rewritten), so
 old stores keep working; a store from a newer tabrl is refused.
 A completion row is committed before its response is sent, so an acknowledged suggestion is
-never lost when the gateway dies.
+never lost when the gateway dies; a client that hung up before the answer was sent gets its row
+stamped ``cancelled_at`` (never shown: ``tasks/core/outcomes.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 metadata = sa.MetaData()
 
@@ -51,6 +52,10 @@ completions = sa.Table(
     sa.Column("abstained", sa.Boolean, nullable=False),
     sa.Column("prompt_hash", sa.String(64), nullable=False, index=True),  # sha256(prompt + "\0" + completion)
     sa.Column("source", sa.String(32), nullable=False, server_default="gateway"),
+    # schema 3: when the gateway saw the client hang up before the answer was sent (NULL: answered), and whether
+    # the caller reports its own outcomes (its key's setting when served; NULL: no, as older rows)
+    sa.Column("cancelled_at", sa.Float, nullable=True),
+    sa.Column("reports_outcomes", sa.Boolean, nullable=True),
 )
 
 feedback = sa.Table(
@@ -67,6 +72,8 @@ feedback = sa.Table(
     sa.Column("user_id", sa.String(128), nullable=True),
     sa.Column("trainable", sa.Boolean, nullable=False, server_default=sa.true()),  # False for noCode events
     sa.Column("payload", sa.JSON, nullable=True),  # the client's texts when the completion is not ours
+    # schema 3: False when the client says it never displayed the suggestion (NULL: displayed, as older rows)
+    sa.Column("shown", sa.Boolean, nullable=True),
 )
 
 arms = sa.Table(
@@ -91,6 +98,9 @@ api_keys = sa.Table(
     sa.Column("user_id", sa.String(128), nullable=False, index=True),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("revoked", sa.Boolean, nullable=False, server_default=sa.false()),
+    # schema 3: the key's client reports every outcome itself (Continue's data destination): a completion it
+    # never reported was not shown, not rejected (NULL: it does not)
+    sa.Column("reports_outcomes", sa.Boolean, nullable=True),
 )
 
 users = sa.Table(
@@ -195,6 +205,12 @@ def open_store(url: str) -> Iterator[Engine]:
 
 MIGRATIONS: dict[int, tuple[tuple[str, str], ...]] = {
     2: (("arms", "served_model"), ("arms", "adapter")),
+    3: (
+        ("completions", "cancelled_at"),
+        ("completions", "reports_outcomes"),
+        ("feedback", "shown"),
+        ("api_keys", "reports_outcomes"),
+    ),
 }
 """Version -> the (table, column) pairs it added: nullable columns, so an older store is brought up to date by
 adding them, and its rows keep their meaning (NULL: what the older tabrl did)."""

@@ -8,7 +8,10 @@ written, i.e. since the challenger went live):
   completion; feedback that says no, feedback that comes later (the user did not press Tab in time,
   the same rule as ingest), or no feedback once the timeout has passed count as rejected;
 * a shown suggestion younger than the timeout with no feedback yet is pending: it is left out of
-  every number (requests included), so the rates never count an undecided row as a rejection.
+  every number (requests included), so the rates never count an undecided row as a rejection;
+* a completion never shown (cancelled, not shown: ``tasks.core.outcomes``, whose rule this counts by) is no
+  request: counted apart (``cancel_rate``, a latency guardrail), in no rate, or a slower arm, whose answers users
+  type past more often, would lose for its latency.
 
 Metrics: suggestion rate = shown / requests; accept rate = accepted / shown; reward per request =
 mean of `reward.accepted` / `reward.rejected` / `reward.abstained` over requests (the quantity the
@@ -52,7 +55,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from tasks.core import outcomes
 from tasks.core.config import DeployParams, Params, RewardParams
-from tasks.core.outcomes import ArmCounts, deadline_sql
+from tasks.core.outcomes import ArmCounts, OutcomeSql, outcome_conditions
 from tasks.core.store import CHALLENGER, CHAMPION, completions, feedback
 from tasks.core.store import arms as arms_table
 
@@ -106,6 +109,9 @@ class ArmStats(ArmCounts):
             "timed_out": self.timed_out,
             "abstained": self.abstained,
             "pending": self.pending,
+            "cancelled": self.cancelled,
+            "not_shown": self.not_shown,
+            "cancel_rate": self.cancel_rate,
             "suggest_rate": self.suggest_rate,
             "accept_rate": self.accept_rate,
             "reward_per_request": self.reward_per_request,
@@ -134,6 +140,8 @@ def stats_from_counts(
     *,
     timed_out: int = 0,
     pending: int = 0,
+    cancelled: int = 0,
+    not_shown: int = 0,
     accepted_chars: int = 0,
     accepted_chars_sq: float | None = None,
     latency: ArmLatency | None = None,
@@ -152,6 +160,8 @@ def stats_from_counts(
         accepted_chars_sq=accepted_chars_sq,
         timed_out=timed_out,
         pending=pending,
+        cancelled=cancelled,
+        not_shown=not_shown,
         reward=reward,
         latency=latency,
     )
@@ -167,15 +177,9 @@ def _count(cond: sa.ColumnElement[bool]) -> sa.ColumnElement[int]:
     return sa.func.coalesce(sa.func.sum(sa.case((cond, 1), else_=0)), 0)
 
 
-def _counts_by_arm(
-    joined: sa.FromClause,
-    in_window: sa.ColumnElement[bool],
-    accepted: sa.ColumnElement[bool],
-    pending: sa.ColumnElement[bool],
-    timed_out: sa.ColumnElement[bool],
-) -> sa.Select[Any]:
-    """Per (arm, model version) in the window: rows, abstained, accepted, pending, timed out, accepted characters
-    and the sum of their squares."""
+def _counts_by_arm(joined: sa.FromClause, in_window: sa.ColumnElement[bool], o: OutcomeSql) -> sa.Select[Any]:
+    """Per (arm, model version) in the window: rows, each outcome's count (the core's rule, `o`), accepted
+    characters and the sum of their squares."""
     c, f = completions, feedback
     taken = sa.func.coalesce(f.c.accepted_chars, sa.func.length(c.c.completion))  # outcomes.taken_chars, in SQL
     return (
@@ -183,12 +187,14 @@ def _counts_by_arm(
             c.c.arm,
             c.c.model_version,
             sa.func.count().label("rows"),
-            _count(c.c.abstained).label("abstained"),
-            _count(accepted).label("accepted"),
-            _count(pending).label("pending"),
-            _count(timed_out).label("timed_out"),
-            sa.func.coalesce(sa.func.sum(sa.case((accepted, taken), else_=0)), 0).label("accepted_chars"),
-            sa.func.coalesce(sa.func.sum(sa.case((accepted, taken * taken), else_=0)), 0).label("accepted_chars_sq"),
+            _count(o.cancelled).label("cancelled"),
+            _count(o.not_shown).label("not_shown"),
+            _count(o.abstained).label("abstained"),
+            _count(o.accepted).label("accepted"),
+            _count(o.pending).label("pending"),
+            _count(o.timed_out).label("timed_out"),
+            sa.func.coalesce(sa.func.sum(sa.case((o.accepted, taken), else_=0)), 0).label("accepted_chars"),
+            sa.func.coalesce(sa.func.sum(sa.case((o.accepted, taken * taken), else_=0)), 0).label("accepted_chars_sq"),
         )
         .select_from(joined)
         .where(in_window)
@@ -200,25 +206,19 @@ def arm_stats(
     engine: Engine, params: Params, *, since: float | None = None, now: float | None = None
 ) -> dict[str, ArmStats]:
     """Stats of every live arm (by arm name) over its current model version's completions since `since`
-    (default: when the live arm set was written), with the feedback timeout applied as of `now`; latency
-    quantiles over the same (decided) requests."""
+    (default: when the live arm set was written), with the timeout rule applied as of `now`; latency
+    quantiles over the same (decided) requests. Never-shown completions are counted apart, in no rate."""
     now = time.time() if now is None else now
     since = live_since(engine) if since is None else since
     if since is None:
         return {}
-    timeout = params.ingest.feedback_timeout_s
     c, f = completions, feedback
-    shown = sa.not_(c.c.abstained)
-    no_feedback = f.c.completion_id.is_(None)
-    decided_at = deadline_sql(c.c.created_at, timeout)
-    accepted = sa.and_(shown, f.c.accepted, f.c.received_at <= decided_at)
-    pending = sa.and_(shown, no_feedback, decided_at > now)
-    timed_out = sa.and_(shown, no_feedback, decided_at <= now)
-
+    o = outcome_conditions(c, f, params.ingest, now)
     # Feedback that arrives after `now` does not exist yet as far as this look is concerned.
     joined = c.outerjoin(f, sa.and_(f.c.completion_id == c.c.id, f.c.received_at <= now))
     in_window = sa.and_(c.c.created_at >= since, c.c.created_at <= now)
-    query = _counts_by_arm(joined, in_window, accepted, pending, timed_out)
+    query = _counts_by_arm(joined, in_window, o)
+    counted = sa.not_(sa.or_(o.pending, o.cancelled, o.not_shown))
     with engine.connect() as conn:
         live = conn.execute(sa.select(arms_table.c.name, arms_table.c.model_version)).all()
         rows = {(r.arm, r.model_version): r for r in conn.execute(query)}
@@ -231,21 +231,23 @@ def arm_stats(
             decided = (
                 sa.select(c.c.latency_ms)
                 .select_from(joined)
-                .where(in_window, c.c.arm == name, c.c.model_version == version, sa.not_(pending))
+                .where(in_window, c.c.arm == name, c.c.model_version == version, counted)
             )
-            rejected = r.rows - r.abstained - r.accepted - r.pending
+            requests = r.rows - r.pending - r.cancelled - r.not_shown
             out[name] = stats_from_counts(
                 name,
                 version,
                 int(r.accepted),
-                int(rejected),
+                int(requests - r.abstained - r.accepted),
                 int(r.abstained),
                 params.reward,
                 timed_out=int(r.timed_out),
                 pending=int(r.pending),
+                cancelled=int(r.cancelled),
+                not_shown=int(r.not_shown),
                 accepted_chars=int(r.accepted_chars),
                 accepted_chars_sq=float(r.accepted_chars_sq),
-                latency=arm_latency(conn, decided, int(r.rows - r.pending)),
+                latency=arm_latency(conn, decided, int(requests)),
             )
     return out
 

@@ -1,11 +1,14 @@
 """Pull: the completions logged since the committed watermark, each with its decided outcome.
 
-The timeout rule. A suggestion served at ``created_at`` has a deadline ``created_at +
-ingest.feedback_timeout_s``. Feedback received by the deadline decides it (accepted / rejected);
-none by then means rejected; an empty suggestion is "abstained" whatever the client says. A row
-whose deadline is still ahead of ``now`` is not decided yet: the cycle stops before it and the
-next cycle starts there. Feedback received after the deadline is *late*: it never changes the
-outcome (so a re-run computes the same snapshot), it is recorded in ``late_feedback``.
+The timeout rule is the core's (``tasks.core.outcomes.outcome_of``): a completion served at
+``created_at`` has a deadline (``ingest.feedback_timeout_s`` later, ``ingest.reported_timeout_s`` for a
+client that reports its own outcomes). Feedback received by the deadline decides it; none by then means
+rejected (not shown, for a reporting client); an empty suggestion is "abstained" whatever the client
+says; a completion whose client hung up before the answer is "cancelled". A row whose deadline is still
+ahead of ``now`` is not decided yet: the cycle stops before it and the next cycle starts there. Feedback
+received after the deadline is *late*: it never changes the outcome (so a re-run computes the same
+snapshot), it is recorded in ``late_feedback``. Never-shown rows (cancelled, not shown) are pulled and
+counted, never written to a snapshot.
 
 Why the cycle is a contiguous run of sequence numbers, cut at the first undecided row. The
 watermark is one number: every completion with ``seq <= watermark`` has been snapshotted. Rows
@@ -27,7 +30,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from tasks.core.config import IngestParams
-from tasks.core.outcomes import deadline
+from tasks.core.outcomes import Outcome, deadline, outcome_of
 from tasks.core.store import completions, feedback, users, watermarks
 
 WATERMARK = "ingest"  # watermarks.name of this stage
@@ -53,7 +56,7 @@ class Decided(NamedTuple):
     token_ids: str | None  # JSON text as stored (parsed a chunk at a time when written)
     logprobs: str | None
     temperature: float
-    outcome: str  # "accepted" | "rejected" | "abstained"
+    outcome: Outcome
     accepted_chars: int | None
     trainable: bool  # False when the client said the outcome is not for training
     opted_out: bool
@@ -68,19 +71,6 @@ def read_watermark(conn: Connection) -> Watermark:
         sa.select(watermarks.c.completion_seq, watermarks.c.updated_at).where(watermarks.c.name == WATERMARK)
     ).first()
     return Watermark(0, None) if row is None else Watermark(int(row.completion_seq), row.updated_at)
-
-
-def outcome_of(
-    abstained: bool, created_at: float, received_at: float | None, accepted: bool | None, timeout_s: float
-) -> tuple[str, bool]:
-    """(outcome, late): the timeout rule for one completion whose deadline has passed."""
-    if abstained:
-        return "abstained", False
-    if received_at is None:
-        return "rejected", False
-    if received_at <= deadline(created_at, timeout_s):
-        return ("accepted" if accepted else "rejected"), False
-    return "rejected", True
 
 
 def _query(after_seq: int, upto_seq: int | None) -> sa.Select:
@@ -107,6 +97,9 @@ def _query(after_seq: int, upto_seq: int | None) -> sa.Select:
             c.c.prompt_hash,
             c.c.prefix,
             c.c.suffix,
+            c.c.cancelled_at,
+            c.c.reports_outcomes,
+            f.c.shown,
         )
         .select_from(
             c.outerjoin(f, sa.and_(f.c.completion_id == c.c.id, f.c.matched == sa.true())).outerjoin(
@@ -119,9 +112,18 @@ def _query(after_seq: int, upto_seq: int | None) -> sa.Select:
     return stmt if upto_seq is None else stmt.where(c.c.seq <= upto_seq)
 
 
-def _decided(r: sa.Row, timeout: float) -> Decided:
+def _decided(r: sa.Row, params: IngestParams) -> Decided:
     """One pulled row (columns of `_query`, in order) with its outcome under the timeout rule."""
-    outcome, late = outcome_of(r.abstained, r.created_at, r.received_at, r.accepted, timeout)
+    outcome, late = outcome_of(
+        cancelled=r.cancelled_at is not None,
+        abstained=r.abstained,
+        reports_outcomes=r.reports_outcomes,
+        created_at=r.created_at,
+        received_at=r.received_at,
+        accepted=r.accepted,
+        shown=r.shown,
+        ingest=params,
+    )
     return Decided(
         r.seq,
         r.id,
@@ -153,7 +155,7 @@ def pull_decided(
     With ``upto_seq`` (re-running a cycle whose snapshot was written but whose watermark was not
     advanced) the range is fixed and every row in it is taken: they were all decided then.
     """
-    timeout, grace = params.feedback_timeout_s, params.commit_grace_s
+    grace = params.commit_grace_s
     expected = after_seq + 1
     result = conn.execution_options(yield_per=params.chunk_rows).execute(_query(after_seq, upto_seq))
     try:
@@ -161,14 +163,14 @@ def pull_decided(
             chunk: list[Decided] = []
             for r in part:
                 if upto_seq is None:
-                    if deadline(r.created_at, timeout) > now:
+                    if deadline(r.created_at, r.reports_outcomes, params) > now:
                         yield chunk
                         return  # undecided: this and everything after wait for the next cycle
                     if r.seq != expected and r.created_at + grace > now:
                         yield chunk
                         return  # a gap that may still fill (an insert committing)
                 expected = r.seq + 1
-                chunk.append(_decided(r, timeout))
+                chunk.append(_decided(r, params))
             yield chunk
     finally:
         result.close()

@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 from sqlalchemy.engine import Engine
 
 from tasks.core.config import IngestParams, Params
-from tasks.core.outcomes import taken_chars
+from tasks.core.outcomes import NEVER_SHOWN, taken_chars
 from tasks.core.schema import INTERACTION_SCHEMA
 from tasks.ingest.clean import Cleaner
 from tasks.ingest.parquet import (
@@ -96,11 +96,15 @@ def snapshot_dir(params: Params, repo_dir: Path) -> Path:
 @dataclass
 class _ArmStats:
     by_arm: dict[str, list[Summary]] = field(default_factory=lambda: defaultdict(list))
+    never_shown: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
 
     def add(self, chunk: list[Decided]) -> None:
         groups: dict[str, tuple[list[str], list[str], list[int]]] = defaultdict(lambda: ([], [], []))
         for d in chunk:
             for arm in (d.arm, "all"):
+                if d.outcome in NEVER_SHOWN:
+                    self.never_shown[arm][d.outcome] += 1
+                    continue
                 groups[arm][0].append(d.outcome)
                 groups[arm][1].append(d.completion)
                 groups[arm][2].append(taken_chars(d.outcome, d.completion, d.accepted_chars))
@@ -108,7 +112,8 @@ class _ArmStats:
             self.by_arm[arm].append(replace(summarise(outcomes, suggestions), accepted_chars=sum(taken)))
 
     def result(self) -> dict[str, Summary]:
-        return {arm: merge(parts) for arm, parts in sorted(self.by_arm.items())}
+        arms = sorted(set(self.by_arm) | set(self.never_shown))
+        return {arm: replace(merge(self.by_arm.get(arm, [])), **self.never_shown.get(arm, {})) for arm in arms}
 
 
 @dataclass(frozen=True)
@@ -178,6 +183,7 @@ def _stream(engine: Engine, ip: IngestParams, old_seq: int, now: float, upto: in
                     for d in chunk
                     if d.late_accepted is not None
                 ]
+                chunk = [d for d in chunk if d.outcome not in NEVER_SHOWN]  # never trained on, never cleaned
                 mask = pulled.cleaner.keep_mask(
                     [(d.user_id, d.prompt, d.completion, d.trainable, d.opted_out, d.prompt_hash) for d in chunk]
                 )

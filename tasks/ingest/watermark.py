@@ -79,9 +79,10 @@ def _late_for_earlier_snapshots(conn, old: Watermark, params: IngestParams, now:
             lf.c.completion_id.is_(None),
             f.c.matched == sa.true(),
             c.c.abstained == sa.false(),
+            c.c.cancelled_at.is_(None),
             c.c.seq <= old.completion_seq,
             f.c.received_at >= old.updated_at - params.commit_grace_s,
-            f.c.received_at > deadline_sql(c.c.created_at, params.feedback_timeout_s),  # late
+            f.c.received_at > deadline_sql(c.c.created_at, c.c.reports_outcomes, params),  # late
         )
         .order_by(f.c.completion_id)
     )

@@ -28,8 +28,9 @@ from tqdm import tqdm
 
 from tasks.core.config import Params, ServingParams, SimulatorParams
 from tasks.core.fim import FimTemplate
-from tasks.core.generate import LoadedModel, load_model, show_rule, window_prefix
+from tasks.core.generate import LoadedModel, load_model, show_rule
 from tasks.core.inference import Engine, InProcess, open_engine
+from tasks.core.window import window_prefix
 from tasks.sim.editor import Region, pause_requests
 from tasks.sim.sessions import Turn, TypingSummary, run_sessions, summarise_turns
 from tasks.sim.users import SimUser, Summary, is_right, make_users, replay, right_if_cut, summarise
@@ -53,7 +54,7 @@ class TypingRun:
 
 def render_request(template: FimTemplate, request: dict, serving: ServingParams) -> str:
     """The prompt a model sees for a request (prefix, suffix), rendered as the gateway renders it: the prefix
-    cut to serving.window_chars at an anchor line (``tasks.core.generate.window_prefix``)."""
+    cut to serving.window_chars at an anchor line (``tasks.core.window.window_prefix``)."""
     prefix = window_prefix(request["prefix"], serving.window_chars, serving.window_step_chars)
     return template.render(prefix, request["suffix"])
 

@@ -9,10 +9,12 @@ suggestion accepted by noise is deleted again, so it saves nothing).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
-from tasks.core.config import TrafficParams
+from tasks.core.config import SimulatorParams, TrafficParams
+from tasks.core.outcomes import NEVER_SHOWN, OUTCOMES, Outcome
 from tasks.sim.editor import Region, next_pause, request_at
 from tasks.sim.users import SimUser, Summary, is_right, merge, nonblank, user_rng
 
@@ -36,7 +38,7 @@ class Turn:
     user_id: str
     request: dict
     suggestion: str
-    outcome: str  # accepted | rejected | abstained
+    outcome: Outcome  # never shown (cancelled, not_shown) only over HTTP, from an editor that does not wait
     right: bool  # the noise-free rule
     saved_chars: int  # characters the cursor jumped (right and accepted), else 0
     arm: str = ""
@@ -72,6 +74,24 @@ class Session:
         saved = covered_chars(truth, suggestion) if right and outcome == "accepted" else 0
         self.pos = next_pause(self.region, self.pos + max(saved, 1), self.traffic)
         return Turn(self.user.user_id, request, suggestion, outcome, right, saved, arm)
+
+    def pause(self, sim: SimulatorParams) -> float:
+        """How long the user pauses at the current pause before typing on (seconds): log-normal around the
+        persona's pause_s, seeded by (user, position), so a run is the same however requests interleave."""
+        rng = user_rng(self.user, "pause:" + self.request()["sample_id"], self.seed)
+        return self.user.persona.pause_s * math.exp(sim.pause_sigma * rng.gauss(0.0, 1.0))
+
+    def type_on(self) -> None:
+        """The user types on past the current pause without seeing anything (nothing asked, or nothing shown)."""
+        assert self.pos is not None, "the session is over"
+        self.pos = next_pause(self.region, self.pos + 1, self.traffic)
+
+    def unseen(self, outcome: Outcome, suggestion: str = "", arm: str = "") -> Turn:
+        """The request at the current pause ended never shown (cancelled, not_shown); the user types on."""
+        assert outcome in NEVER_SHOWN, f"{outcome!r} is an outcome of a shown suggestion"
+        turn = Turn(self.user.user_id, self.request(), suggestion, outcome, False, 0, arm)
+        self.type_on()
+        return turn
 
 
 def run_sessions(
@@ -141,6 +161,8 @@ class TypingSummary(Summary):
     def as_dict(self) -> dict[str, float]:
         return {
             "requests": self.requests,
+            "cancelled": self.cancelled,
+            "not_shown": self.not_shown,
             "shown": self.shown,
             "accepted": self.accepted,
             "right": self.right,
@@ -156,11 +178,14 @@ def summarise_turns(turns: Sequence[Turn], typed_chars: int | dict[str, int]) ->
     """typed_chars: the total, or per region (as ``run_sessions`` returns it)."""
     if isinstance(typed_chars, dict):
         typed_chars = sum(typed_chars.values())
-    shown = [t for t in turns if t.outcome != "abstained"]
+    decided = [t for t in turns if t.outcome in OUTCOMES]
+    shown = [t for t in decided if t.outcome != "abstained"]
     return TypingSummary(
         accepted=sum(t.outcome == "accepted" for t in turns),
         rejected=sum(t.outcome == "rejected" for t in turns),
-        abstained=len(turns) - len(shown),
+        abstained=len(decided) - len(shown),
+        cancelled=sum(t.outcome == "cancelled" for t in turns),
+        not_shown=sum(t.outcome == "not_shown" for t in turns),
         accepted_chars=sum(len(t.suggestion) for t in turns if t.outcome == "accepted"),
         right=sum(t.right for t in shown),
         saved_chars=sum(t.saved_chars for t in turns),
@@ -172,8 +197,9 @@ def summarise_turns(turns: Sequence[Turn], typed_chars: int | dict[str, int]) ->
 def merge_typing(parts: Sequence[TypingSummary]) -> TypingSummary:
     """One summary of several (arms): the simulator's merge (`users.merge`) plus what typing adds."""
     counts = merge(parts)
+    never_shown = {name: sum(getattr(p, name) for p in parts) for name in NEVER_SHOWN}
     return TypingSummary(
-        **{f.name: getattr(counts, f.name) for f in fields(counts)},
+        **({f.name: getattr(counts, f.name) for f in fields(counts)} | never_shown),
         right=sum(p.right for p in parts),
         saved_chars=sum(p.saved_chars for p in parts),
         typed_chars=sum(p.typed_chars for p in parts),

@@ -19,12 +19,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import json
 import os
 import random
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections import Counter
@@ -68,23 +70,157 @@ class FastBackend:
         return None
 
 
+class DelayedBackend:
+    """A real backend whose answers come `delay_s` later: how the benches and tests give one arm the latency of a
+    slower model without changing what it suggests. The delay follows the generation, so a client that hangs up
+    during it finds the suggestion made: the gateway logs it whole (as cancelled), as an older gateway logged
+    every suggestion, and what the old rule would have counted is exact."""
+
+    def __init__(self, inner, delay_s: float):
+        self.inner, self.delay_s = inner, delay_s
+
+    async def template(self) -> FimTemplate:
+        return await self.inner.template()
+
+    async def complete(self, prompt: str, sampling: Sampling) -> Generation:
+        gen = await self.inner.complete(prompt, sampling)
+        try:
+            await asyncio.sleep(self.delay_s)
+        except asyncio.CancelledError:
+            return gen  # the model had finished: its answer was only on its way (see the class docstring)
+        return gen
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def delayed_factory(delays_s: dict[str, float], factory=None):
+    """A backend factory that delays each arm's answers by delays_s[arm name] (0 when not named)."""
+    from serving.backends import make_backend
+
+    build = make_backend if factory is None else factory
+
+    def make(arm: Arm, timeout_s: float):
+        inner = build(arm, timeout_s)
+        delay = delays_s.get(arm.name, 0.0)
+        return DelayedBackend(inner, delay) if delay > 0 else inner
+
+    return make
+
+
+class VllmStandIn:
+    """A real HTTP server on loopback that speaks vLLM's /v1/models and /v1/completions (token ids, log-probs)
+    and answers every request after `hold_s`, at most `max_running` at a time (the rest queue, as in a busy
+    vLLM). A request whose client goes away while it is held is aborted, as vLLM aborts it: `aborted` counts
+    them, `served` the answered ones. For tests of what reaches a slow or busy server."""
+
+    MODEL = "qwen2.5-coder-stand-in"  # a name Continue (and tabrl) read as Qwen2.5-Coder's FIM template
+
+    def __init__(self, hold_s: float, max_running: int = 64, text: str = "return a + b"):
+        self.hold_s, self.max_running, self.text = hold_s, max_running, text
+        self.served = 0
+        self.aborted = 0
+        self.running = 0
+        self.most_running = 0
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+        slots = asyncio.Semaphore(self.max_running)
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": self.MODEL, "object": "model"}]}
+
+        @app.post("/v1/completions")
+        async def complete(request: Request):
+            await request.json()
+            async with slots:
+                self.running += 1
+                self.most_running = max(self.most_running, self.running)
+                try:
+                    deadline = time.monotonic() + self.hold_s
+                    while time.monotonic() < deadline:
+                        if await request.is_disconnected():
+                            self.aborted += 1
+                            return {}
+                        await asyncio.sleep(min(0.01, max(deadline - time.monotonic(), 0)))
+                finally:
+                    self.running -= 1
+            self.served += 1
+            ids = list(range(11, 11 + len(self.text.split())))
+            return {
+                "id": f"cmpl-{uuid.uuid4().hex}",
+                "object": "text_completion",
+                "model": self.MODEL,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": self.text,
+                        "finish_reason": "stop",
+                        "token_ids": ids,
+                        "logprobs": {"token_logprobs": [-0.05] * len(ids), "tokens": self.text.split()},
+                    }
+                ],
+            }
+
+        return app
+
+
+@contextmanager
+def serve_app(app, timeout_s: float = 20.0):
+    """Run an ASGI app with uvicorn in a thread on a free loopback port; yields its base URL."""
+    import uvicorn
+
+    from serving.gateway import UVICORN_OPTIONS
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="on", **UVICORN_OPTIONS))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout_s)
+
+
 def fast_backend_factory(arm: Arm, timeout_s: float):
     from serving.backends import make_backend
 
     return make_backend(arm, timeout_s) if arm.backend == "vllm" else FastBackend(arm, timeout_s)
 
 
-def _serve_gateway(db_url: str, port: int, auth: bool, overrides: list[str], workers: int) -> None:
+DELAYS_ENV = "TABRL_HARNESS_DELAYS"  # `gateway --delay ARM=S`: the arms' delays (JSON) for its app factory
+
+
+def _serve_gateway(
+    db_url: str,
+    port: int,
+    auth: bool,
+    overrides: list[str],
+    workers: int,
+    params_file: str | None = None,
+    delays: dict[str, float] | None = None,
+) -> None:
     from serving.gateway import serve
     from tasks.core.config import load_params
     from tasks.core.store import Store, init_schema
 
     auth_off = [] if auth else ["serving.auth=false"]
-    params = load_params(None, [f"paths.database_url={db_url}", *overrides, *auth_off], environ={})
+    params = load_params(params_file, [f"paths.database_url={db_url}", *overrides, *auth_off], environ={})
     engine = Store(db_url, timeout_s=params.serving.db_timeout_s).engine
     init_schema(engine)
     engine.dispose()
-    serve(params, "127.0.0.1", port, workers, factory="tests.support.harness:gateway_from_env")
+    factory = "tests.support.harness:gateway_from_env"
+    if delays is not None:
+        os.environ[DELAYS_ENV] = json.dumps(delays)
+        factory = "tests.support.harness:delayed_gateway_from_env"
+    serve(params, "127.0.0.1", port, workers, factory=factory)
 
 
 def gateway_from_env():
@@ -92,6 +228,15 @@ def gateway_from_env():
     from serving.gateway import create_app, params_from_env
 
     return create_app(params_from_env(), backend_factory=fast_backend_factory)
+
+
+def delayed_gateway_from_env():
+    """The app factory of `gateway --delay ARM=S`: the real gateway with its real backends, each named arm's
+    answers delayed (DelayedBackend)."""
+    from serving.gateway import create_app, params_from_env
+
+    delays = json.loads(os.environ[DELAYS_ENV])
+    return create_app(params_from_env(), backend_factory=delayed_factory(delays))
 
 
 def _serve_bare(port: int) -> None:
@@ -406,9 +551,14 @@ def main() -> None:
     parser.add_argument("--no-auth", action="store_true")
     parser.add_argument("--set", action="append", default=[])
     parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--params", default=None, help="A params file (default: the code's defaults).")
+    parser.add_argument(
+        "--delay", action="append", default=None, help="ARM=SECONDS: real backends, this arm's answers delayed."
+    )
     args = parser.parse_args()
     if args.kind == "gateway":
-        _serve_gateway(args.db, args.port, not args.no_auth, args.set, args.workers)
+        delays = None if args.delay is None else {a: float(s) for a, _, s in (d.partition("=") for d in args.delay)}
+        _serve_gateway(args.db, args.port, not args.no_auth, args.set, args.workers, args.params, delays)
     else:
         _serve_bare(args.port)
 

@@ -120,17 +120,35 @@ class Persona(Section):
     """Noise: probability of not pressing Tab on a right suggestion."""
     think_s: float = Field(0.0, ge=0)
     """Seconds the user waits before answering (over HTTP)."""
+    pause_s: float = Field(1.0, gt=0)
+    """Median length of the user's pause at a point where the editor asks (from the last keystroke to the next):
+    log-normal around it (simulator.pause_sigma). The editor asks simulator.debounce_s into the pause; an answer
+    that comes after the pause ends was typed past (docs/concepts/simulated-users.md, "Pace")."""
 
 
 class SimulatorParams(Section):
     personas: tuple[Persona, ...] = (
-        Persona(name="careful", weight=1.0, min_accept_chars=6, p_accept_wrong=0.0, p_ignore_right=0.05),
-        Persona(name="typical", weight=2.0, min_accept_chars=4, p_accept_wrong=0.02, p_ignore_right=0.1),
-        Persona(name="hasty", weight=1.0, min_accept_chars=3, p_accept_wrong=0.05, p_ignore_right=0.2),
+        Persona(name="careful", weight=1.0, min_accept_chars=6, p_accept_wrong=0.0, p_ignore_right=0.05, pause_s=1.4),
+        Persona(name="typical", weight=2.0, min_accept_chars=4, p_accept_wrong=0.02, p_ignore_right=0.1, pause_s=1.0),
+        Persona(name="hasty", weight=1.0, min_accept_chars=3, p_accept_wrong=0.05, p_ignore_right=0.2, pause_s=0.6),
     )
     """Kinds of simulated users; each user gets one persona, drawn by weight from its seed."""
     seed: int = 0
     """Seed of persona assignment and noise."""
+    client: Literal["continue", "waits"] = "continue"
+    """How simulated editors (`tabrl simulate`, the demo, the benches) treat answers over HTTP. `continue`: as
+    Continue does: the keystrokes are debounced, one request is in flight per user and is aborted (the client
+    hangs up) when the user types on before it answers, an answer seen for less than simulator.min_display_s is
+    discarded (`shown: false`), and outcomes are sent only for what was displayed. `waits`: every answer is
+    waited for and shown, whatever it took (tabrl before 2026-12-02; reproduces older results)."""
+    debounce_s: float = Field(0.35, ge=0)
+    """How long after the last keystroke the editor asks (Continue's debounceDelay, 350 ms); a pause shorter than
+    this asks nothing."""
+    pause_sigma: float = Field(0.6, ge=0)
+    """Spread of the pauses: the standard deviation of their logarithm (0: every pause is the persona's pause_s)."""
+    min_display_s: float = Field(0.25, ge=0)
+    """A suggestion on screen for less than this before the user types on was not seen (Continue counts no
+    rejection before 250 ms: DO_NOT_COUNT_REJECTED_BEFORE)."""
 
     @model_validator(mode="after")
     def _unique(self) -> SimulatorParams:

@@ -125,7 +125,7 @@ class ServingParams(Section):
     VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, reachable from here); null: tabrl starts one per base on this host."""
     window_chars: int = Field(2000, ge=64)
     """Longest prefix a prompt keeps before the cursor (characters). A longer one is cut at an anchor line
-    (`tasks.core.generate.window_prefix`) so successive requests of a typing session share the prompt's start and
+    (`tasks.core.window.window_prefix`) so successive requests of a typing session share the prompt's start and
     vLLM reuses its KV cache; the gateway, the evaluation and training cut the same way."""
     window_step_chars: int = Field(1000, ge=0)
     """The stretch of a full window in which its cut is anchored (characters): the cut moves on about every half
@@ -179,7 +179,12 @@ class ServingParams(Section):
 
 class IngestParams(Section):
     feedback_timeout_s: float = Field(10.0, gt=0)
-    """A shown suggestion with no feedback after this many seconds is rejected."""
+    """A shown suggestion with no feedback after this many seconds is rejected (the timeout rule,
+    tasks/core/outcomes.py): the client's silence is its answer."""
+    reported_timeout_s: float = Field(60.0, gt=0)
+    """How long a completion served to a client that reports its own outcomes (a key with `reports_outcomes`,
+    like Continue's data destination) waits for its report; with none by then it was not shown, never
+    rejected. Longer than Continue's 10 s from display (COUNT_COMPLETION_REJECTED_AFTER) plus the latency."""
     per_user_cap: int = Field(200, ge=1)
     """Most rows one user contributes to a cycle."""
     max_prompt_chars: int = Field(8000, ge=1)
@@ -216,6 +221,15 @@ class IngestParams(Section):
     secret_cache_lines: int = Field(500_000, ge=0)
     """Lines already scanned clean are remembered (up to this many) so the editor context repeated
     across requests is scanned once."""
+
+    @model_validator(mode="after")
+    def _reported_wait(self) -> IngestParams:
+        if self.reported_timeout_s < self.feedback_timeout_s:
+            raise ValueError(
+                f"reported_timeout_s ({self.reported_timeout_s}) must be at least feedback_timeout_s "
+                f"({self.feedback_timeout_s}): a reporting client's rejection comes after the silent rule's deadline"
+            )
+        return self
 
 
 class ClusterParams(Section):

@@ -1,0 +1,93 @@
+"""The simulated editor over real HTTP behaves like Continue (issue 53): keystrokes debounced, one request in flight
+per user, aborted when the user types on, an answer that came too late discarded (`shown: false`), outcomes only
+for what was displayed; `simulator.client: waits` keeps the old editor that waits for every answer."""
+
+from __future__ import annotations
+
+import time
+
+import sqlalchemy as sa
+
+from serving.gateway import create_app
+from serving.simulate import run_simulation
+from tasks.core.store import CHALLENGER, CHAMPION, Arm, Store, completions, feedback, init_schema, replace_arms
+from tasks.sim.users import make_users
+from tests.conftest import tiny_params
+from tests.serving_util import serve_app
+from tests.support.harness import delayed_factory
+
+SLOW_S = 0.8  # the challenger's answers come this much later (after its generation: tests/support/harness.py)
+
+
+def _count(engine) -> int:
+    with engine.connect() as conn:
+        return conn.execute(sa.select(sa.func.count()).select_from(completions)).scalar_one()
+
+
+def _simulate(tmp_path, tiny_model_dir, typing_regions, client: str, requests: int = 60):
+    params = tiny_params(
+        tmp_path,
+        serving={"config_ttl_s": 0, "max_tokens": 8, "experiment_salt": "sim-http"},
+        simulator={"client": client},
+    )
+    engine = Store(params.paths.database_url).engine
+    init_schema(engine)
+    replace_arms(
+        engine,
+        [
+            Arm(CHAMPION, "tiny/1", str(tiny_model_dir), "embedded", 0.5),
+            # its own served name: its own backend (on the same loaded weights), which the factory delays
+            Arm(CHALLENGER, "tiny/2", str(tiny_model_dir), "embedded", 0.5, served_model="slow"),
+        ],
+    )
+    app = create_app(params, engine=engine, auth=False, backend_factory=delayed_factory({CHALLENGER: SLOW_S}))
+    users = make_users(8, params.simulator)
+    with serve_app(app) as url:
+        by_arm = run_simulation(
+            url,
+            typing_regions,
+            users,
+            requests,
+            None,
+            concurrency=8,
+            seed=0,
+            traffic=params.traffic,
+            simulator=params.simulator,
+        )
+        # the last hang-ups reach the gateway just after the editors moved on: wait until the log stops growing
+        seen, steady_since = -1, time.monotonic()
+        while time.monotonic() - steady_since < 1.0:
+            if (n := _count(engine)) != seen:
+                seen, steady_since = n, time.monotonic()
+            time.sleep(0.05)
+    with engine.connect() as conn:
+        rows = {r.id: r for r in conn.execute(sa.select(completions))}
+        answers = {r.completion_id: r for r in conn.execute(sa.select(feedback))}
+    engine.dispose()
+    return by_arm, rows, answers
+
+
+def test_a_continue_like_editor_aborts_superseded_requests_and_reports_only_what_it_displayed(
+    tmp_path, tiny_model_dir, typing_regions
+):
+    by_arm, rows, answers = _simulate(tmp_path, tiny_model_dir, typing_regions, "continue")
+    cancelled = {cid for cid, r in rows.items() if r.cancelled_at is not None}
+    assert by_arm[CHALLENGER].cancelled >= 1  # the slow arm's answers were typed past: aborted
+    # every abort the gateway saw is a cancelled row (one before it had read the request leaves none); every
+    # answer the editor received is a row that is not cancelled
+    assert 1 <= len(cancelled) <= sum(s.cancelled for s in by_arm.values())
+    assert len(rows) - len(cancelled) >= sum(s.requests + s.not_shown for s in by_arm.values())
+    assert by_arm[CHALLENGER].cancel_rate > by_arm[CHAMPION].cancel_rate
+    assert cancelled.isdisjoint(answers)  # no outcome was sent for an aborted request
+    not_shown = {cid for cid, a in answers.items() if a.shown is False}
+    assert len(not_shown) == sum(s.not_shown for s in by_arm.values())
+    assert all(not a.accepted for a in answers.values() if a.shown is False)
+    assert all(a.accepted for a in answers.values() if a.shown is not False)  # a rejection is silence
+    assert sum(s.logged for s in by_arm.values()) == 60 >= len(rows)
+
+
+def test_the_old_editor_waits_for_every_answer(tmp_path, tiny_model_dir, typing_regions):
+    by_arm, rows, answers = _simulate(tmp_path, tiny_model_dir, typing_regions, "waits", requests=24)
+    assert all(r.cancelled_at is None for r in rows.values()) and len(rows) == 24
+    assert all(a.shown is not False for a in answers.values())
+    assert sum(s.cancelled + s.not_shown for s in by_arm.values()) == 0
