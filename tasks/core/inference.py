@@ -4,7 +4,10 @@ Typing sessions (the gate's evaluation, `tabrl acceptance`, `tabrl headroom`, th
 a model for batches of completions. With serving.backend: embedded they run in process
 (``tasks.core.generate.generate``, the batch padded together). With serving.backend: vllm they go to the
 engine that serves the arms, every request of a batch in flight at once, so vLLM batches them
-continuously and reuses the KV cache of prompts that share their start (``window_prefix``):
+continuously and reuses the KV cache of prompts that share their start (``window_prefix``). Answers are
+streamed: a request's time counts from its first token, not from when it was sent, and a batch fails only when
+the server streams nothing to any of its requests for serving.vllm_request_timeout_s (a stalled server; a slow
+one is waited for, however slow the CPU):
 
 * a LoRA adapter version (serving.adapter_serving and evaluate.adapter_engine: lora) is loaded onto its
   base's one server under a name never used before, typed, and unloaded (the server holds the live arms'
@@ -22,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import shutil
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,8 +64,8 @@ from tasks.core.vllm import (
 )
 
 VLLM_SAMPLES_PER_CALL = 256  # FIM samples handed to a vLLM engine at once
-VLLM_IN_FLIGHT = 64  # of which at most this many are on the server: each one's timeout counts from when it is sent,
-# and 256 queued on 2 cores waited past 120 s; 64 keep the continuous batch full (~25 s each at 2.7 samples/s)
+VLLM_IN_FLIGHT = 64  # of which at most this many are on the server (64 keep its continuous batch full on 2 cores);
+# the rest wait for a connection. None of them times out for waiting: see `_Watch`.
 
 
 class Engine(Protocol):
@@ -103,14 +107,15 @@ class InProcess:
 
 @dataclass
 class VllmEngine:
-    """A model a vLLM server serves under `model`; every prompt of a batch is one request, all in flight."""
+    """A model a vLLM server serves under `model`; every prompt of a batch is one request, all in flight, each
+    answer streamed back token by token (so the engine sees the server work on it)."""
 
     url: str
     model: str
     template: FimTemplate
     stops: tuple[str, ...]
     start: str = ""  # what an empty prompt is sent as (`tasks.vllm.start_of_text`)
-    timeout_s: float = 120.0
+    stall_s: float = 120.0  # serving.vllm_request_timeout_s: no token to any request for this long fails the batch
     vocab_size: int = 0  # the model's: a greedy show rule above T = 1 bounds the tokens outside the top-k with it
 
     def samples_per_call(self, batch_size: int) -> int:
@@ -122,29 +127,81 @@ class VllmEngine:
         return asyncio.run(self._complete(prompts, max_new_tokens, temperature, seed, rule))
 
     async def _complete(self, prompts, max_new_tokens, temperature, seed, rule) -> list[Generation]:
-        # the client's connection pool keeps VLLM_IN_FLIGHT on the server; the rest wait for a connection, unbounded
+        # the client's connection pool keeps VLLM_IN_FLIGHT on the server; the rest wait for a connection. No read
+        # timeout: a request waits for the server however long it queues there, and `_Watch` fails the batch only
+        # when the server streams nothing to any of them for stall_s (a stalled server, not a slow one)
         limits = httpx.Limits(max_connections=min(max(len(prompts), 1), VLLM_IN_FLIGHT))
-        async with httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, pool=None), limits=limits) as client:
-            return list(
-                await asyncio.gather(
-                    *(self._one(client, p, max_new_tokens, temperature, seed + i, rule) for i, p in enumerate(prompts))
-                )
-            )
+        watch = _Watch(self.stall_s)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(self.stall_s, read=None, pool=None), limits=limits) as c:
+            batch = (self._one(c, watch, p, max_new_tokens, temperature, seed + i, rule) for i, p in enumerate(prompts))
+            work = asyncio.ensure_future(asyncio.gather(*batch))
+            return list(await watch.guard(work, f"vLLM at {self.url}", len(prompts)))
 
-    async def _one(self, client, prompt, max_new_tokens, temperature, seed, rule: ShowRule | None) -> Generation:
+    async def _one(self, client, watch, prompt, max_new_tokens, temperature, seed, rule) -> Generation:
         # greedy, with a rule at the serving temperature: vLLM's log-probs are at T = 1, the top-k rescales them
         top = GREEDY_TOP_LOGPROBS if temperature == 0 and rule is not None and rule.temperature != 1.0 else 0
         prompt = prompt or self.start
         body = completion_body(self.model, prompt, max_new_tokens, temperature, 1.0, self.stops, seed, top)
         try:
-            response = await client.post(f"{self.url}/v1/completions", json=body)
+            async with client.stream("POST", f"{self.url}/v1/completions", json=body | {"stream": True}) as response:
+                if response.status_code != 200:
+                    answer = (await response.aread()).decode(errors="replace")
+                    raise VllmError(f"vLLM at {self.url} answered {response.status_code}: {answer[:300]}")
+                choice = await streamed_choice(response, watch)
         except httpx.HTTPError as err:
             raise VllmError(f"vLLM at {self.url} unreachable: {type(err).__name__}: {err}") from err
-        if response.status_code != 200:
-            raise VllmError(f"vLLM at {self.url} answered {response.status_code}: {response.text[:300]}")
         return generation_from_vllm(
-            response.json(), self.stops, 0.0, rule, greedy_top=top > 0, vocab_size=self.vocab_size
+            {"choices": [choice]}, self.stops, 0.0, rule, greedy_top=top > 0, vocab_size=self.vocab_size
         )
+
+
+class _Watch:
+    """When a server last streamed a token to any request of one batch; `guard` fails the batch after stall_s
+    without one. A request waiting in the server's queue (or for a connection) is not stalled while others move."""
+
+    def __init__(self, stall_s: float):
+        self.stall_s = stall_s
+        self.last = time.monotonic()
+
+    def tick(self) -> None:
+        self.last = time.monotonic()
+
+    async def guard(self, work: asyncio.Future, server: str, n: int):
+        while True:
+            done, _ = await asyncio.wait({work}, timeout=min(1.0, self.stall_s))
+            if done:
+                return work.result()
+            if time.monotonic() - self.last > self.stall_s:
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+                raise VllmError(
+                    f"{server} streamed no token to any of {n} requests for {self.stall_s:.0f} s: it stalled "
+                    "(serving.vllm_request_timeout_s)"
+                )
+
+
+async def streamed_choice(response: httpx.Response, watch: _Watch) -> dict:
+    """One streamed /v1/completions answer (server-sent events) joined into the choice a non-streamed answer
+    has: its text, token ids, log-probs (tokens, token_logprobs, top_logprobs) and finish reason."""
+    text, ids, tokens, lps, tops, finish = [], [], [], [], [], None
+    async for line in response.aiter_lines():
+        if not line.startswith("data:") or (data := line[5:].strip()) == "[DONE]":
+            continue
+        chunk = json.loads(data)
+        if "error" in chunk or not chunk.get("choices"):
+            raise VllmError(f"vLLM stream broke off: {data[:300]}")
+        watch.tick()
+        choice = chunk["choices"][0]
+        text.append(choice.get("text") or "")
+        ids.extend(choice.get("token_ids") or [])
+        logprobs = choice.get("logprobs") or {}
+        tokens.extend(logprobs.get("tokens") or [])
+        lps.extend(logprobs.get("token_logprobs") or [])
+        tops.extend(logprobs.get("top_logprobs") or [])
+        finish = choice.get("finish_reason") or finish
+    logprobs = {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops or None}
+    return {"text": "".join(text), "token_ids": ids, "logprobs": logprobs, "finish_reason": finish}
 
 
 @contextlib.contextmanager
@@ -160,12 +217,13 @@ def open_engine(model_dir: str | Path, params: Params, base_dir: str | Path | No
     stops = _stops(model_dir, base_dir, template)
     start = start_of_text(str(_tokenizer_dir(model_dir, base_dir)))
     vocab = _vocab_size(model_dir, base_dir)
+    stall = params.serving.vllm_request_timeout_s
     if is_adapter(model_dir) and not adapters_merged(params):
         server = base_server(base_dir or _record_path(model_dir), params)
         name = adapter_name(f"eval/{model_dir.name}")
         load_adapter(server.url, name, model_dir)
         try:
-            yield VllmEngine(server.url, name, template, stops, start, vocab_size=vocab)
+            yield VllmEngine(server.url, name, template, stops, start, stall, vocab)
         finally:
             unload_adapter(server.url, name)
         return
@@ -178,7 +236,7 @@ def open_engine(model_dir: str | Path, params: Params, base_dir: str | Path | No
     try:
         server = running or start_vllm(model_dir, params)
         try:
-            yield VllmEngine(server.url, server.model_dir, template, stops, start, vocab_size=vocab)
+            yield VllmEngine(server.url, server.model_dir, template, stops, start, stall, vocab)
         finally:
             if running is None and server.pid is not None:
                 stop_vllm(server.pid)

@@ -38,6 +38,7 @@ from pathlib import Path
 import httpx
 import sqlalchemy as sa
 from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 
 from serving.backends import Sampling
 from tasks.core.fim import QWEN, FimTemplate
@@ -109,9 +110,10 @@ def delayed_factory(delays_s: dict[str, float], factory=None):
 
 
 class VllmStandIn:
-    """A real HTTP server on loopback that speaks vLLM's /v1/models and /v1/completions (token ids, log-probs)
-    and answers every request after `hold_s`, at most `max_running` at a time (the rest queue, as in a busy
-    vLLM). A request whose client goes away while it is held is aborted, as vLLM aborts it: `aborted` counts
+    """A real HTTP server on loopback that speaks vLLM's /v1/models and /v1/completions (token ids, log-probs;
+    streamed as server-sent events, one token a chunk, when asked) and answers every request after `hold_s`, at
+    most `max_running` at a time (the rest queue, as in a busy vLLM, a streamed one with its headers sent and no
+    token yet). A request whose client goes away while it is held is aborted, as vLLM aborts it: `aborted` counts
     them, `served` the answered ones. For tests of what reaches a slow or busy server."""
 
     MODEL = "qwen2.5-coder-stand-in"  # a name Continue (and tabrl) read as Qwen2.5-Coder's FIM template
@@ -126,6 +128,47 @@ class VllmStandIn:
     def app(self) -> FastAPI:
         app = FastAPI()
         slots = asyncio.Semaphore(self.max_running)
+        tokens = [word if i == 0 else f" {word}" for i, word in enumerate(self.text.split())]
+        ids = list(range(11, 11 + len(tokens)))
+
+        def choice(texts: list[str], token_ids: list[int], finish: str | None) -> dict:
+            logprobs = {"token_logprobs": [-0.05] * len(token_ids), "tokens": texts}
+            return {"index": 0, "text": "".join(texts), "finish_reason": finish, "token_ids": token_ids} | {
+                "logprobs": logprobs
+            }
+
+        def answer(choices: list[dict]) -> dict:
+            return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "model": self.MODEL} | {
+                "choices": choices
+            }
+
+        async def held(request: Request | None) -> bool:
+            """Hold a slot for hold_s; False when the client went away meanwhile (a streamed one is cancelled)."""
+            self.running += 1
+            self.most_running = max(self.most_running, self.running)
+            try:
+                deadline = time.monotonic() + self.hold_s
+                while time.monotonic() < deadline:
+                    if request is not None and await request.is_disconnected():
+                        self.aborted += 1
+                        return False
+                    await asyncio.sleep(min(0.01, max(deadline - time.monotonic(), 0)))
+                return True
+            except asyncio.CancelledError:
+                self.aborted += 1
+                raise
+            finally:
+                self.running -= 1
+
+        async def stream():
+            async with slots:
+                if not await held(None):
+                    return
+            self.served += 1
+            for i, (token, token_id) in enumerate(zip(tokens, ids, strict=True)):
+                finish = "stop" if i == len(tokens) - 1 else None
+                yield f"data: {json.dumps(answer([choice([token], [token_id], finish)]))}\n\n"
+            yield "data: [DONE]\n\n"
 
         @app.get("/v1/models")
         async def models():
@@ -133,35 +176,13 @@ class VllmStandIn:
 
         @app.post("/v1/completions")
         async def complete(request: Request):
-            await request.json()
+            if (await request.json()).get("stream"):
+                return StreamingResponse(stream(), media_type="text/event-stream")
             async with slots:
-                self.running += 1
-                self.most_running = max(self.most_running, self.running)
-                try:
-                    deadline = time.monotonic() + self.hold_s
-                    while time.monotonic() < deadline:
-                        if await request.is_disconnected():
-                            self.aborted += 1
-                            return {}
-                        await asyncio.sleep(min(0.01, max(deadline - time.monotonic(), 0)))
-                finally:
-                    self.running -= 1
+                if not await held(request):
+                    return {}
             self.served += 1
-            ids = list(range(11, 11 + len(self.text.split())))
-            return {
-                "id": f"cmpl-{uuid.uuid4().hex}",
-                "object": "text_completion",
-                "model": self.MODEL,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": self.text,
-                        "finish_reason": "stop",
-                        "token_ids": ids,
-                        "logprobs": {"token_logprobs": [-0.05] * len(ids), "tokens": self.text.split()},
-                    }
-                ],
-            }
+            return answer([choice(tokens, ids, "stop")])
 
         return app
 

@@ -97,6 +97,11 @@ class ServingParams(Section):
     (`tabrl_arm_latency_ms`): a bounded rolling window, sorted only when /metrics is read."""
     backend_timeout_s: float = Field(30.0, gt=0)
     """Per-request timeout of a vLLM backend call (502 naming the arm after it)."""
+    vllm_request_timeout_s: float = Field(120.0, gt=0)
+    """How long the requests an evaluation sends a vLLM server (`tasks/core/inference.py`: the gate, `tabrl
+    acceptance`, the benches) may go without a token streamed back to any of them before it fails. A request's
+    clock starts when the server starts it (its first token), not when it is sent: a slow server is waited for,
+    however slow; only a stalled one fails."""
     vllm_python: str = "python"
     """Interpreter of the environment vLLM is installed in (its own venv: its pins conflict with prefect's);
     the rollout starts `{vllm_python} -m vllm.entrypoints.openai.api_server` for each new version."""
