@@ -18,6 +18,7 @@ from flows.cli.console import ParamsOpt, SetOpt, console, params_or_exit
 from flows.cli.cycle import cycle_cmd, deploy_cmd, schedule_cmd
 from flows.cli.data import corpus_cmd, data_cmd, ingest_cmd
 from flows.cli.deploy import ab_status_cmd, export_cmd, model_retention_cmd, promote_cmd, rollback_cmd, vllm_app
+from flows.cli.doctor import doctor_cmd
 from flows.cli.evaluate import acceptance_cmd, evaluate_cmd, headroom_cmd
 from flows.cli.keys import keys_app, purge_cmd
 from flows.cli.serve import arms_cmd, import_continue_cmd, serve_cmd, simulate_cmd
@@ -29,12 +30,13 @@ HELP = """tabrl: online reinforcement learning for a code-completion service.
 Every command reads params.yaml (--params) and takes --set section.key=value overrides; TABRL_SECTION__KEY
 environment variables override too. Run `tabrl COMMAND --help` for one command and an example."""
 
-DATA, CYCLE, SERVING, DEPLOYMENT, KEYS = (
+DATA, CYCLE, SERVING, DEPLOYMENT, KEYS, MACHINE = (
     "Data and models",
     "The cycle",
     "Serving",
     "Deployment and schedules",
     "Keys and privacy",
+    "This machine",
 )
 
 app = typer.Typer(help=HELP, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -97,6 +99,7 @@ COMMANDS = (
     ("schedule", schedule_cmd, DEPLOYMENT, "tabrl schedule --params params.yaml"),
     ("deploy", deploy_cmd, DEPLOYMENT, "tabrl deploy --repo ."),
     ("purge", purge_cmd, KEYS, "tabrl purge --older-than 30d --dry-run"),
+    ("doctor", doctor_cmd, MACHINE, "tabrl doctor --set serving.vllm_python=.venv-vllm/bin/python"),
 )
 for name, command, panel, example in COMMANDS:
     app.command(name, rich_help_panel=panel, epilog=f"Example: {example}" if example else None)(command)
