@@ -1,9 +1,12 @@
-"""`make demo`: online RL cycles, one live A/B test sized to decide, the closing table: about 14 min on 2 cores.
+"""`make demo`: online RL cycles, one live A/B test sized to decide, the closing table, in --budget-min (14.5).
 
     python -m flows.demo --seed 0                 # what `make demo` runs
     python -m flows.demo --cycles 2 --requests 200 --max-per-arm 300   # a quicker, less decisive look
 
-Three parts, all on the real gateway, log store, Prefect flows and MLflow registry (state in --state):
+Three parts, all on the real gateway, log store, Prefect flows and MLflow registry (state in --state). After the
+first cycle the demo prints this machine's pace (decided requests/s through the gateway, a cycle's minutes) and its
+plan with the predicted wall time (`flows/demo_plan.py`); where the planned cycles and an A/B test that can decide
+do not fit --budget-min, it says so and takes --if-short's choice: fewer cycles, a longer run, or a capped test.
 
 1. Gated cycles. Simulated users type train files through the gateway; each cycle trains on their outcomes, and
    a candidate that passes the gate (held-out evaluation) is promoted at once, without an A/B test. One cycle's
@@ -27,20 +30,29 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from prefect import flow
-from scipy.stats import norm
 
 from flows.ab_decision import ab_decision
+from flows.demo_plan import (
+    CLOSING_REQUESTS,
+    DEMO_SETTINGS,
+    AbPlan,
+    DemoPlan,
+    base_reward_sd,
+    budget_per_arm,
+    describe_plan,
+    plan_ab,
+    plan_demo,
+)
 from flows.loop_state import CycleRow
 from flows.online_loop import champion_dir, cycle_regions, loop_overrides, run_online_loop, start_gateway
 from flows.report import print_report, print_story, print_ui_pointers
 from serving.router import assign
 from serving.simulate import run_simulation
 from tasks.core.config import DEFAULT_PARAMS_FILE, Params, load_params
-from tasks.core.outcomes import ArmCounts, reward_std
 from tasks.core.procs import exit_on_sigterm, free_port
 from tasks.core.store import CHALLENGER, CHAMPION, open_store, read_arms
 from tasks.deploy.ab import arm_stats
@@ -50,63 +62,6 @@ from tasks.deploy.registry import Registry
 from tasks.deploy.rollout import rollout
 from tasks.sim.editor import read_regions, regions_path
 from tasks.sim.users import SimUser, make_users
-
-# The learning bench's measured setting (docs/results.md, "What the loop learns"), one cycle fewer: cycles of 1000
-# requests, the gate typing evaluate.n_requests (1000) held-out requests per model and judging 100 FIM samples
-# (the bench's lift levels off after cycle 3 or 4; the A/B test gets the fifth cycle's minutes). The closing table
-# types CLOSING_REQUESTS per model, on requests no gate typed. (ingest.feedback_timeout_s stays 10 s: a simulated
-# user's Tab queues behind the other users' requests, ~4 s with the A/B test's 96 users, and at 3 s nearly every
-# accept came late and counted as a rejection.)
-DEMO_SETTINGS = ["evaluate.n_samples=100"]
-CLOSING_REQUESTS = 1000
-AB_FIXED_S = 30.0  # the A/B test's rollout, gateway start and decision flow on 2 cores (seconds, a little over)
-MIN_PER_ARM = 300  # the smallest A/B test the time budget may leave
-
-
-@dataclass(frozen=True)
-class AbPlan:
-    per_arm: int  # requests per arm the test runs to (capped)
-    needed: int  # requests per arm the power calculation asks for
-    reward_sd: float  # per-request reward sd it used (cycle 1's traffic, all on the base)
-    mde: float
-    power: float  # asked for at mde
-    alpha: float
-    power_at_n: float  # what per_arm gives at mde (below `power` when capped)
-
-
-def plan_ab(reward_sd: float, mde: float, alpha: float, power: float, max_per_arm: int) -> AbPlan:
-    """Requests per arm for a two-sided test at alpha to find a difference mde in mean reward per request with the
-    given power: n = 2 (z_{1-alpha/2} + z_power)^2 sd^2 / mde^2, capped at max_per_arm."""
-    z_alpha = norm.ppf(1 - alpha / 2)
-    z = z_alpha + norm.ppf(power)
-    needed = math.ceil(2 * z * z * reward_sd * reward_sd / (mde * mde))
-    per_arm = min(needed, max_per_arm)
-    power_at_n = float(norm.cdf(math.sqrt(per_arm / 2) * mde / reward_sd - z_alpha))
-    return AbPlan(per_arm, needed, reward_sd, mde, power, alpha, power_at_n)
-
-
-def budget_per_arm(rows: list[CycleRow], elapsed_s: float, budget_s: float, params: Params) -> int:
-    """Requests per arm the A/B test can serve in what budget_s leaves after elapsed_s: the cycles' traffic rate
-    through the gateway, less the closing table (2 x CLOSING_REQUESTS typed at the gates' pace, their judged
-    samples included, so a little over) and the test's fixed costs (rollout, gateway, the feedback timeout, the
-    decision). It depends on wall times only, never on outcomes, so the one look keeps its alpha; at least
-    MIN_PER_ARM."""
-    served = [r for r in rows if r.traffic_s > 0]
-    gated = [r for r in rows if r.evaluate_s > 0]
-    if not served or not gated:
-        return MIN_PER_ARM
-    rate = sum(r.requests for r in served) / sum(r.traffic_s for r in served)
-    gate_rate = 2 * params.evaluate.n_requests * len(gated) / sum(r.evaluate_s for r in gated)
-    left = budget_s - elapsed_s - 2 * CLOSING_REQUESTS / gate_rate - AB_FIXED_S - params.ingest.feedback_timeout_s
-    return max(int(left * rate / 2), MIN_PER_ARM)
-
-
-def base_reward_sd(row: CycleRow, params: Params) -> float:
-    """The per-request reward sd of a cycle's online traffic (cycle 1: the base model serves all of it)."""
-    shown = round(row.requests * row.suggest_rate)
-    accepted = round(shown * row.accept_rate)
-    counts = ArmCounts(accepted=accepted, rejected=shown - accepted, abstained=row.requests - shown, accepted_chars=0)
-    return reward_std(counts, params.reward)  # characters play no part in it
 
 
 @flow(name="demo-start-ab-test", log_prints=True)
@@ -259,28 +214,38 @@ def main(argv: list[str] | None = None) -> int:
     exit_on_sigterm()  # a `kill` stops the gateway the demo started, too
     started = time.perf_counter()
     overrides = [*DEMO_SETTINGS, *args.set]
+    planned: list[DemoPlan] = []
+
+    def after_cycle(rows: list[CycleRow]) -> int:
+        """After cycle 1: the plan from this machine's pace, and what to do when it does not fit the budget."""
+        if len(rows) == 1 and args.budget_min > 0:
+            params = load_params(args.params, overrides)
+            needed = plan_ab(base_reward_sd(rows[0], params), args.mde, params.deploy.alpha, args.power, 10**9)
+            elapsed = time.perf_counter() - started
+            plan = plan_demo(rows, elapsed, args.cycles, 60 * args.budget_min, needed.per_arm, params)
+            planned.append(plan)
+            for line in describe_plan(plan, args.mde, args.power):
+                print(line, flush=True)
+            if not plan.fits:
+                args.cycles, args.budget_min = choose(plan, args.if_short, args.cycles, args.budget_min)
+        return args.cycles
+
     rows, params = run_online_loop(
-        args.params, overrides, args.cycles, args.requests, args.users, args.state, seed=args.seed, ab_test=False
+        args.params,
+        overrides,
+        args.cycles,
+        args.requests,
+        args.users,
+        args.state,
+        seed=args.seed,
+        ab_test=False,
+        after_cycle=after_cycle,
     )
     print_report(rows, args.state, params, promoted_on_gate=True)
     gated_s = time.perf_counter() - started
     full = loop_overrides(overrides, args.state, args.seed)  # the loop's own state paths
-    base_label = f"{params.deploy.registered_model}/1"  # a fresh state's registry starts with the base
-    ab: dict = {"action": "none", "reason": "no candidate passed the gate"}
-    registry = Registry(params)
-    final = registry.aliased(CHAMPION)
     final_dir = champion_dir(params)  # the cycles' final model: the closing table's subject, whatever the A/B says
-    if final is not None and final.version != registry.version_of(f"models:/{base_label}").version:
-        cap = args.max_per_arm
-        if args.budget_min > 0:  # what the cycles left of the wall-time budget
-            cap = min(cap, budget_per_arm(rows, time.perf_counter() - started, 60 * args.budget_min, params))
-        plan = plan_ab(base_reward_sd(rows[0], params), args.mde, params.deploy.alpha, args.power, cap)
-        ab["challenger"] = start_ab_test(args.params, full, base_label)
-        offered = args.cycles * cycle_regions(args.users, args.requests)  # the cycles' train regions, typed first
-        ab |= run_ab_test(args.params, full, args.state, plan, args.ab_users, args.seed, offered)
-        print_ab(ab)
-    else:
-        print(f"no candidate passed the gate in {args.cycles} cycles: there is no A/B test to run", flush=True)
+    ab = final_ab_test(args, rows, params, full, time.perf_counter() - started)
     ab_s = time.perf_counter() - started - gated_s
     closing = load_params(args.params, [*full, f"evaluate.n_requests={CLOSING_REQUESTS}"])
     # Promoted: the final model is the champion. Rolled back: the base is the champion again, and the table still
@@ -292,10 +257,53 @@ def main(argv: list[str] | None = None) -> int:
     print_ui_pointers(params)
     times = {"gated_cycles_s": gated_s, "ab_test_s": ab_s, "total_s": time.perf_counter() - started}
     record = {"seed": args.seed, "cycles": [asdict(r) for r in rows], "ab": ab, "closing_model": name}
+    record |= {"plan": [asdict(p) for p in planned], "budget_min": args.budget_min}
     record |= {"story": story, "times_s": times}
     (args.state / "demo.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
-    print(f"demo done in {times['total_s'] / 60:.1f} min; record: {args.state / 'demo.json'}", flush=True)
+    predicted = f" (predicted after cycle 1: {planned[0].predicted_s / 60:.1f})" if planned else ""
+    print(f"demo done in {times['total_s'] / 60:.1f} min{predicted}; record: {args.state / 'demo.json'}", flush=True)
     return 0
+
+
+def final_ab_test(args: argparse.Namespace, rows: list[CycleRow], params: Params, full: list[str], elapsed_s: float):
+    """Part 2: the base against the cycles' final model, sized by the power plan and capped at what the budget
+    leaves; {"action": "none", ...} when no cycle promoted a candidate."""
+    base_label = f"{params.deploy.registered_model}/1"  # a fresh state's registry starts with the base
+    registry = Registry(params)
+    final = registry.aliased(CHAMPION)
+    if final is None or final.version == registry.version_of(f"models:/{base_label}").version:
+        print(f"no candidate passed the gate in {len(rows)} cycles: there is no A/B test to run", flush=True)
+        return {"action": "none", "reason": "no candidate passed the gate"}
+    cap = args.max_per_arm
+    if args.budget_min > 0:  # what the cycles left of the wall-time budget
+        cap = min(cap, budget_per_arm(rows, elapsed_s, 60 * args.budget_min, params))
+    plan = plan_ab(base_reward_sd(rows[0], params), args.mde, params.deploy.alpha, args.power, cap)
+    ab = {"challenger": start_ab_test(args.params, full, base_label)}
+    offered = len(rows) * cycle_regions(args.users, args.requests)  # the cycles' train regions, typed first
+    ab |= run_ab_test(args.params, full, args.state, plan, args.ab_users, args.seed, offered)
+    print_ab(ab)
+    return ab
+
+
+IF_SHORT = ("ask", "fewer-cycles", "longer", "cap")
+
+
+def choose(plan: DemoPlan, if_short: str, cycles: int, budget_min: float) -> tuple[int, float]:
+    """(cycles, budget_min) when the plan does not fit: --if-short's choice; `ask` asks on a terminal, and
+    elsewhere takes fewer cycles where some fit, else the longer run (both end in an A/B test that can decide)."""
+    longer = math.ceil(plan.predicted_s / 60)
+    if if_short == "ask" and sys.stdin.isatty():
+        options = "[l]onger" + (", [f]ewer cycles" if plan.fewer_cycles else "") + " or [c]ap the A/B test"
+        answer = input(f"{options}? ").strip().lower()[:1]
+        if_short = {"l": "longer", "f": "fewer-cycles", "c": "cap"}.get(answer, "ask")
+    if if_short in ("ask", "fewer-cycles") and plan.fewer_cycles:
+        print(f"Running {plan.fewer_cycles} cycles, so that the A/B test can decide within the budget.", flush=True)
+        return plan.fewer_cycles, budget_min
+    if if_short == "cap":
+        print("Keeping the budget: the A/B test is capped to what is left of it and may not decide.", flush=True)
+        return cycles, budget_min
+    print(f"Running longer: a budget of {longer} min, so that the A/B test can decide.", flush=True)
+    return cycles, float(longer)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -315,6 +323,14 @@ def _parser() -> argparse.ArgumentParser:
         default=14.5,
         help="wall-time budget of the whole demo in minutes: the A/B test is capped at what the cycles leave of it "
         "(at the cycles' traffic rate, the closing table set aside); 0: no cap but --max-per-arm",
+    )
+    p.add_argument(
+        "--if-short",
+        choices=IF_SHORT,
+        default="ask",
+        help="when the plan made after cycle 1 (this machine's pace) cannot fit the cycles and an A/B test that can "
+        "decide within --budget-min: ask (on a terminal; elsewhere fewer cycles where some fit, else longer), "
+        "fewer-cycles, longer (raise the budget to the predicted time) or cap (the A/B test capped: may not decide)",
     )
     p.add_argument("--ab-users", type=int, default=96, help="simulated users during the A/B test")
     p.add_argument("--state", type=Path, default=Path("state/demo"), help="state dir (wiped at start)")

@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -113,6 +114,7 @@ def run_online_loop(
     seed: int = 0,
     ab_test: bool = True,
     resume: bool = False,
+    after_cycle: Callable[[list[CycleRow]], int] | None = None,
 ) -> tuple[list[CycleRow], Params]:
     """Run `cycles` online cycles in the state dir; returns one row per cycle and the loop's params (its state
     paths: ``champion_dir(params)`` is the model serving at the end).
@@ -121,7 +123,9 @@ def run_online_loop(
     product). ab_test=False: every deployed candidate is promoted at once (trust the gate), so each
     cycle's traffic comes from the newest model: what the learning benchmark measures.
     resume=True: a loop of the same params and size that was stopped goes on after its last finished cycle
-    (`flows/loop_state.py`); otherwise, and without a checkpoint, the state dir starts fresh."""
+    (`flows/loop_state.py`); otherwise, and without a checkpoint, the state dir starts fresh.
+    after_cycle: called with the rows after each cycle; it returns how many cycles to run in all (the demo plans
+    the rest from the first cycle's pace)."""
     overrides = loop_overrides(overrides, state, seed)
     params = load_params(params_file, overrides)
     identity = loop_identity(params, requests, n_users, seed, ab_test)
@@ -135,7 +139,8 @@ def run_online_loop(
     port = free_port()
     gateway = start_gateway(params_file, overrides, port, state / "gateway.log")
     try:
-        for cycle in range(len(rows) + 1, cycles + 1):
+        while len(rows) < cycles:
+            cycle = len(rows) + 1
             started = time.perf_counter()
             by_arm = _simulate(port, traffic, per_cycle, cycle, users, requests, seed, params)
             traffic_s = time.perf_counter() - started
@@ -150,6 +155,7 @@ def run_online_loop(
             )
             print(json.dumps(asdict(rows[-1])), flush=True)
             save_checkpoint(state, identity, cycle, [asdict(r) for r in rows])
+            cycles = cycles if after_cycle is None else after_cycle(rows)
     finally:
         gateway.terminate()
         gateway.wait(timeout=30)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
 import yaml
 
-from flows.demo import AbPlan, base_reward_sd, budget_per_arm, plan_ab, run_ab_test, start_ab_test
+from flows.demo import choose, run_ab_test, start_ab_test
+from flows.demo_plan import AbPlan, base_reward_sd, budget_per_arm, measured_pace, plan_ab, plan_demo, predicted_s
 from flows.loop_state import CycleRow
 from flows.report import story_in_words
 from tasks.core.store import CHALLENGER, CHAMPION, open_store, read_arms
@@ -122,3 +124,48 @@ def test_the_final_ab_test_puts_the_base_back_and_decides_at_one_look(
     with open_store(params.paths.database_url) as engine:
         assert [a.model_version for a in read_arms(engine)] == [base.label]  # the rollback was applied
     assert registry.aliased(CHALLENGER) is None
+
+
+def _timed(status: str = "deployed") -> CycleRow:
+    # 1000 decided requests in 100 s of traffic (10/s), the cycle flow 150 s of which training 60 and the gate 100
+    row = replace(_row(1000, 0.3, 0.1), traffic_s=100.0, train_s=60.0, evaluate_s=100.0, cycle_s=150.0)
+    return replace(row, cycle_status=status)
+
+
+def test_the_plan_after_cycle_one_predicts_the_wall_time_from_the_measured_pace():
+    params = tiny_params()
+    pace = measured_pace(_timed(), params)
+    timeout = params.ingest.feedback_timeout_s
+    assert pace.traffic_rps == 10.0 and pace.cycle_s == 100.0 + timeout + 0.5 + 150.0
+    assert pace.gate_rps == 2 * params.evaluate.n_requests / 100.0
+    # 3 cycles left, an A/B test of 2000 per arm (400 s at 10/s, its fixed costs), the closing table
+    ab_s = 400.0 + 30.0 + timeout
+    closing_s = 2 * 1000 / pace.gate_rps
+    assert predicted_s(pace, 300.0, 1, 4, 2000, params) == pytest.approx(300.0 + 3 * pace.cycle_s + ab_s + closing_s)
+
+
+def test_a_plan_over_budget_offers_the_most_cycles_that_fit_or_none():
+    params = tiny_params()
+    rows = [_timed()]
+    pace = measured_pace(rows[0], params)
+    budget = predicted_s(pace, 300.0, 1, 2, 2000, params) + 1.0  # two cycles fit, four do not
+    plan = plan_demo(rows, 300.0, 4, budget, 2000, params)
+    assert not plan.fits and plan.fewer_cycles == 2 and plan.predicted_s > budget
+    assert plan_demo(rows, 300.0, 4, 10**6, 2000, params).fits
+    # one cycle fits only a budget that leaves no second, and counts only when it promoted a candidate
+    one = predicted_s(pace, 300.0, 1, 1, 2000, params) + 1.0
+    assert plan_demo(rows, 300.0, 4, one, 2000, params).fewer_cycles == 1
+    assert plan_demo([_timed("gate_failed")], 300.0, 4, one, 2000, params).fewer_cycles is None
+
+
+def test_a_short_budget_takes_fewer_cycles_or_a_longer_run_but_caps_only_when_asked(capsys):
+    params = tiny_params()
+    rows = [_timed()]
+    budget = predicted_s(measured_pace(rows[0], params), 300.0, 1, 2, 2000, params) + 1.0
+    plan = plan_demo(rows, 300.0, 4, budget, 2000, params)
+    assert choose(plan, "ask", 4, budget / 60) == (2, budget / 60)  # not a terminal: fewer cycles, where some fit
+    assert choose(plan, "longer", 4, budget / 60) == (4, float(math.ceil(plan.predicted_s / 60)))
+    assert choose(plan, "cap", 4, budget / 60) == (4, budget / 60)
+    nothing_fits = plan_demo([_timed("gate_failed")], 300.0, 4, 1.0, 2000, params)
+    assert choose(nothing_fits, "fewer-cycles", 4, 0.1)[0] == 4  # no fewer cycles fit: the longer run
+    assert "Running longer" in capsys.readouterr().out

@@ -1,0 +1,150 @@
+"""The demo's plans, from this machine's measured pace: the A/B test's size (a power calculation), what the time
+budget leaves for it, and, after the first cycle, the whole run's predicted wall time and what to do when this
+machine cannot run the planned cycles and an A/B test that decides within the budget.
+
+Every cap and choice here depends on wall times (and on cycle 1's traffic, all on the base, for the reward's sd),
+never on the A/B test's outcomes, so its one look keeps its alpha (tasks/deploy/ab.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from scipy.stats import norm
+
+from flows.loop_state import CycleRow
+from tasks.core.config import Params
+from tasks.core.outcomes import ArmCounts, reward_std
+
+# The learning bench's measured setting (docs/results.md, "What the loop learns"), one cycle fewer: cycles of 1000
+# requests, the gate typing evaluate.n_requests (1000) held-out requests per model and judging 100 FIM samples
+# (the bench's lift levels off after cycle 3 or 4; the A/B test gets the fifth cycle's minutes). The closing table
+# types CLOSING_REQUESTS per model, on requests no gate typed. (ingest.feedback_timeout_s stays 10 s: a simulated
+# user's Tab queues behind the other users' requests, ~4 s with the A/B test's 96 users, and at 3 s nearly every
+# accept came late and counted as a rejection.)
+DEMO_SETTINGS = ["evaluate.n_samples=100"]
+CLOSING_REQUESTS = 1000
+AB_FIXED_S = 30.0  # the A/B test's rollout, gateway start and decision flow on 2 cores (seconds, a little over)
+MIN_PER_ARM = 300  # the smallest A/B test the time budget may leave
+
+
+@dataclass(frozen=True)
+class AbPlan:
+    per_arm: int  # requests per arm the test runs to (capped)
+    needed: int  # requests per arm the power calculation asks for
+    reward_sd: float  # per-request reward sd it used (cycle 1's traffic, all on the base)
+    mde: float
+    power: float  # asked for at mde
+    alpha: float
+    power_at_n: float  # what per_arm gives at mde (below `power` when capped)
+
+
+def plan_ab(reward_sd: float, mde: float, alpha: float, power: float, max_per_arm: int) -> AbPlan:
+    """Requests per arm for a two-sided test at alpha to find a difference mde in mean reward per request with the
+    given power: n = 2 (z_{1-alpha/2} + z_power)^2 sd^2 / mde^2, capped at max_per_arm."""
+    z_alpha = norm.ppf(1 - alpha / 2)
+    z = z_alpha + norm.ppf(power)
+    needed = math.ceil(2 * z * z * reward_sd * reward_sd / (mde * mde))
+    per_arm = min(needed, max_per_arm)
+    power_at_n = float(norm.cdf(math.sqrt(per_arm / 2) * mde / reward_sd - z_alpha))
+    return AbPlan(per_arm, needed, reward_sd, mde, power, alpha, power_at_n)
+
+
+def budget_per_arm(rows: list[CycleRow], elapsed_s: float, budget_s: float, params: Params) -> int:
+    """Requests per arm the A/B test can serve in what budget_s leaves after elapsed_s: the cycles' traffic rate
+    through the gateway, less the closing table (2 x CLOSING_REQUESTS typed at the gates' pace, their judged
+    samples included, so a little over) and the test's fixed costs (rollout, gateway, the feedback timeout, the
+    decision). It depends on wall times only, never on outcomes, so the one look keeps its alpha; at least
+    MIN_PER_ARM."""
+    served = [r for r in rows if r.traffic_s > 0]
+    gated = [r for r in rows if r.evaluate_s > 0]
+    if not served or not gated:
+        return MIN_PER_ARM
+    rate = sum(r.requests for r in served) / sum(r.traffic_s for r in served)
+    gate_rate = 2 * params.evaluate.n_requests * len(gated) / sum(r.evaluate_s for r in gated)
+    left = budget_s - elapsed_s - 2 * CLOSING_REQUESTS / gate_rate - AB_FIXED_S - params.ingest.feedback_timeout_s
+    return max(int(left * rate / 2), MIN_PER_ARM)
+
+
+def base_reward_sd(row: CycleRow, params: Params) -> float:
+    """The per-request reward sd of a cycle's online traffic (cycle 1: the base model serves all of it)."""
+    shown = round(row.requests * row.suggest_rate)
+    accepted = round(shown * row.accept_rate)
+    counts = ArmCounts(accepted=accepted, rejected=shown - accepted, abstained=row.requests - shown, accepted_chars=0)
+    return reward_std(counts, params.reward)  # characters play no part in it
+
+
+@dataclass(frozen=True)
+class Pace:
+    """This machine's pace, measured on the demo's first cycle."""
+
+    traffic_rps: float  # decided requests a second through the gateway (never-shown ones take time, count none)
+    cycle_s: float  # one cycle end to end: traffic, the feedback timeout, ingest, training, the gate, the rollout
+    train_s: float  # of which the update
+    gate_rps: float  # requests a second the gate types (its judged samples included)
+
+
+def measured_pace(row: CycleRow, params: Params) -> Pace:
+    cycle_s = row.traffic_s + params.ingest.feedback_timeout_s + 0.5 + row.cycle_s
+    gate_rps = 2 * params.evaluate.n_requests / row.evaluate_s if row.evaluate_s > 0 else float("inf")
+    return Pace(row.requests / max(row.traffic_s, 1e-9), cycle_s, row.train_s, gate_rps)
+
+
+def predicted_s(pace: Pace, elapsed_s: float, done: int, cycles: int, per_arm: int, params: Params) -> float:
+    """The demo's wall time: elapsed_s after `done` cycles, the other cycles at the measured pace, an A/B test of
+    per_arm decided requests per arm at the cycles' traffic rate (and its fixed costs), and the closing table."""
+    ab_s = 2 * per_arm / pace.traffic_rps + AB_FIXED_S + params.ingest.feedback_timeout_s
+    return elapsed_s + (cycles - done) * pace.cycle_s + ab_s + 2 * CLOSING_REQUESTS / pace.gate_rps
+
+
+@dataclass(frozen=True)
+class DemoPlan:
+    pace: Pace
+    cycles: int  # asked for
+    per_arm: int  # the A/B test that decides: requests per arm at the asked-for power
+    predicted_s: float  # the whole demo, run as asked, with that test
+    budget_s: float
+    fewer_cycles: int | None  # the most cycles that fit the budget with that test; None: none does
+    fits: bool
+
+
+def plan_demo(
+    rows: list[CycleRow], elapsed_s: float, cycles: int, budget_s: float, per_arm: int, params: Params
+) -> DemoPlan:
+    """The plan after the first cycle (rows[0]): the predicted wall time of `cycles` cycles and an A/B test of
+    per_arm requests per arm, and, when that is over budget_s, the most cycles that are not. A single cycle counts
+    only when it promoted a candidate on the gate (else there is nothing to A/B test)."""
+    pace = measured_pace(rows[0], params)
+    total = predicted_s(pace, elapsed_s, len(rows), cycles, per_arm, params)
+    fitting = [
+        k
+        for k in range(len(rows), cycles)
+        if predicted_s(pace, elapsed_s, len(rows), k, per_arm, params) <= budget_s
+        and (k > 1 or rows[0].cycle_status == "deployed")
+    ]
+    return DemoPlan(pace, cycles, per_arm, total, budget_s, max(fitting, default=None), total <= budget_s)
+
+
+def describe_plan(plan: DemoPlan, mde: float, power: float) -> list[str]:
+    """The plan in words, as the demo prints it."""
+    p = plan.pace
+    lines = [
+        f"Pace on this machine (cycle 1): {p.traffic_rps:.1f} decided requests/s through the gateway; a cycle "
+        f"{p.cycle_s / 60:.1f} min (training {p.train_s:.0f} s), the gate typing {p.gate_rps:.1f} requests/s.",
+        f"Plan: {plan.cycles} cycles, an A/B test of {plan.per_arm} requests per arm ({power:.0%} power at a reward "
+        f"difference of {mde}), the closing table: about {plan.predicted_s / 60:.1f} min in all "
+        f"(budget {plan.budget_s / 60:.1f} min).",
+    ]
+    if not plan.fits:
+        lines.append(
+            f"This machine cannot run {plan.cycles} cycles and an A/B test that can decide within "
+            f"{plan.budget_s / 60:.1f} min. Choose: a longer run (--budget-min {math.ceil(plan.predicted_s / 60)}), "
+            + (
+                f"fewer cycles (--cycles {plan.fewer_cycles}), "
+                if plan.fewer_cycles
+                else "fewer cycles (none fits the budget), "
+            )
+            + "or the A/B test capped to the budget, which may not decide (--if-short cap)."
+        )
+    return lines
