@@ -228,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(line, flush=True)
             if not plan.fits:
                 args.cycles, args.budget_min = choose(plan, args.if_short, args.cycles, args.budget_min)
+                chosen = plan_demo(rows, elapsed, args.cycles, 60 * args.budget_min, needed.per_arm, params)
+                planned.append(chosen)  # what runs: its predicted wall time is the one to check
+                print(f"Predicted: {chosen.predicted_s / 60:.1f} min.", flush=True)
         return args.cycles
 
     rows, params = run_online_loop(
@@ -260,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     record |= {"plan": [asdict(p) for p in planned], "budget_min": args.budget_min}
     record |= {"story": story, "times_s": times}
     (args.state / "demo.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
-    predicted = f" (predicted after cycle 1: {planned[0].predicted_s / 60:.1f})" if planned else ""
+    predicted = f" (predicted after cycle 1: {planned[-1].predicted_s / 60:.1f})" if planned else ""
     print(f"demo done in {times['total_s'] / 60:.1f} min{predicted}; record: {args.state / 'demo.json'}", flush=True)
     return 0
 

@@ -166,7 +166,11 @@ async def simulate_async(
         raise ValueError("simulation needs at least one region and one user")
     budget = [n_requests]
     limiter = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    # The limiter bounds what is in flight, not the pool: a request cancelled while it waits for a pool connection
+    # leaks that slot in httpcore 1.0.9 (encode/httpcore#1093), and after enough aborted requests every request
+    # failed with PoolTimeout (the demo's A/B test, 96 Continue-like users, 2026-12-02). An unbounded pool never
+    # makes a request wait for a connection.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(timeout_s), limits=limits) as client:
         editors = [
             _Editor(client, user, (api_keys or {}).get(user.user_id), simulator, limiter, max_tokens) for user in users
