@@ -41,11 +41,11 @@ from tasks.core.dtypes import cpu_bf16_units
 from tasks.core.outcomes import ArmCounts, reward_per_request
 from tasks.core.procs import free_port
 from tasks.core.store import CHALLENGER, CHAMPION, Arm, Store, init_schema, replace_arms
-from tasks.deploy.ab import decide, stats_from_counts
+from tasks.deploy.ab import decide
 from tasks.sim.corpus import read_corpus
 from tasks.sim.editor import pick_regions
 from tasks.sim.users import make_users
-from tests.support.cancel_bias import ArmRates, measured_rates, simulate_ab_tests, wilson
+from tests.support.cancel_bias import ArmRates, measured_rates, simulate_ab_tests, stats_of, wilson
 from tests.support.harness import ROOT, start_process, stop_process
 
 TINY = ROOT / "models" / "tabrl-tiny"
@@ -120,18 +120,6 @@ def ab_run(params: Params, regions: list, slow_s: float, requests: int, users: i
     return rates
 
 
-def _stats(name: str, counts: ArmCounts, params: Params):
-    return stats_from_counts(
-        name,
-        name,
-        counts.accepted,
-        counts.rejected,
-        counts.abstained,
-        params.reward,
-        accepted_chars=counts.accepted_chars,
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=3000, help="Completion requests sent in the run.")
@@ -203,7 +191,8 @@ def main() -> None:
     print_table(table)
     decisions = {}
     for rule in ("new", "old"):
-        champion, challenger = _stats(CHAMPION, fast.under(rule), params), _stats(CHALLENGER, slow.under(rule), params)
+        champion = stats_of(CHAMPION, fast.under(rule), params)
+        challenger = stats_of(CHALLENGER, slow.under(rule), params)
         # looked at once, as the demo's test: no early looks (min_samples 1), inconclusive at what each arm has
         one_look = {"min_samples": 1, "max_samples": min(champion.requests, challenger.requests)}
         look = params.model_copy(update={"deploy": params.deploy.model_copy(update=one_look)})

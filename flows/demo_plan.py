@@ -57,14 +57,11 @@ def budget_per_arm(rows: list[CycleRow], elapsed_s: float, budget_s: float, para
     samples included, so a little over) and the test's fixed costs (rollout, gateway, the feedback timeout, the
     decision). It depends on wall times only, never on outcomes, so the one look keeps its alpha; at least
     MIN_PER_ARM."""
-    served = [r for r in rows if r.traffic_s > 0]
-    gated = [r for r in rows if r.evaluate_s > 0]
-    if not served or not gated:
+    if not any(r.traffic_s > 0 for r in rows) or not any(r.evaluate_s > 0 for r in rows):
         return MIN_PER_ARM
-    rate = sum(r.requests for r in served) / sum(r.traffic_s for r in served)
-    gate_rate = 2 * params.evaluate.n_requests * len(gated) / sum(r.evaluate_s for r in gated)
-    left = budget_s - elapsed_s - 2 * CLOSING_REQUESTS / gate_rate - AB_FIXED_S - params.ingest.feedback_timeout_s
-    return max(int(left * rate / 2), MIN_PER_ARM)
+    pace = measured_pace(rows, params)
+    left = budget_s - elapsed_s - 2 * CLOSING_REQUESTS / pace.gate_rps - AB_FIXED_S - params.ingest.feedback_timeout_s
+    return max(int(left * pace.traffic_rps / 2), MIN_PER_ARM)
 
 
 def base_reward_sd(row: CycleRow, params: Params) -> float:
@@ -85,10 +82,16 @@ class Pace:
     gate_rps: float  # requests a second the gate types (its judged samples included)
 
 
-def measured_pace(row: CycleRow, params: Params) -> Pace:
-    cycle_s = row.traffic_s + params.ingest.feedback_timeout_s + 0.5 + row.cycle_s
-    gate_rps = 2 * params.evaluate.n_requests / row.evaluate_s if row.evaluate_s > 0 else float("inf")
-    return Pace(row.requests / max(row.traffic_s, 1e-9), cycle_s, row.train_s, gate_rps)
+def measured_pace(rows: list[CycleRow], params: Params) -> Pace:
+    """This machine's pace over the cycles of rows: the traffic and the gates over the cycles that timed them, a
+    cycle and its training on average."""
+    served = [r for r in rows if r.traffic_s > 0]
+    gated = [r for r in rows if r.evaluate_s > 0]
+    traffic_s = sum(r.traffic_s for r in served)
+    traffic_rps = sum(r.requests for r in served) / traffic_s if served else float("inf")
+    gate_rps = 2 * params.evaluate.n_requests * len(gated) / sum(r.evaluate_s for r in gated) if gated else float("inf")
+    cycle_s = sum(r.traffic_s + params.ingest.feedback_timeout_s + 0.5 + r.cycle_s for r in rows) / len(rows)
+    return Pace(traffic_rps, cycle_s, sum(r.train_s for r in rows) / len(rows), gate_rps)
 
 
 def predicted_s(pace: Pace, elapsed_s: float, done: int, cycles: int, per_arm: int, params: Params) -> float:
@@ -115,7 +118,7 @@ def plan_demo(
     """The plan after the first cycle (rows[0]): the predicted wall time of `cycles` cycles and an A/B test of
     per_arm requests per arm, and, when that is over budget_s, the most cycles that are not. A single cycle counts
     only when it promoted a candidate on the gate (else there is nothing to A/B test)."""
-    pace = measured_pace(rows[0], params)
+    pace = measured_pace(rows[:1], params)
     total = predicted_s(pace, elapsed_s, len(rows), cycles, per_arm, params)
     fitting = [
         k

@@ -97,10 +97,15 @@ class _Editor:
             self.unattributed.append(len(self.turns))
         self.turns.append(turn)
 
-    async def turn(self, session: Session) -> None:
-        """One pause of a typing session: maybe a request, and what the user did with its answer."""
+    def pause(self, session: Session) -> float | None:
+        """How long the user pauses at the session's current pause (None: an editor that waits for every answer
+        does not care)."""
+        return None if self.sim.client == "waits" else session.pause(self.sim)
+
+    async def turn(self, session: Session, pause: float | None) -> None:
+        """One pause of a typing session (`pause`: its length) with a request, and what the user did with its
+        answer."""
         request = session.request()
-        pause = None if self.sim.client == "waits" else session.pause(self.sim)
         wait_s = None if pause is None else pause - self.sim.debounce_s  # from the request to the next keystroke
         answer, took = await self.ask(request, wait_s)
         if answer is None:
@@ -136,11 +141,12 @@ async def _one_user(
             break
         session = Session(region, editor.user, traffic, seed)
         while not session.done and budget[0] > 0:  # the budget spent, the user stops where the cursor is
-            if editor.sim.client == "continue" and session.pause(editor.sim) < editor.sim.debounce_s:
+            pause = editor.pause(session)
+            if pause is not None and pause < editor.sim.debounce_s:
                 session.type_on()  # typed on within the debounce: the editor never asked
                 continue
             budget[0] -= 1
-            await editor.turn(session)
+            await editor.turn(session, pause)
             done()
         if editor.arm:
             typed[editor.arm] = typed.get(editor.arm, 0) + session.typed_chars

@@ -8,15 +8,14 @@ from __future__ import annotations
 import math
 import time
 
-from serving.gateway import create_app
 from serving.simulate import run_simulation
 from tasks.core.outcomes import ArmCounts
-from tasks.core.store import CHALLENGER, CHAMPION, Arm, Store, init_schema, replace_arms
+from tasks.core.store import CHALLENGER, CHAMPION
 from tasks.sim.users import make_users
 from tests.conftest import tiny_params
 from tests.serving_util import serve_app
 from tests.support.cancel_bias import measured_rates, simulate_ab_tests, wilson
-from tests.support.harness import ROOT, delayed_factory
+from tests.support.harness import ROOT, slow_challenger_gateway
 
 SLOW_S = 1.0  # about SmolLM2's latency in process on these CPUs (docs/results.md)
 TRIALS = 1000  # simulated A/B tests per assignment and rule
@@ -36,16 +35,7 @@ def test_the_slower_of_two_equal_arms_is_judged_worse_no_more_often_than_the_fas
         serving={"config_ttl_s": 0, "max_tokens": 8, "experiment_salt": "bias"},
         ingest={"feedback_timeout_s": 0.5},
     )
-    engine = Store(params.paths.database_url).engine
-    init_schema(engine)
-    replace_arms(
-        engine,
-        [
-            Arm(CHAMPION, "tiny/1", str(model_dir), "embedded", 0.5),
-            Arm(CHALLENGER, "tiny/1-slow", str(model_dir), "embedded", 0.5, served_model="slow"),
-        ],
-    )
-    app = create_app(params, engine=engine, auth=False, backend_factory=delayed_factory({CHALLENGER: SLOW_S}))
+    engine, app = slow_challenger_gateway(params, model_dir, SLOW_S, "tiny/1-slow")
     with serve_app(app) as url:
         run_simulation(
             url,

@@ -134,7 +134,7 @@ def _timed(status: str = "deployed") -> CycleRow:
 
 def test_the_plan_after_cycle_one_predicts_the_wall_time_from_the_measured_pace():
     params = tiny_params()
-    pace = measured_pace(_timed(), params)
+    pace = measured_pace([_timed()], params)
     timeout = params.ingest.feedback_timeout_s
     assert pace.traffic_rps == 10.0 and pace.cycle_s == 100.0 + timeout + 0.5 + 150.0
     assert pace.gate_rps == 2 * params.evaluate.n_requests / 100.0
@@ -147,7 +147,7 @@ def test_the_plan_after_cycle_one_predicts_the_wall_time_from_the_measured_pace(
 def test_a_plan_over_budget_offers_the_most_cycles_that_fit_or_none():
     params = tiny_params()
     rows = [_timed()]
-    pace = measured_pace(rows[0], params)
+    pace = measured_pace(rows, params)
     budget = predicted_s(pace, 300.0, 1, 2, 2000, params) + 1.0  # two cycles fit, four do not
     plan = plan_demo(rows, 300.0, 4, budget, 2000, params)
     assert not plan.fits and plan.fewer_cycles == 2 and plan.predicted_s > budget
@@ -161,7 +161,7 @@ def test_a_plan_over_budget_offers_the_most_cycles_that_fit_or_none():
 def test_a_short_budget_takes_fewer_cycles_or_a_longer_run_but_caps_only_when_asked(capsys):
     params = tiny_params()
     rows = [_timed()]
-    budget = predicted_s(measured_pace(rows[0], params), 300.0, 1, 2, 2000, params) + 1.0
+    budget = predicted_s(measured_pace(rows, params), 300.0, 1, 2, 2000, params) + 1.0
     plan = plan_demo(rows, 300.0, 4, budget, 2000, params)
     assert choose(plan, "ask", 4, budget / 60) == (2, budget / 60)  # not a terminal: fewer cycles, where some fit
     assert choose(plan, "longer", 4, budget / 60) == (4, float(math.ceil(plan.predicted_s / 60)))

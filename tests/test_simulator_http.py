@@ -8,13 +8,12 @@ import time
 
 import sqlalchemy as sa
 
-from serving.gateway import create_app
 from serving.simulate import run_simulation
-from tasks.core.store import CHALLENGER, CHAMPION, Arm, Store, completions, feedback, init_schema, replace_arms
+from tasks.core.store import CHALLENGER, CHAMPION, completions, feedback
 from tasks.sim.users import make_users
 from tests.conftest import tiny_params
 from tests.serving_util import serve_app
-from tests.support.harness import delayed_factory
+from tests.support.harness import slow_challenger_gateway
 
 SLOW_S = 0.8  # the challenger's answers come this much later (after its generation: tests/support/harness.py)
 
@@ -30,17 +29,7 @@ def _simulate(tmp_path, tiny_model_dir, typing_regions, client: str, requests: i
         serving={"config_ttl_s": 0, "max_tokens": 8, "experiment_salt": "sim-http"},
         simulator={"client": client},
     )
-    engine = Store(params.paths.database_url).engine
-    init_schema(engine)
-    replace_arms(
-        engine,
-        [
-            Arm(CHAMPION, "tiny/1", str(tiny_model_dir), "embedded", 0.5),
-            # its own served name: its own backend (on the same loaded weights), which the factory delays
-            Arm(CHALLENGER, "tiny/2", str(tiny_model_dir), "embedded", 0.5, served_model="slow"),
-        ],
-    )
-    app = create_app(params, engine=engine, auth=False, backend_factory=delayed_factory({CHALLENGER: SLOW_S}))
+    engine, app = slow_challenger_gateway(params, tiny_model_dir, SLOW_S, "tiny/2")
     users = make_users(8, params.simulator)
     with serve_app(app) as url:
         by_arm = run_simulation(

@@ -50,12 +50,13 @@ def describe(params: Params) -> Machine:
 
     from tasks.core.vllm import server_dtype
 
+    cpuinfo = _cpuinfo()
     return Machine(
-        cpu=_cpu_model(),
+        cpu=_cpu_model(cpuinfo),
         cores=len(os.sched_getaffinity(0)),
         cpu_quota=_cpu_quota(),
         isa=torch.backends.cpu.get_cpu_capability(),
-        cpu_flags=_vector_flags(),
+        cpu_flags=_vector_flags(cpuinfo),
         bf16_units=tuple(cpu_bf16_units()),
         host_dtype=resolve_dtype(HOST),
         train_dtype=resolve_dtype(params.train.compute_dtype, "cuda" if torch.cuda.is_available() else "cpu"),
@@ -83,25 +84,26 @@ def vllm_env(params: Params) -> VllmEnv:
     return VllmEnv(python, done.stdout.strip().splitlines()[-1])
 
 
-def _cpu_model() -> str:
-    """The model name, with its family and model numbers (a VM may say only "AMD EPYC": family 26 is Zen 5)."""
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (empty where there is none)."""
     fields: dict[str, str] = {}
     for line in _read("/proc/cpuinfo").split("\n\n")[0].splitlines():
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def _cpu_model(fields: dict[str, str]) -> str:
+    """The model name, with its family and model numbers (a VM may say only "AMD EPYC": family 26 is Zen 5)."""
     name = fields.get("model name") or platform.processor() or platform.machine()
     if "cpu family" in fields and "model" in fields:
         return f"{name} (family {fields['cpu family']}, model {fields['model']})"
     return name
 
 
-def _vector_flags() -> tuple[str, ...]:
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
-    for line in _read("/proc/cpuinfo").splitlines():
-        if line.startswith("flags"):
-            have = set(line.split(":", 1)[1].split())
-            return tuple(flag for flag in wanted if flag in have)
-    return ()
+def _vector_flags(fields: dict[str, str]) -> tuple[str, ...]:
+    have = set(fields.get("flags", "").split())
+    return tuple(flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16") if flag in have)
 
 
 def _cpu_quota() -> float | None:

@@ -118,6 +118,11 @@ def _arm(rng: np.random.Generator, rates: ArmRates, pooled: ArmCounts, n: int, r
             abstained=decided - shown + cancelled - had_text,
             accepted_chars=chars,
         )
+    return stats_of(name, counts, params)
+
+
+def stats_of(name: str, counts: ArmCounts, params: Params) -> ArmStats:
+    """One arm's stats (its name as its version too) from its counts, never-shown ones counted apart."""
     return stats_from_counts(
         name,
         name,

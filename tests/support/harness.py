@@ -109,6 +109,25 @@ def delayed_factory(delays_s: dict[str, float], factory=None):
     return make
 
 
+def slow_challenger_gateway(params, model_dir: Path, slow_s: float, challenger_version: str):
+    """(engine, gateway app) over a fresh store at params' database: the champion and a challenger on the same
+    embedded weights, half the traffic each, the challenger under its own served name (its own backend, on the same
+    loaded weights) with its answers slow_s later. Auth off."""
+    from serving.gateway import create_app
+    from tasks.core.store import CHALLENGER, CHAMPION, Store, init_schema, replace_arms
+
+    engine = Store(params.paths.database_url).engine
+    init_schema(engine)
+    replace_arms(
+        engine,
+        [
+            Arm(CHAMPION, "tiny/1", str(model_dir), "embedded", 0.5),
+            Arm(CHALLENGER, challenger_version, str(model_dir), "embedded", 0.5, served_model="slow"),
+        ],
+    )
+    return engine, create_app(params, engine=engine, auth=False, backend_factory=delayed_factory({CHALLENGER: slow_s}))
+
+
 class VllmStandIn:
     """A real HTTP server on loopback that speaks vLLM's /v1/models and /v1/completions (token ids, log-probs;
     streamed as server-sent events, one token a chunk, when asked) and answers every request after `hold_s`, at
