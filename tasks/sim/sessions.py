@@ -197,8 +197,9 @@ def summarise_turns(turns: Sequence[Turn], typed_chars: int | dict[str, int]) ->
 def merge_typing(parts: Sequence[TypingSummary]) -> TypingSummary:
     """One summary of several (arms): the simulator's merge (`users.merge`) plus what typing adds."""
     counts = merge(parts)
+    never_shown = {name: sum(getattr(p, name) for p in parts) for name in NEVER_SHOWN}
     return TypingSummary(
-        **{f.name: getattr(counts, f.name) for f in fields(counts)},
+        **({f.name: getattr(counts, f.name) for f in fields(counts)} | never_shown),
         right=sum(p.right for p in parts),
         saved_chars=sum(p.saved_chars for p in parts),
         typed_chars=sum(p.typed_chars for p in parts),

@@ -92,8 +92,6 @@ def merge(parts: Sequence[Summary]) -> Summary:
         rejected=sum(p.rejected for p in parts),
         abstained=sum(p.abstained for p in parts),
         accepted_chars=sum(p.accepted_chars for p in parts),
-        cancelled=sum(p.cancelled for p in parts),
-        not_shown=sum(p.not_shown for p in parts),
         mean_len=sum(p.mean_len * p.shown for p in parts) / shown if shown else 0.0,
     )
 
