@@ -91,6 +91,8 @@ def _evaluate(candidate_dir, champion_dir, base_dir, holder, runs: CycleRuns, ti
     started = time.perf_counter()
     comparison = compare_task(str(candidate_dir), str(champion_dir), test, regions, params, mark_dir, str(base_dir))
     timing["time/evaluate_s"] = time.perf_counter() - started
+    typed = (comparison.candidate.typing, comparison.champion.typing)
+    timing["time/typing_s"] = sum(run.seconds for run in typed if run is not None)  # of which the two typed regions
     return comparison
 
 

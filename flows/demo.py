@@ -30,7 +30,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from prefect import flow
@@ -46,6 +46,7 @@ from flows.demo_plan import (
     describe_plan,
     plan_ab,
     plan_demo,
+    unattended,
 )
 from flows.loop_state import CycleRow
 from flows.online_loop import champion_dir, cycle_regions, loop_overrides, run_online_loop, start_gateway
@@ -294,19 +295,26 @@ IF_SHORT = ("ask", "fewer-cycles", "longer", "cap")
 def choose(plan: DemoPlan, if_short: str, cycles: int, budget_min: float) -> tuple[int, float]:
     """(cycles, budget_min) when the plan does not fit: --if-short's choice; `ask` asks on a terminal, and
     elsewhere takes fewer cycles where some fit, else the longer run (both end in an A/B test that can decide)."""
-    longer = math.ceil(plan.predicted_s / 60)
     if if_short == "ask" and sys.stdin.isatty():
         options = "[l]onger" + (", [f]ewer cycles" if plan.fewer_cycles else "") + " or [c]ap the A/B test"
         answer = input(f"{options}? ").strip().lower()[:1]
         if_short = {"l": "longer", "f": "fewer-cycles", "c": "cap"}.get(answer, "ask")
-    if if_short in ("ask", "fewer-cycles") and plan.fewer_cycles:
-        print(f"Running {plan.fewer_cycles} cycles, so that the A/B test can decide within the budget.", flush=True)
-        return plan.fewer_cycles, budget_min
     if if_short == "cap":
         print("Keeping the budget: the A/B test is capped to what is left of it and may not decide.", flush=True)
         return cycles, budget_min
-    print(f"Running longer: a budget of {longer} min, so that the A/B test can decide.", flush=True)
-    return cycles, float(longer)
+    if if_short == "longer":
+        plan = replace(plan, fewer_cycles=None)
+    runs, budget_s = unattended(plan)
+    if runs < cycles:
+        print(f"Running {runs} cycles, so that the A/B test can decide within the budget.", flush=True)
+    else:
+        print(f"Running longer: a budget of {budget_s / 60:.0f} min, so that the A/B test can decide.", flush=True)
+    return runs, budget_s / 60
+
+
+def defaults() -> argparse.Namespace:
+    """The demo's arguments as `make demo` runs it (what `tabrl doctor --predict demo` predicts)."""
+    return _parser().parse_args([])
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -9,12 +9,16 @@ never on the A/B test's outcomes, so its one look keeps its alpha (tasks/deploy/
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from scipy.stats import norm
 
 from flows.loop_state import CycleRow
-from tasks.core.config import Params
+from flows.online_loop import run_online_loop
+from tasks.core.config import Params, load_params
 from tasks.core.outcomes import ArmCounts, reward_std
 
 # The learning bench's measured setting (docs/results.md, "What the loop learns"), one cycle fewer: cycles of 1000
@@ -90,7 +94,7 @@ def measured_pace(rows: list[CycleRow], params: Params) -> Pace:
     traffic_s = sum(r.traffic_s for r in served)
     traffic_rps = sum(r.requests for r in served) / traffic_s if served else float("inf")
     gate_rps = 2 * params.evaluate.n_requests * len(gated) / sum(r.evaluate_s for r in gated) if gated else float("inf")
-    cycle_s = sum(r.traffic_s + params.ingest.feedback_timeout_s + 0.5 + r.cycle_s for r in rows) / len(rows)
+    cycle_s = sum(cycle_wall_s(r, params) for r in rows) / len(rows)
     return Pace(traffic_rps, cycle_s, sum(r.train_s for r in rows) / len(rows), gate_rps)
 
 
@@ -151,3 +155,78 @@ def describe_plan(plan: DemoPlan, mde: float, power: float) -> list[str]:
             + "or the A/B test capped to the budget, which may not decide (--if-short cap)."
         )
     return lines
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One short online cycle on this machine (`probe_cycle`), timed: what `tabrl doctor --predict` scales."""
+
+    row: CycleRow  # the probe cycle: its traffic, training and gate timed
+    requests: int  # the simulated requests it sent
+    gate_requests: int  # evaluate.n_requests its gate typed per model
+    startup_s: float  # the rest of its wall time: the state, the gateway, Prefect's and MLflow's first calls, the end
+
+
+def probe_cycle(params_file: str, overrides: list[str], requests: int, users: int, seed: int = 0) -> Probe:
+    """One online cycle of `requests` simulated requests whose gate types as many per model (its judged FIM samples
+    cut in the same proportion), in a state dir of its own that is removed after: the same code path as a cycle
+    of `make demo` or `bench.learning`, at a size that takes a minute or two."""
+    params = load_params(params_file, overrides)
+    samples = max(1, round(params.evaluate.n_samples * requests / params.evaluate.n_requests))
+    sized = [*overrides, f"evaluate.n_requests={requests}", f"evaluate.n_samples={samples}"]
+    with tempfile.TemporaryDirectory(prefix="tabrl-probe-") as state:
+        started = time.perf_counter()
+        rows, _ = run_online_loop(params_file, sized, 1, requests, users, Path(state), seed=seed, ab_test=False)
+        total_s = time.perf_counter() - started
+    row = rows[0]
+    startup_s = total_s - row.traffic_s - params.ingest.feedback_timeout_s - 0.5 - row.cycle_s
+    return Probe(row, requests, requests, max(startup_s, 0.0))
+
+
+def scaled(probe: Probe, requests: int, gate_requests: int) -> CycleRow:
+    """The probe's cycle at `requests` simulated requests and gates of `gate_requests` per model: traffic and
+    training in proportion to the requests (training's steps follow the decided rows), the gate's typing to its
+    requests (its engines, judge and logging as measured), the rest of the cycle (ingest, registry, rollout) as
+    measured."""
+    r, g = requests / probe.requests, gate_requests / probe.gate_requests
+    row = probe.row
+    train_s, evaluate_s = row.train_s * r, row.evaluate_s + row.typing_s * (g - 1)
+    return replace(
+        row,
+        requests=round(row.requests * r),
+        traffic_s=row.traffic_s * r,
+        train_s=train_s,
+        evaluate_s=evaluate_s,
+        typing_s=row.typing_s * g,
+        cycle_s=row.cycle_s + (train_s - row.train_s) + (evaluate_s - row.evaluate_s),
+    )
+
+
+def cycle_wall_s(row: CycleRow, params: Params) -> float:
+    """A cycle's wall time: its traffic, the feedback timeout, the cycle flow."""
+    return row.traffic_s + params.ingest.feedback_timeout_s + 0.5 + row.cycle_s
+
+
+def predict_demo(
+    probe: Probe, params: Params, cycles: int, requests: int, budget_s: float, mde: float, power: float
+) -> tuple[DemoPlan, DemoPlan]:
+    """What the demo's plan after cycle 1 will say on this machine, from the probe, and the plan it will run
+    unattended (`unattended`): its cycle 1 at full size (`scaled`, gates of evaluate.n_requests), the A/B test's
+    size from the probe's reward sd, the predicted wall time (the probe's startup included). Cycle 1's gate outcome
+    is not known ahead, so the fewer cycles are never one (a single cycle counts only when its gate passed)."""
+    row = replace(scaled(probe, requests, params.evaluate.n_requests), cycle_status="unknown")
+    needed = plan_ab(base_reward_sd(row, params), mde, params.deploy.alpha, power, 10**9)
+    elapsed = probe.startup_s + cycle_wall_s(row, params)
+    asked = plan_demo([row], elapsed, cycles, budget_s, needed.per_arm, params)
+    cycles, budget_s = unattended(asked)
+    return asked, plan_demo([row], elapsed, cycles, budget_s, needed.per_arm, params)
+
+
+def unattended(plan: DemoPlan) -> tuple[int, float]:
+    """(cycles, budget_s) the demo runs when nobody is asked (no terminal, or --if-short fewer-cycles) and the plan
+    does not fit: fewer cycles where some fit, else the budget raised to the predicted wall time."""
+    if plan.fits:
+        return plan.cycles, plan.budget_s
+    if plan.fewer_cycles:
+        return plan.fewer_cycles, plan.budget_s
+    return plan.cycles, 60.0 * math.ceil(plan.predicted_s / 60)

@@ -138,3 +138,4 @@ class CycleRow:
     train_s: float = 0.0  # seconds of the update (0: the cycle trained nothing)
     evaluate_s: float = 0.0  # seconds of the gate's evaluation (candidate, champion, the lineage's mark)
     cycle_s: float = 0.0  # seconds of the whole cycle flow (ingest, reward, train, evaluate, register, roll out)
+    typing_s: float = 0.0  # of evaluate_s, the seconds candidate and champion typed the held-out regions

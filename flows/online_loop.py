@@ -188,6 +188,7 @@ def _row(cycle, by_arm, decision, report, params: Params, ab_test: bool, traffic
         train_s=m.get("time/train_s", 0.0),
         evaluate_s=m.get("time/evaluate_s", 0.0),
         cycle_s=cycle_s,
+        typing_s=m.get("time/typing_s", 0.0),
     )
 
 

@@ -3,13 +3,29 @@
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from dataclasses import replace
 
 import pytest
 import yaml
 
 from flows.demo import choose, run_ab_test, start_ab_test
-from flows.demo_plan import AbPlan, base_reward_sd, budget_per_arm, measured_pace, plan_ab, plan_demo, predicted_s
+from flows.demo_plan import (
+    AbPlan,
+    Probe,
+    base_reward_sd,
+    budget_per_arm,
+    cycle_wall_s,
+    measured_pace,
+    plan_ab,
+    plan_demo,
+    predict_demo,
+    predicted_s,
+    probe_cycle,
+    scaled,
+    unattended,
+)
 from flows.loop_state import CycleRow
 from flows.report import story_in_words
 from tasks.core.store import CHALLENGER, CHAMPION, open_store, read_arms
@@ -17,6 +33,7 @@ from tasks.deploy.registry import Registry
 from tasks.deploy.tracking import CycleRuns
 from tasks.sim.editor import regions_path, write_regions
 from tests.conftest import tiny_params
+from tests.test_flow_cycle import FAST_TRAIN, write_cycle_inputs
 
 
 def test_the_plan_is_the_two_sided_power_formula():
@@ -169,3 +186,59 @@ def test_a_short_budget_takes_fewer_cycles_or_a_longer_run_but_caps_only_when_as
     nothing_fits = plan_demo([_timed("gate_failed")], 300.0, 4, 1.0, 2000, params)
     assert choose(nothing_fits, "fewer-cycles", 4, 0.1)[0] == 4  # no fewer cycles fit: the longer run
     assert "Running longer" in capsys.readouterr().out
+
+
+def test_a_probe_cycle_scales_its_traffic_training_and_the_gates_typing_but_not_what_is_fixed():
+    # a probe of 200 requests (150 decided in 20 s), training 6 s, a gate of 200 per model in 30 s of which 20 typing
+    row = replace(_timed(), requests=150, traffic_s=20.0, train_s=6.0, evaluate_s=30.0, typing_s=20.0, cycle_s=50.0)
+    probe = Probe(row, requests=200, gate_requests=200, startup_s=10.0)
+    full = scaled(probe, 1000, 400)
+    assert (full.requests, full.traffic_s, full.train_s) == (750, 100.0, 30.0)
+    assert full.typing_s == 40.0 and full.evaluate_s == 10.0 + 40.0  # the engines, judge and logging: as measured
+    assert full.cycle_s == 50.0 + (30.0 - 6.0) + (50.0 - 30.0)  # ingest, registry, rollout: as measured
+
+
+def test_the_prediction_is_the_plan_the_demo_makes_after_cycle_one_and_what_it_runs_unattended():
+    params = tiny_params()
+    row = replace(_timed(), requests=200, traffic_s=20.0, train_s=12.0, evaluate_s=20.0, typing_s=10.0, cycle_s=30.0)
+    probe = Probe(row, requests=200, gate_requests=params.evaluate.n_requests, startup_s=12.0)
+    full = scaled(probe, 1000, params.evaluate.n_requests)
+    elapsed = 12.0 + cycle_wall_s(full, params)
+    per_arm = plan_ab(base_reward_sd(full, params), 0.014, params.deploy.alpha, 0.8, 10**9).per_arm
+    roomy, runs = predict_demo(probe, params, 4, 1000, 10**6, 0.014, 0.8)
+    assert roomy == runs and roomy.fits and roomy.per_arm == per_arm
+    assert roomy.predicted_s == pytest.approx(predicted_s(roomy.pace, elapsed, 1, 4, per_arm, params))
+    two = predicted_s(roomy.pace, elapsed, 1, 2, per_arm, params)
+    asked, runs = predict_demo(probe, params, 4, 1000, two + 1.0, 0.014, 0.8)
+    assert not asked.fits and (runs.cycles, runs.predicted_s) == (2, pytest.approx(two)) and runs.fits
+    # one cycle is never the prediction: whether cycle 1 passes its gate is not known ahead; nothing fits: longer
+    one = predicted_s(roomy.pace, elapsed, 1, 1, per_arm, params)
+    asked, runs = predict_demo(probe, params, 4, 1000, one + 1.0, 0.014, 0.8)
+    assert asked.fewer_cycles is None and runs.cycles == 4 and runs.budget_s == 60 * math.ceil(asked.predicted_s / 60)
+    assert unattended(runs) == (4, runs.budget_s) and runs.fits
+
+
+def test_a_probe_cycle_times_its_parts_on_a_gate_of_its_own_size_in_a_state_it_removes(
+    tmp_path, tiny_model_dir, fim_samples, typing_regions, mlflow_store, prefect_harness, monkeypatch
+):
+    """`tabrl doctor --predict`'s measurement: one real online cycle (gateway, simulated editors, the cycle flow)
+    whose gate types as many requests as its traffic sent, timed, in a temporary state dir."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", os.environ.get("MLFLOW_TRACKING_URI", ""))  # the loop sets its own
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    sections = {
+        "model": {"base_dir": str(tiny_model_dir)},
+        "ingest": {"feedback_timeout_s": 0.5},
+        "train": FAST_TRAIN,
+        "evaluate": {"n_samples": 16, "n_requests": 64, "max_new_tokens": 4},
+    }
+    params, params_file = write_cycle_inputs(tmp_path, tmp_path, fim_samples, typing_regions, **sections)
+    write_regions(typing_regions, regions_path(params.paths.data_dir, "train"), params.traffic)
+    probe = probe_cycle(str(params_file), [], requests=24, users=4)
+    row = probe.row
+    assert (probe.requests, probe.gate_requests) == (24, 24) and 0 < row.requests <= 24
+    assert row.cycle_status in ("deployed", "gate_failed"), row.cycle_status  # it trained and was gated
+    assert row.serving_eval["eval/typing/requests"] == 24  # the gate typed the probe's size, not evaluate.n_requests
+    assert 0 < row.typing_s < row.evaluate_s < row.cycle_s and row.train_s > 0 and row.traffic_s > 0
+    assert probe.startup_s > 0
+    assert list((tmp_path / "tmp").iterdir()) == []  # its state dir is gone

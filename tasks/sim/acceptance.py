@@ -20,6 +20,7 @@ pre-training lowers long before a right rate of a few hundred requests moves).
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,7 @@ class TypingRun:
     summary: TypingSummary
     turns: list[Turn]
     sessions: list[tuple[int, int, int, int, int, int]]  # per session: requests, shown, accepted, right, saved, typed
+    seconds: float = 0.0  # wall time of the typing (the model's generation and the simulated users)
 
 
 def render_request(template: FimTemplate, request: dict, serving: ServingParams) -> str:
@@ -153,6 +155,7 @@ def type_regions(
         )
         return [g.text for g in gens]
 
+    started = time.perf_counter()
     with tqdm(total=params.evaluate.n_requests, desc=desc, unit="req") as bar:
         turns, typed = run_sessions(
             regions,
@@ -164,7 +167,8 @@ def type_regions(
             params.traffic,
             progress=bar.update,
         )
-    return TypingRun(summarise_turns(turns, typed), turns, session_stats(turns, typed))
+    seconds = time.perf_counter() - started
+    return TypingRun(summarise_turns(turns, typed), turns, session_stats(turns, typed), seconds)
 
 
 def typing_acceptance(
