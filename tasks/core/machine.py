@@ -107,14 +107,30 @@ def _vector_flags(fields: dict[str, str]) -> tuple[str, ...]:
 
 
 def _cpu_quota() -> float | None:
-    """Cores' worth of CPU time the cgroup (v2 `cpu.max`, v1 `cpu.cfs_quota_us`) allows this process; None: none."""
-    v2 = _read("/sys/fs/cgroup/cpu.max").split()
-    if len(v2) == 2 and v2[0] != "max":
-        return int(v2[0]) / int(v2[1])
-    quota, period = _read("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"), _read("/sys/fs/cgroup/cpu/cpu.cfs_period_us")
-    if quota.strip().lstrip("-").isdigit() and int(quota) > 0 and period.strip().isdigit():
-        return int(quota) / int(period)
-    return None
+    """Cores' worth of CPU time the cgroups (v2 `cpu.max`, v1 `cpu.cfs_quota_us`) allow this process: the tightest
+    quota on the way from its own group (/proc/self/cgroup) up to the root; None: none."""
+    quotas = []
+    for group in _cgroup_dirs():
+        v2 = _read(f"{group}/cpu.max").split()
+        if len(v2) == 2 and v2[0] != "max":
+            quotas.append(int(v2[0]) / int(v2[1]))
+        quota, period = _read(f"{group}/cpu.cfs_quota_us"), _read(f"{group}/cpu.cfs_period_us")
+        if quota.strip().lstrip("-").isdigit() and int(quota) > 0 and period.strip().isdigit():
+            quotas.append(int(quota) / int(period))
+    return min(quotas, default=None)
+
+
+def _cgroup_dirs() -> list[str]:
+    """The cgroup directories whose CPU limits apply to this process: its own (v2, and v1's `cpu` controller) and
+    every parent up to the root."""
+    dirs = []
+    for line in _read("/proc/self/cgroup").splitlines():
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "" or "cpu" in controllers.split(","):
+            root = "/sys/fs/cgroup" if controllers == "" else "/sys/fs/cgroup/cpu"
+            parts = [part for part in path.strip().split("/") if part]
+            dirs += [root + "".join(f"/{part}" for part in parts[:depth]) for depth in range(len(parts), -1, -1)]
+    return dirs or ["/sys/fs/cgroup", "/sys/fs/cgroup/cpu"]
 
 
 def _read(path: str) -> str:
