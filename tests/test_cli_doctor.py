@@ -7,8 +7,10 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
+from typer.testing import CliRunner
 
 from tasks.core.dtypes import cpu_bf16_units
 
@@ -52,3 +54,33 @@ def test_doctor_gives_the_version_of_the_vllm_it_finds(vllm_python):
         [vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True, timeout=300
     ).stdout.strip()
     assert record["vllm"]["version"] == version and version
+
+
+def _probe(decided: int, train_s: float, evaluate_s: float, status: str):
+    from flows.demo_plan import Probe
+    from flows.loop_state import CycleRow
+
+    row = CycleRow(1, "champion:1", decided, 0.3, 0.1, 0.1, 0.01, -0.05, "-", status, None, None, None, None, None, {})
+    row = replace(row, traffic_s=20.0, train_s=train_s, evaluate_s=evaluate_s, typing_s=evaluate_s / 2, cycle_s=40.0)
+    return Probe(row, requests=40, gate_requests=40, startup_s=30.0)
+
+
+def test_doctor_predicts_a_cycle_from_the_timed_one_and_refuses_when_it_trained_nothing(monkeypatch):
+    """The timed cycle itself is tested for real (tests/test_demo.py); here, what the doctor says from one."""
+    import flows.demo_plan
+    from flows.cli.main import app
+    from flows.demo_plan import cycle_wall_s, scaled
+    from tasks.core.config import load_params
+
+    monkeypatch.setattr(flows.demo_plan, "probe_cycle", lambda *args: _probe(30, 5.0, 12.0, "deployed"))
+    done = CliRunner().invoke(app, ["doctor", "--json", "--no-vllm", "--predict", "cycle", "--requests", "400"])
+    assert done.exit_code == 0, done.output
+    prediction = json.loads(done.output)["prediction"]
+    row = scaled(_probe(30, 5.0, 12.0, "deployed"), 400, load_params().evaluate.n_requests)
+    assert prediction["predicted_s"] == pytest.approx(cycle_wall_s(row, load_params()))
+    assert prediction["traffic_s"] == pytest.approx(200.0) and prediction["train_s"] == pytest.approx(50.0)
+
+    monkeypatch.setattr(flows.demo_plan, "probe_cycle", lambda *args: _probe(0, 0.0, 0.0, "skipped"))
+    done = CliRunner().invoke(app, ["doctor", "--no-vllm", "--predict", "cycle"])
+    assert done.exit_code == 1
+    assert "No prediction" in done.output and "0 of 40 requests decided" in done.output

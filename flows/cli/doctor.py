@@ -7,7 +7,7 @@ import contextlib
 import json
 import sys
 from enum import StrEnum
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -15,6 +15,9 @@ from rich.table import Table
 from flows.cli.console import ParamsOpt, SetOpt, console, params_or_exit, print_table
 from tasks.core.config import DEFAULT_PARAMS_FILE, Params
 from tasks.core.machine import Machine, VllmEnv, describe, vllm_env
+
+if TYPE_CHECKING:  # the probe's imports (Prefect, the gateway) wait for --predict
+    from flows.demo_plan import Probe
 
 
 class Predict(StrEnum):
@@ -59,21 +62,16 @@ def doctor_cmd(
         record = machine.as_dict() | ({} if vllm is None else {"vllm": vllm.__dict__})
         record |= {} if prediction is None else {"prediction": prediction}
         console.print(json.dumps(record, indent=2), highlight=False)
-        return
-    _print_machine(machine, resolved, vllm)
-    if vllm is not None and vllm.version is None:
-        console.print(
-            "vLLM arms and evaluations need it: `bash .ci/vllm-venv.sh .venv-vllm`, then "
-            "--set serving.vllm_python=$PWD/.venv-vllm/bin/python",
-            highlight=False,
-        )
-    if prediction is not None:
-        for line in prediction["lines"]:
+    else:
+        _print_machine(machine, resolved, vllm)
+        for line in [] if prediction is None else prediction["lines"]:
             console.print(line, highlight=False)
+    if prediction is not None and prediction["predicted_s"] is None:
+        raise typer.Exit(1)
 
 
 def _print_machine(machine: Machine, resolved: Params, vllm: VllmEnv | None) -> None:
-    """The machine as a table."""
+    """The machine as a table (and how to build a vLLM venv where none was found)."""
     quota = "none" if machine.cpu_quota is None else f"{machine.cpu_quota:g} cores' worth"
     bf16 = ", ".join(machine.bf16_units) or "none (bf16 runs through conversions: many times slower than float32)"
     rows = [
@@ -93,13 +91,19 @@ def _print_machine(machine: Machine, resolved: Params, vllm: VllmEnv | None) -> 
     for name, value in rows:
         table.add_row(name, value)
     print_table(table)
+    if vllm is not None and vllm.version is None:
+        console.print(
+            "vLLM arms and evaluations need it: `bash .ci/vllm-venv.sh .venv-vllm`, then "
+            "--set serving.vllm_python=$PWD/.venv-vllm/bin/python",
+            highlight=False,
+        )
 
 
 def _predict(what: Predict, params_file: str, sets: list[str], requests: int, users: int, probe: int) -> dict:
     """One short online cycle timed here (`flows.demo_plan.probe_cycle`), scaled to `make demo` or to one cycle of
     `requests`: {"predicted_s": ..., the parts, "lines": the prediction in words}."""
     from flows.demo import defaults
-    from flows.demo_plan import DEMO_SETTINGS, cycle_wall_s, predict_demo, probe_cycle, scaled
+    from flows.demo_plan import DEMO_SETTINGS, cycle_wall_s, probe_cycle, scaled
     from tasks.core.config import load_params
 
     demo = defaults()
@@ -113,6 +117,19 @@ def _predict(what: Predict, params_file: str, sets: list[str], requests: int, us
         f"{timed.gate_requests} requests per model in {timed.row.evaluate_s:.0f} s; "
         f"{timed.startup_s:.0f} s to start and stop."
     )
+    if timed.row.train_s <= 0 or timed.row.evaluate_s <= 0:
+        return {
+            "what": what.value,
+            "predicted_s": None,
+            "lines": [
+                measured,
+                f"No prediction: the timed cycle did not train and gate a candidate ({timed.row.cycle_status}; "
+                f"{timed.row.requests} of {timed.requests} requests decided, the rest cancelled or never shown by "
+                "the simulated editors). Where a model answers slower than people type, a cancelling editor "
+                "(simulator.client: continue) aborts nearly every request; try --set simulator.client=waits, or "
+                "more --probe-requests.",
+            ],
+        }
     if what is Predict.cycle:
         row = scaled(timed, requests, params.evaluate.n_requests)
         total = cycle_wall_s(row, params)
@@ -131,6 +148,15 @@ def _predict(what: Predict, params_file: str, sets: list[str], requests: int, us
                 f"the gate {row.evaluate_s / 60:.1f} min (a run's first cycle adds about {timed.startup_s:.0f} s).",
             ],
         }
+    return _demo_prediction(timed, params, measured)
+
+
+def _demo_prediction(timed: Probe, params: Params, measured: str) -> dict:
+    """`make demo` here, from the timed cycle: the plan it makes after cycle 1 and what it runs unattended."""
+    from flows.demo import defaults
+    from flows.demo_plan import predict_demo
+
+    demo = defaults()
     asked, runs = predict_demo(timed, params, demo.cycles, demo.requests, 60 * demo.budget_min, demo.mde, demo.power)
     plan = f"{runs.cycles} cycles and an A/B test of {runs.per_arm} requests per arm"
     if asked.fits:
