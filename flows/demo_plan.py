@@ -179,7 +179,7 @@ def probe_cycle(params_file: str, overrides: list[str], requests: int, users: in
         rows, _ = run_online_loop(params_file, sized, 1, requests, users, Path(state), seed=seed, ab_test=False)
         total_s = time.perf_counter() - started
     row = rows[0]
-    startup_s = total_s - row.traffic_s - params.ingest.feedback_timeout_s - 0.5 - row.cycle_s
+    startup_s = total_s - cycle_wall_s(row, params)
     return Probe(row, requests, requests, max(startup_s, 0.0))
 
 

@@ -3,6 +3,7 @@ with --predict, how long `make demo` or one online cycle will take here, from on
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import sys
@@ -34,9 +35,10 @@ def doctor_cmd(
         Predict | None,
         typer.Option(
             "--predict",
-            help="Also predict a wall time here from one short online cycle timed on this machine (about 2 min, 3-4 "
-            "on a slow one; longer with vLLM): `demo`, what `make demo` will take and do; `cycle`, one online cycle "
-            "of --requests with these params (e.g. --set @params.real-model.yaml --set @params.vllm-cpu.yaml).",
+            help="Also predict a wall time here from one short online cycle timed on this machine (80-100 s with "
+            "tabrl-tiny on 2 cores; about 8 min with SmolLM2 on vLLM on a slow one): `demo`, what `make demo` will "
+            "take and do; `cycle`, one online cycle of --requests with these params (e.g. --set "
+            "@params.real-model.yaml --set @params.vllm-cpu.yaml).",
         ),
     ] = None,
     requests: Annotated[
@@ -148,15 +150,14 @@ def _predict(what: Predict, params_file: str, sets: list[str], requests: int, us
                 f"the gate {row.evaluate_s / 60:.1f} min (a run's first cycle adds about {timed.startup_s:.0f} s).",
             ],
         }
-    return _demo_prediction(timed, params, measured)
+    return _demo_prediction(timed, params, demo, measured)
 
 
-def _demo_prediction(timed: Probe, params: Params, measured: str) -> dict:
-    """`make demo` here, from the timed cycle: the plan it makes after cycle 1 and what it runs unattended."""
-    from flows.demo import defaults
+def _demo_prediction(timed: Probe, params: Params, demo: argparse.Namespace, measured: str) -> dict:
+    """`make demo` (its arguments `demo`) here, from the timed cycle: the plan it makes after cycle 1 and what it
+    runs unattended."""
     from flows.demo_plan import predict_demo
 
-    demo = defaults()
     asked, runs = predict_demo(timed, params, demo.cycles, demo.requests, 60 * demo.budget_min, demo.mde, demo.power)
     plan = f"{runs.cycles} cycles and an A/B test of {runs.per_arm} requests per arm"
     if asked.fits:
