@@ -64,6 +64,8 @@ from tasks.deploy.rollout import rollout
 from tasks.sim.editor import read_regions, regions_path
 from tasks.sim.users import SimUser, make_users
 
+_AB_ROUNDS = 8  # rounds of A/B traffic at most: the first, then top-ups of the shorter arm
+
 
 @flow(name="demo-start-ab-test", log_prints=True)
 def start_ab_test(params_file: str, overrides: list[str], base_label: str) -> str:
@@ -132,7 +134,7 @@ def _traffic_until_planned(
     logged: dict[str, int] = {}  # completions per arm, never-shown ones included
     typing, total = sim_users, 2 * plan.per_arm
     width = min(max(users, total // 4), len(regions))  # regions per round
-    for round_ in range(4):
+    for round_ in range(_AB_ROUNDS):
         end = len(regions) - (round_ * width) % len(regions)  # rounds walk back from the end, wrapping
         window = regions[max(end - width, 0) : end]
         by_arm = run_simulation(
@@ -151,11 +153,14 @@ def _traffic_until_planned(
             logged[arm] = logged.get(arm, 0) + summary.logged
         shorter = min((CHAMPION, CHALLENGER), key=lambda arm: served.get(arm, 0))
         missing = plan.per_arm - served.get(shorter, 0)
-        total = math.ceil(missing * logged.get(shorter, 1) / max(served.get(shorter, 0), 1))
         if missing <= 0:
             break
         typing = [u for u in sim_users if arm_of[u.user_id] == shorter]
+        # at least one request per typing user: a top-up of 2 can be cancelled whole by an editor that aborts
+        total = max(math.ceil(missing * logged.get(shorter, 1) / max(served.get(shorter, 0), 1)), len(typing))
         print(f"A/B traffic: {served}; {total} more requests from the {shorter} arm's {len(typing)} users", flush=True)
+    else:
+        print(f"A/B traffic: {served} after {_AB_ROUNDS} rounds; the test looks at what the shorter arm has")
     return served
 
 
