@@ -33,11 +33,12 @@ from pathlib import Path
 
 from bench.gateway import machine
 from flows.cli.console import console, print_table
-from serving.backends import EmbeddedBackend, Sampling
 from serving.router import assign
 from serving.simulate import run_simulation
 from tasks.core.config import Params, load_params
 from tasks.core.dtypes import cpu_bf16_units
+from tasks.core.engines.base import Sampling
+from tasks.core.engines.embedded import EmbeddedBackend
 from tasks.core.outcomes import ArmCounts, reward_per_request
 from tasks.core.procs import free_port
 from tasks.core.store import CHALLENGER, CHAMPION, Arm, Store, init_schema, replace_arms

@@ -42,8 +42,9 @@ import torch
 from bench import CPU_OVERLAY
 from flows.cli.console import console, print_table
 from tasks.core.config import Params, load_params
+from tasks.core.engines import open_engine
 from tasks.core.generate import load_model
-from tasks.core.inference import Engine, InProcess, open_engine
+from tasks.core.inference import Engine, InProcess
 from tasks.core.intervals import interval, metric_fns
 from tasks.core.vllm import recorded_servers, server_dtype, stop_vllm
 from tasks.sim.acceptance import type_regions

@@ -32,7 +32,7 @@ from rich.table import Table
 from bench import CPU_OVERLAY
 from flows.cli.console import console, print_table
 from tasks.core.config import load_params
-from tasks.core.inference import open_engine
+from tasks.core.engines import open_engine
 from tasks.sim.acceptance import gate_regions, type_regions
 from tasks.sim.editor import read_regions, regions_path
 

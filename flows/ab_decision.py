@@ -52,7 +52,8 @@ def record_decision(params: Params, decision: ab.Decision, stats: dict[str, ab.A
 
 @task(retries=2, retry_delay_seconds=[5, 15], cache_policy=NO_CACHE)
 def sync_live_adapters(params: Params) -> list[str]:
-    """vLLM arms: load again the adapters a restarted server lost (the arms table is the truth)."""
+    """Each live arm's engine serves again what it lost (a restarted vLLM server's adapters; the arms table is the
+    truth)."""
     return sync_adapters(params)
 
 
@@ -60,9 +61,8 @@ def sync_live_adapters(params: Params) -> list[str]:
 def ab_decision(params_file: str = str(DEFAULT_PARAMS_FILE), overrides: list[str] | None = None) -> ab.Decision:
     """Decide on the running A/B test; a promote or rollback is applied and recorded, a continue recorded."""
     params = load_params(params_file, overrides or [])
-    if params.serving.backend == "vllm":
-        for line in sync_live_adapters(params):
-            print(f"loaded again: {line}")
+    for line in sync_live_adapters(params):
+        print(f"loaded again: {line}")
     stats = live_stats(params)
     if CHAMPION not in stats or CHALLENGER not in stats:
         decision = ab.Decision("continue", f"no A/B test running (live arms: {sorted(stats)})", {})

@@ -34,7 +34,6 @@ import uvicorn
 from fastapi import FastAPI
 from sqlalchemy.engine import Engine
 
-from serving.backends import Backend, make_backend
 from serving.compat import ContinueEvent, RlinfSubmit
 from serving.completions import completions as complete
 from serving.errors import install_error_handlers
@@ -46,6 +45,8 @@ from serving.state import Gateway
 from serving.status import healthz, models
 from serving.status import metrics as render_metrics
 from tasks.core.config import Params
+from tasks.core.engines import make_backend
+from tasks.core.engines.base import Backend
 from tasks.core.store import Arm, Store, init_schema
 
 log = logging.getLogger("tabrl.gateway")

@@ -24,8 +24,9 @@ from dataclasses import dataclass, replace
 
 from sqlalchemy.engine import Engine
 
-from serving.backends import Backend, BackendError, Sampling, make_backend
 from serving.errors import ApiError
+from tasks.core.engines import make_backend
+from tasks.core.engines.base import Backend, BackendError, Sampling
 from tasks.core.fim import FimPrompt, FimTemplate
 from tasks.core.generate import Generation, ShowRule
 from tasks.core.store import CHAMPION, Arm, read_arms
@@ -105,7 +106,8 @@ class Router:
         self._read_at = float("-inf")
         self._lock = asyncio.Lock()
         # One backend per served model (backend, model_uri, served name, adapter): a share change keeps the loaded
-        # model, a new version loads anew; embedded arms on one checkpoint share its weights (serving/backends.py).
+        # model, a new version loads anew; embedded arms on one checkpoint share its weights
+        # (tasks/core/engines/embedded.py).
         self._backends: dict[tuple[str, str, str | None, str | None], Backend] = {}
 
     async def arms(self) -> list[Arm]:

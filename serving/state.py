@@ -13,12 +13,12 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.engine import Engine
 
 from serving.auth import Caller, Directory, resolve_caller
-from serving.backends import Backend
 from serving.limits import make_limiter
 from serving.log import LogWriter
 from serving.metrics import Metrics
 from serving.router import Router
 from tasks.core.config import Params
+from tasks.core.engines.base import Backend
 from tasks.core.store import Arm
 
 log = logging.getLogger("tabrl.gateway")

@@ -21,7 +21,8 @@ from tests.support.harness import start_process
 def _serve_backend(model_dir: str, port: int) -> None:
     import uvicorn
 
-    from serving.backends import EmbeddedBackend, Sampling
+    from tasks.core.engines.base import Sampling
+    from tasks.core.engines.embedded import EmbeddedBackend
 
     backend = EmbeddedBackend(model_dir)
     app = FastAPI()

@@ -242,7 +242,7 @@ def test_a_models_fim_completions_are_made_once_and_remembered(
     """fim_completions: the samples a model completed before come from the cache with the texts it made, only
     the new ones reach the engine; another model, another completion length or the cache off complete them all.
     An adapter is another model than its base."""
-    from tasks.core.inference import open_engine
+    from tasks.core.engines import open_engine
     from tasks.evaluate import completions
 
     made: list[int] = []

@@ -13,6 +13,10 @@ Beside the product: tests/ and bench/ may import any of it, and bench/ may impor
 no test imports bench/ (what both need lives in tests/support/ or the product), and no bench patches
 ``sys.path`` (benches run as ``python -m bench.NAME`` from the repo root).
 Each failure prints its file, line and the rule it breaks.
+
+Which serving backend runs is the serving engine's business (tasks/core/engines/, issue 55): no module outside
+the engines and the config compares a ``.backend``, ``.adapter_serving`` or ``.adapter_engine`` with a string
+(``==``, ``!=``, ``in``, or a ``match``); it asks the engine instead.
 """
 
 from __future__ import annotations
@@ -162,6 +166,40 @@ def breaks_between_tests_and_benches(root: Path = ROOT) -> list[str]:
     return lines
 
 
+BRANCH_ATTRS = ("backend", "adapter_serving", "adapter_engine")  # what only the engines may branch on
+ENGINE_MODULES = ("tasks/core/engines/", "tasks/core/config/")
+
+
+def _branch_attr(node: ast.expr) -> str | None:
+    return node.attr if isinstance(node, ast.Attribute) and node.attr in BRANCH_ATTRS else None
+
+
+def _strings(node: ast.expr) -> bool:
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str)
+    return isinstance(node, ast.Tuple | ast.List | ast.Set) and any(_strings(e) for e in node.elts)
+
+
+def backend_branches(root: Path = ROOT) -> list[str]:
+    """Each comparison of a backend setting with a string outside the engine modules, as file:line: what."""
+    lines = []
+    for path in sorted(p for pkg in PACKAGES for p in (root / pkg).rglob("*.py")):
+        where = path.relative_to(root).as_posix()
+        if where.startswith(ENGINE_MODULES):
+            continue
+        found: list[tuple[int, str]] = []
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                attrs = [a for a in map(_branch_attr, sides) if a]
+                if attrs and any(_strings(side) for side in sides):
+                    found.append((node.lineno, f"compares .{attrs[0]} with a string"))
+            elif isinstance(node, ast.Match) and (attr := _branch_attr(node.subject)):
+                found.append((node.lineno, f"matches .{attr}"))
+        lines += [f"{where}:{line}: {what}: ask the engine" for line, what in sorted(found)]
+    return lines
+
+
 def _report(title: str, lines: list[str]) -> str:
     return f"{len(lines)} {title}:\n  " + "\n  ".join(lines)
 
@@ -179,6 +217,34 @@ def test_no_two_modules_import_each_other_through_any_chain():
 def test_no_test_imports_a_bench_and_no_bench_patches_sys_path():
     found = breaks_between_tests_and_benches()
     assert not found, _report("breaks between tests/ and bench/", found)
+
+
+def test_only_the_engines_branch_on_the_serving_backend():
+    found = backend_branches()
+    assert not found, _report("branches on the serving backend outside tasks/core/engines", found)
+
+
+def test_the_backend_check_catches_each_kind_of_branch(tmp_path):
+    for folder in ("tasks/core/engines", "tasks/deploy", "serving", "flows"):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "tasks/deploy/a.py").write_text(
+        "def f(p, arm):\n"
+        "    if p.serving.backend == 'vllm':\n"
+        "        pass\n"
+        "    ok = arm.backend in ('embedded', 'vllm')\n"
+        "    same = arm.backend == other.backend\n"  # two settings, no string: not a branch on a name
+        "    match p.serving.adapter_serving:\n"
+        "        case 'lora':\n"
+        "            pass\n"
+    )
+    (tmp_path / "serving/b.py").write_text("x = 'merged' != params.evaluate.adapter_engine\n")
+    (tmp_path / "tasks/core/engines/vllm.py").write_text("y = params.serving.adapter_serving == 'lora'\n")
+    assert backend_branches(tmp_path) == [
+        "serving/b.py:1: compares .adapter_engine with a string: ask the engine",
+        "tasks/deploy/a.py:2: compares .backend with a string: ask the engine",
+        "tasks/deploy/a.py:4: compares .backend with a string: ask the engine",
+        "tasks/deploy/a.py:6: matches .adapter_serving: ask the engine",
+    ]
 
 
 def test_the_apart_check_catches_a_bench_import_and_a_path_patch(tmp_path):

@@ -14,8 +14,9 @@ import sqlalchemy as sa
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.auth import add_key
-from serving.backends import EmbeddedBackend, Sampling
 from serving.gateway import create_app
+from tasks.core.engines.base import Sampling
+from tasks.core.engines.embedded import EmbeddedBackend
 from tasks.core.fim import QWEN
 from tasks.core.generate import generate, load_model
 from tasks.core.store import CHALLENGER, CHAMPION, Arm, Store, completions, feedback, init_schema, replace_arms
@@ -202,7 +203,7 @@ def test_generation_stops_at_the_next_token_once_abandoned(tiny_model_dir):
 def test_a_cancelled_embedded_request_frees_the_model_for_the_next(babbler_dir, monkeypatch):
     """The worker thread of a cancelled request stops at its next token instead of generating on with the model's
     lock held (a request still waiting for the lock never starts)."""
-    import serving.backends as backends
+    import tasks.core.engines.embedded as backends
 
     made = []
     real = backends.generate

@@ -20,9 +20,10 @@ import sqlalchemy as sa
 
 from serving.auth import add_key
 from serving.gateway import create_app
+from tasks.core.engines import open_engine
 from tasks.core.fim import PREFIX_ONLY, QWEN
 from tasks.core.generate import ShowRule, generate, load_model, merged_dir, stops_of
-from tasks.core.inference import VllmEngine, open_engine
+from tasks.core.inference import VllmEngine
 from tasks.core.procs import free_port, wait_until_up
 from tasks.core.store import Arm, Store, completions, init_schema, replace_arms
 from tasks.core.vllm import recorded_servers, same_checkpoint, start_of_text

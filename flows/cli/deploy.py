@@ -133,16 +133,19 @@ def vllm_start_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None)
     """Start (or find) the champion's base server with runtime LoRA, load an adapter champion, point the arms at it.
 
     Example: tabrl vllm start --set serving.backend=vllm --set serving.vllm_python=.venv-vllm/bin/python"""
-    from tasks.core.vllm import VllmError
+    from tasks.core.engines import engine_class
+    from tasks.core.engines.base import ServeError
     from tasks.deploy.arms import serve_champion
     from tasks.deploy.errors import DeployError
 
     p = params_or_exit(params, set_)
-    if p.serving.backend != "vllm":
-        fail("serving.backend is embedded: there is no vLLM server to start (--set serving.backend=vllm)", 2)
+    if not engine_class(p.serving.backend).remote:
+        fail(
+            f"serving.backend is {p.serving.backend}: there is no vLLM server to start (--set serving.backend=vllm)", 2
+        )
     try:
         arm = serve_champion(p)
-    except (VllmError, DeployError) as err:
+    except (ServeError, DeployError) as err:
         fail(str(err), 1)
     console.print(f"champion {arm.model_version} served by {arm.model_uri} as {arm.served_model}", highlight=False)
 
@@ -152,13 +155,13 @@ def vllm_sync_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) 
     """Load every live arm's adapter its vLLM server lost (after a restart): the arms table is the truth.
 
     Example: tabrl vllm sync"""
-    from tasks.core.vllm import VllmError
+    from tasks.core.engines.base import ServeError
     from tasks.deploy.arms import sync_adapters
 
     p = params_or_exit(params, set_)
     try:
         loaded = sync_adapters(p)
-    except VllmError as err:
+    except ServeError as err:
         fail(str(err), 1)
     for line in loaded or ["every live adapter is loaded"]:
         console.print(line, highlight=False)
@@ -171,12 +174,13 @@ def vllm_status_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None
     Example: tabrl vllm status"""
     from rich.table import Table
 
+    from tasks.core.engines import engine_class
     from tasks.core.store import open_store, read_arms
     from tasks.core.vllm import VllmError, served_models
 
     p = params_or_exit(params, set_)
     with open_store(p.paths.database_url) as engine:
-        arms = [a for a in read_arms(engine) if a.backend == "vllm"]
+        arms = [a for a in read_arms(engine) if engine_class(a.backend).remote]
     table = Table(title="vLLM servers of the live arms")
     for col in ("server", "model", "parent", "arms"):
         table.add_column(col)

@@ -1,19 +1,15 @@
-"""Who completes the prompts of an evaluation: the model in this process, or the serving engine (vLLM).
+"""How an evaluation's prompts are completed: in a batch, by the model in this process or by a vLLM server.
 
-Typing sessions (the gate's evaluation, `tabrl acceptance`, `tabrl headroom`, the learning bench) ask
-a model for batches of completions. With serving.backend: embedded they run in process
-(``tasks.core.generate.generate``, the batch padded together). With serving.backend: vllm they go to the
-engine that serves the arms, every request of a batch in flight at once, so vLLM batches them
-continuously and reuses the KV cache of prompts that share their start (``window_prefix``). Answers are
-streamed: a request's time counts from its first token, not from when it was sent, and a batch fails only when
-the server streams nothing to any of its requests for serving.vllm_request_timeout_s (a stalled server; a slow
-one is waited for, however slow the CPU):
+Typing sessions (the gate's evaluation, `tabrl acceptance`, `tabrl headroom`, the learning bench) ask a model
+for batches of completions through `Engine`; the serving engine of serving.backend hands one out
+(`tasks.core.engines.open_engine`, which also says what is loaded or started for it).
 
-* a LoRA adapter version (serving.adapter_serving and evaluate.adapter_engine: lora) is loaded onto its
-  base's one server under a name never used before, typed, and unloaded (the server holds the live arms'
-  adapters and this one: serving.vllm_max_loras);
-* a full checkpoint (or an adapter merged, where either says merged) is typed by the server that already
-  serves it on this host, else by a server started for the evaluation and stopped after it (blue).
+* `InProcess` (embedded): the batch padded together (``tasks.core.generate.generate``).
+* `VllmEngine` (vllm): every request of a batch in flight at once, so vLLM batches them continuously and reuses
+  the KV cache of prompts that share their start (``window_prefix``). Answers are streamed: a request's time
+  counts from its first token, not from when it was sent, and a batch fails only when the server streams nothing
+  to any of its requests for serving.vllm_request_timeout_s (a stalled server; a slow one is waited for, however
+  slow the CPU).
 
     with open_engine(model_dir, params, base_dir) as engine:
         gens = engine.complete(prompts, max_new_tokens=48)
@@ -24,43 +20,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import shutil
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import httpx
 
-from tasks.core.adapters import is_adapter
-from tasks.core.config import Params
 from tasks.core.fim import FimTemplate
 from tasks.core.generate import (
     Generation,
     LoadedModel,
     ShowRule,
     generate,
-    load_model,
-    merged_dir,
-    model_template,
-    save_merged,
-    stops_of,
 )
 from tasks.core.greedy_rule import GREEDY_TOP_LOGPROBS
 from tasks.core.vllm import (
     VllmError,
-    adapter_name,
-    base_server,
     completion_body,
     generation_from_vllm,
-    load_adapter,
-    recorded_servers,
-    same_checkpoint,
-    start_of_text,
-    start_vllm,
-    stop_vllm,
-    unload_adapter,
 )
 
 VLLM_SAMPLES_PER_CALL = 256  # FIM samples handed to a vLLM engine at once
@@ -202,73 +180,3 @@ async def streamed_choice(response: httpx.Response, watch: _Watch) -> dict:
         finish = choice.get("finish_reason") or finish
     logprobs = {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops or None}
     return {"text": "".join(text), "token_ids": ids, "logprobs": logprobs, "finish_reason": finish}
-
-
-@contextlib.contextmanager
-def open_engine(model_dir: str | Path, params: Params, base_dir: str | Path | None = None) -> Iterator[Engine]:
-    """The engine that completes prompts for model_dir (a checkpoint, or an adapter on base_dir) under params:
-    in process (serving.backend: embedded) or on vLLM (see the module docstring); anything it loaded or started
-    for the evaluation is unloaded or stopped when the block ends."""
-    model_dir = Path(model_dir)
-    if params.serving.backend == "embedded":
-        yield InProcess(load_model(model_dir, base_dir=base_dir))
-        return
-    template = model_template(model_dir)
-    stops = _stops(model_dir, base_dir, template)
-    start = start_of_text(str(_tokenizer_dir(model_dir, base_dir)))
-    vocab = _vocab_size(model_dir, base_dir)
-    stall = params.serving.vllm_request_timeout_s
-    if is_adapter(model_dir) and not adapters_merged(params):
-        server = base_server(base_dir or _record_path(model_dir), params)
-        name = adapter_name(f"eval/{model_dir.name}")
-        load_adapter(server.url, name, model_dir)
-        try:
-            yield VllmEngine(server.url, name, template, stops, start, stall, vocab)
-        finally:
-            unload_adapter(server.url, name)
-        return
-    merged = None  # a merged copy made for this evaluation only: deleted after it (a merged arm's is kept)
-    if is_adapter(model_dir):
-        target = merged_dir(model_dir, params.paths.models_dir)
-        merged = None if (target / "config.json").is_file() else target
-        model_dir = save_merged(model_dir, base_dir, target)
-    running = next((s for s in recorded_servers(params) if same_checkpoint(s.model_dir, model_dir)), None)
-    try:
-        server = running or start_vllm(model_dir, params)
-        try:
-            yield VllmEngine(server.url, server.model_dir, template, stops, start, stall, vocab)
-        finally:
-            if running is None and server.pid is not None:
-                stop_vllm(server.pid)
-    finally:
-        if merged is not None:
-            shutil.rmtree(merged, ignore_errors=True)
-
-
-def _record_path(adapter_dir: Path) -> str:
-    from tasks.core.adapters import read_base
-
-    return read_base(adapter_dir).path
-
-
-def _stops(model_dir: Path, base_dir: str | Path | None, template: FimTemplate) -> tuple[str, ...]:
-    """The stop strings in-process generation uses: the template's and the tokenizer's end of text."""
-    from transformers import AutoTokenizer
-
-    return stops_of(template, AutoTokenizer.from_pretrained(_tokenizer_dir(model_dir, base_dir), local_files_only=True))
-
-
-def _tokenizer_dir(model_dir: Path, base_dir: str | Path | None) -> str | Path:
-    """Where model_dir's tokenizer is: its own dir, or an adapter's base."""
-    return (base_dir or _record_path(model_dir)) if is_adapter(model_dir) else model_dir
-
-
-def _vocab_size(model_dir: Path, base_dir: str | Path | None) -> int:
-    """The model's vocabulary size (its config's; an adapter's base's)."""
-    return int(json.loads((Path(_tokenizer_dir(model_dir, base_dir)) / "config.json").read_text())["vocab_size"])
-
-
-def adapters_merged(params: Params) -> bool:
-    """Does an evaluation on vLLM type an adapter as merged weights (serving.adapter_serving or
-    evaluate.adapter_engine: merged), not as a LoRA adapter on its base's server?"""
-    return params.serving.adapter_serving == "merged" or params.evaluate.adapter_engine == "merged"

@@ -21,6 +21,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from tasks.core.config import BackendName, check_backend
+
 SCHEMA_VERSION = 3
 
 metadata = sa.MetaData()
@@ -261,7 +263,7 @@ class Arm:
     name: str
     model_version: str  # what is logged with every completion (e.g. "tabrl-completion/3")
     model_uri: str  # local checkpoint directory (embedded; an adapter's base) or vLLM base URL (vllm)
-    backend: str  # "embedded" | "vllm"
+    backend: BackendName  # the serving engine (tasks/core/engines) that serves it
     share: float  # traffic share; the shares of all arms sum to 1
     served_model: str | None = None  # the name asked for: an adapter's load name; None: the server's one model
     adapter: str | None = None  # the LoRA adapter directory served on model_uri's base; None: a full checkpoint
@@ -276,8 +278,10 @@ def validate_arms(new_arms: list[Arm]) -> None:
     for arm in new_arms:
         if not 0 <= arm.share <= 1:
             raise ArmError(f"arm {arm.name!r}: share {arm.share} must be within [0, 1]")
-        if arm.backend not in ("embedded", "vllm"):
-            raise ArmError(f"arm {arm.name!r}: backend {arm.backend!r} must be 'embedded' or 'vllm'")
+        try:
+            check_backend(arm.backend)
+        except ValueError as err:
+            raise ArmError(f"arm {arm.name!r}: {err}") from err
     total = sum(a.share for a in new_arms)
     if abs(total - 1.0) > 1e-6:
         raise ArmError(
@@ -290,7 +294,15 @@ def read_arms(conn_or_engine: Connection | Engine) -> list[Arm]:
     with _connect(conn_or_engine) as conn:
         rows = conn.execute(sa.select(arms).order_by(arms.c.name)).mappings().all()
     return [
-        Arm(r["name"], r["model_version"], r["model_uri"], r["backend"], r["share"], r["served_model"], r["adapter"])
+        Arm(
+            r["name"],
+            r["model_version"],
+            r["model_uri"],
+            check_backend(r["backend"]),
+            r["share"],
+            r["served_model"],
+            r["adapter"],
+        )
         for r in rows
     ]
 

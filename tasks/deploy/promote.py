@@ -30,8 +30,9 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from tasks.core.adapters import AdapterBaseError, check_base
 from tasks.core.config import Params
+from tasks.core.engines import engine_class
+from tasks.core.engines.base import ServeError
 from tasks.core.store import CHALLENGER, CHAMPION, Arm, ArmError, read_arms, replace_arms
-from tasks.core.vllm import VllmError, base_of
 from tasks.deploy.ab import ArmStats, Decision, arm_stats, decide
 from tasks.deploy.errors import DeployError
 from tasks.deploy.registry import Registry
@@ -117,12 +118,6 @@ def rollback(engine: Engine, params: Params, decision: Decision | None = None) -
     return DeployChange("rollback", champion, version, new_arms, removed, record)
 
 
-def arm_base(arm: Arm) -> str:
-    """The checkpoint an arm's model runs on: its directory (embedded), or the one its vLLM server was started
-    with. For an adapter arm, that is the adapter's base."""
-    return arm.model_uri if arm.backend == "embedded" else base_of(arm.model_uri)
-
-
 def _check_same_base(challenger: Arm, champion: Arm) -> None:
     """Refuse to promote an adapter over a champion on another base: the next cycle would continue it on the
     champion's base, where its weights mean something else."""
@@ -130,10 +125,10 @@ def _check_same_base(challenger: Arm, champion: Arm) -> None:
         return
     base = champion.model_uri
     try:
-        base = arm_base(champion)
+        base = engine_class(champion.backend).base_of(champion)
         if (Path(base) / "config.json").is_file():  # a checkpoint this host sees: compare the weights
             check_base(challenger.adapter, base, "promote")
-    except (AdapterBaseError, VllmError) as err:
+    except (AdapterBaseError, ServeError) as err:
         raise DeployError(f"cannot promote {challenger.model_version} over the champion on {base}: {err}") from err
 
 

@@ -4,15 +4,10 @@
 
 Steps, each a task whose `on_rollback` hook undoes it when a later step fails:
 
-1. `serve_version`: where the new version will be served, made ready before any user is routed to it.
-   * a LoRA adapter on a vLLM arm (serving.adapter_serving: lora): the base's one server (started
-     once, `tasks/core/vllm.py`) loads it at runtime under a name never used before, then answers one
-     probe request. Rollback unloads it. No new process: a version is live within a second.
-   * a full checkpoint on a vLLM arm (or an adapter with adapter_serving: merged, merged first): a
-     `vllm serve` process of its own on a free port, health-checked (blue/green: the old process
-     keeps serving until the arms switch). Rollback stops it.
-   * embedded arms: nothing to start (gateways load the checkpoint, or the adapter onto the shared
-     base, on the next request after they see the new arms); an adapter's base is checked here.
+1. `serve_version`: the serving engine of serving.backend (`tasks/core/engines`) makes the new version ready
+   before any user is routed to it: on vLLM a LoRA adapter is loaded at runtime on its base's one server and asked
+   once, a full checkpoint gets a server of its own (blue/green); embedded, nothing starts (gateways load it on
+   the next request) and an adapter's base is checked. Rollback: the engine undoes it (`unserve`).
 2. `set_challenger_alias`: MLflow alias `challenger` -> the new version. Rollback restores the
    previous alias (or deletes it).
 3. `swap_arms`: the live arm set in the log store, in one database transaction. Rollback restores
@@ -21,49 +16,28 @@ Steps, each a task whose `on_rollback` hook undoes it when a later step fails:
    transaction, undoes 1-3).
 
 After the switch, what the previous challenger held is retired (`retire`: its adapter unloaded, or
-its server stopped), as promote and rollback do for the arms they remove.
+its server stopped: the arm's engine's `retire`), as promote and rollback do for the arms they remove.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, replace
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.transactions import get_transaction, transaction
 
-from tasks.core.adapters import AdapterBaseError, check_base, is_adapter
+from tasks.core.adapters import is_adapter
 from tasks.core.config import Params
-from tasks.core.generate import merged_dir, save_merged
+from tasks.core.engines import engine_for
+from tasks.core.engines.base import Served, ServeError
 from tasks.core.store import CHALLENGER, CHAMPION, Arm, open_store, read_arms, replace_arms
-from tasks.core.vllm import (
-    VllmError,
-    adapter_name,
-    base_server,
-    load_adapter,
-    probe,
-    start_vllm,
-    stop_vllm,
-    stop_vllm_at,
-    unload_adapter,
-)
 from tasks.deploy.errors import DeployError
 from tasks.deploy.registry import Registry
 from tasks.deploy.versions import ModelVersion
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Served:
-    """Where a version is served: what its arm records."""
-
-    model_uri: str  # checkpoint dir (embedded; an adapter's base) or the vLLM server's URL
-    served_model: str | None = None  # the adapter's load name (None: the server's or directory's one model)
-    adapter: str | None = None  # the adapter directory on model_uri's base (None: a full checkpoint)
-    seconds: float = 0.0  # from "start serving it" to "it answered" (load + probe, or process start + health)
 
 
 @dataclass(frozen=True)
@@ -101,44 +75,20 @@ def serve_version(version: ModelVersion, model_dir: str, base_dir: str | None, p
     adapter = is_adapter(model_dir)
     if adapter and base_dir is None:
         raise DeployError(f"{version.label} is a LoRA adapter: its base checkpoint directory is needed to serve it")
-    txn = get_transaction()
     try:
-        if params.serving.backend == "embedded":
-            if not adapter:
-                return Served(model_dir)
-            check_base(model_dir, base_dir, "serve")
-            return Served(str(base_dir), adapter_name(version.label), model_dir)
-        if adapter and params.serving.adapter_serving == "lora":
-            server = base_server(base_dir, params)
-            check_base(model_dir, server.model_dir, "serve")
-            name = adapter_name(version.label)
-            seconds = load_adapter(server.url, name, model_dir)
-            txn.set("loaded_adapter", (server.url, name))
-            seconds += _timed_probe(server.url, name)
-            return Served(server.url, name, model_dir, seconds)
-        if adapter:  # adapter_serving: merged
-            model_dir = str(save_merged(model_dir, base_dir, merged_dir(model_dir, params.paths.models_dir)))
-        server = start_vllm(model_dir, params)
-        txn.set("vllm_pid", server.pid)
-        return Served(server.url)
-    except (VllmError, AdapterBaseError) as err:
+        served = engine_for(params.serving.backend, params).serve(version.label, model_dir, base_dir)
+    except ServeError as err:
         raise DeployError(f"cannot serve {version.label}: {err}") from err
-
-
-def _timed_probe(url: str, name: str) -> float:
-    started = time.perf_counter()
-    probe(url, name)
-    return time.perf_counter() - started
+    txn = get_transaction()
+    txn.set("params", params)
+    txn.set("served", served)
+    return served
 
 
 @serve_version.on_rollback
 def _unserve(txn) -> None:
-    pid = txn.get("vllm_pid", None)
-    if pid is not None:
-        stop_vllm(pid)
-    loaded = txn.get("loaded_adapter", None)
-    if loaded is not None:
-        unload_adapter(*loaded)
+    params = txn.get("params")
+    engine_for(params.serving.backend, params).unserve(txn.get("served"))
 
 
 @task(name="set-challenger-alias", cache_policy=NO_CACHE)
@@ -204,24 +154,9 @@ def rollout(version: ModelVersion, model_dir: str, params: Params, base_dir: str
 
 
 def retire(removed: list[Arm], live: list[Arm], params: Params) -> list[str]:
-    """Free what arms no longer served held, unless a live arm still uses it: a vLLM adapter is unloaded from its
-    server, a full-weight vLLM server (blue/green) is stopped; a base server stays while any arm is on it. Embedded
-    arms hold nothing here (each gateway drops a backend once no arm names it). Returns what was freed, in words.
-    A server that is already gone is no error: what is retired is not served either way."""
-    freed = []
-    in_use = {(a.model_uri, a.served_model) for a in live}
-    urls_in_use = {a.model_uri for a in live}
-    for arm in removed:
-        if arm.backend != "vllm" or (arm.model_uri, arm.served_model) in in_use:
-            continue
-        try:
-            if arm.served_model is not None:
-                if unload_adapter(arm.model_uri, arm.served_model):
-                    freed.append(f"unloaded adapter {arm.served_model} ({arm.model_version}) from {arm.model_uri}")
-            elif arm.model_uri not in urls_in_use and stop_vllm_at(arm.model_uri, params):
-                freed.append(f"stopped the vLLM server of {arm.model_version} at {arm.model_uri}")
-        except VllmError as err:
-            log.warning("retiring %s: %s", arm.model_version, err)
+    """Free what arms no longer served held, unless a live arm still uses it: each arm's engine retires it (a vLLM
+    adapter unloaded, a full-weight vLLM server stopped; embedded arms hold nothing here). What was freed, in words."""
+    freed = [line for arm in removed if (line := engine_for(arm.backend, params).retire(arm, live)) is not None]
     for line in freed:
         log.info(line)
     return freed

@@ -27,8 +27,8 @@ from diskcache import Cache
 
 from tasks.core.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, checkpoint_sha256, file_sha256, is_adapter, read_base
 from tasks.core.config import Params
-from tasks.core.inference import Engine, adapters_merged
-from tasks.core.vllm import server_dtype
+from tasks.core.engines import engine_for
+from tasks.core.inference import Engine
 from tasks.sim.acceptance import complete_samples, render_request
 
 CACHE_DIR = "completion_cache"  # a diskcache directory under paths.state_dir
@@ -46,14 +46,9 @@ def model_identity(model_dir: str | Path) -> str:
 
 def model_key(model_dir: str | Path, engine: Engine, params: Params) -> str:
     """The key of a model's greedy FIM completions on this engine (see the module docstring)."""
-    serving = params.serving
-    runs_as = "peft" if serving.backend == "embedded" else "merged" if adapters_merged(params) else "lora"
     spec = {
         "model": model_identity(model_dir),
-        "backend": serving.backend,
-        "vllm_args": serving.vllm_args if serving.backend == "vllm" else [],
-        "vllm_dtype": server_dtype(serving) if serving.backend == "vllm" else None,
-        "adapter": runs_as if is_adapter(model_dir) else "",
+        **engine_for(params.serving.backend, params).identity(is_adapter(model_dir)),
         "max_new_tokens": params.evaluate.max_new_tokens,
         "template": asdict(engine.template),
     }

@@ -47,7 +47,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.core.config import Params
-from tasks.core.inference import open_engine
+from tasks.core.engines import open_engine
 from tasks.core.outcomes import reward_of, reward_per_request
 from tasks.evaluate.completions import fim_completions
 from tasks.evaluate.gate import GateDecision, gate

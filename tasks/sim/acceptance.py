@@ -28,9 +28,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tasks.core.config import Params, ServingParams, SimulatorParams
+from tasks.core.engines import open_engine
 from tasks.core.fim import FimTemplate
 from tasks.core.generate import LoadedModel, load_model, show_rule
-from tasks.core.inference import Engine, InProcess, open_engine
+from tasks.core.inference import Engine, InProcess
 from tasks.core.window import window_prefix
 from tasks.sim.editor import Region, pause_requests
 from tasks.sim.sessions import Turn, TypingSummary, run_sessions, summarise_turns

@@ -40,7 +40,7 @@ import sqlalchemy as sa
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from serving.backends import Sampling
+from tasks.core.engines.base import Sampling
 from tasks.core.fim import QWEN, FimTemplate
 from tasks.core.generate import Generation
 from tasks.core.procs import NotUp, free_port, wait_until_up
@@ -97,7 +97,7 @@ class DelayedBackend:
 
 def delayed_factory(delays_s: dict[str, float], factory=None):
     """A backend factory that delays each arm's answers by delays_s[arm name] (0 when not named)."""
-    from serving.backends import make_backend
+    from tasks.core.engines import make_backend
 
     build = make_backend if factory is None else factory
 
@@ -230,7 +230,7 @@ def serve_app(app, timeout_s: float = 20.0):
 
 
 def fast_backend_factory(arm: Arm, timeout_s: float):
-    from serving.backends import make_backend
+    from tasks.core.engines import make_backend
 
     return make_backend(arm, timeout_s) if arm.backend == "vllm" else FastBackend(arm, timeout_s)
 

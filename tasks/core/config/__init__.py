@@ -35,10 +35,22 @@ from tasks.core.config.load import (
     overlay_overrides,
     parse_override,
 )
-from tasks.core.config.operations import ClusterParams, DeployParams, IngestParams, PathsParams, ServingParams
+from tasks.core.config.operations import (
+    BACKENDS,
+    BackendName,
+    ClusterParams,
+    DeployParams,
+    IngestParams,
+    PathsParams,
+    ServingParams,
+    check_backend,
+)
 from tasks.core.config.tree import Params
 
 __all__ = [
+    "BACKENDS",
+    "BackendName",
+    "check_backend",
     "DEFAULT_PARAMS_FILE",
     "ENV_ALIASES",
     "ENV_PREFIX",

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, cast, get_args
 
 from pydantic import Field, model_validator
 
 from tasks.core.config.base import Section
+
+BackendName = Literal["embedded", "vllm"]
+"""The serving engines, one module each under tasks/core/engines/ (`ENGINES` there): what serving.backend and a
+live arm's backend may be."""
+BACKENDS: tuple[str, ...] = get_args(BackendName)
+
+
+def check_backend(name: str) -> BackendName:
+    """The one check of a backend's name (serving.backend and every arm written to or read from the store)."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend {name!r} is not a serving engine: one of {', '.join(BACKENDS)}")
+    return cast(BackendName, name)
 
 
 class DeployParams(Section):
@@ -55,7 +67,7 @@ class ServingParams(Section):
     """Address the gateway binds."""
     port: int = Field(8000, ge=1, le=65535)
     """Port the gateway binds."""
-    backend: Literal["embedded", "vllm"] = "embedded"
+    backend: BackendName = "embedded"
     """How arms generate: transformers in the gateway process, or a vLLM server over HTTP."""
     temperature: float = Field(0.7, ge=0)
     """Default sampling temperature (training scores log-probs at the same temperature)."""
