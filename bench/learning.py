@@ -56,6 +56,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tasks.core import vocab
+
 ROOT = Path(__file__).resolve().parents[1]
 
 if TYPE_CHECKING:
@@ -173,9 +175,10 @@ def run_online(setting, overrides: list[str], seed, args, base: dict) -> tuple[l
 def gate_windows(params) -> dict[int, int]:
     """{cycle: the held-out window its gate typed} of an online run, from its cycle runs' MLflow tags (a cycle
     that trained no candidate has none)."""
-    from tasks.deploy.tracking import CYCLE_TAG, GATE_WINDOW_TAG, CycleRuns
+    from tasks.core import vocab
+    from tasks.deploy.tracking import CycleRuns
 
-    return {int(r.data.tags[CYCLE_TAG]): int(r.data.tags[GATE_WINDOW_TAG]) for r in CycleRuns(params).gated()}
+    return {int(r.data.tags[vocab.CYCLE]): int(r.data.tags[vocab.GATE_WINDOW]) for r in CycleRuns(params).gated()}
 
 
 def with_windows(curve: list[dict], windows: dict[int, int]) -> list[dict]:
@@ -525,11 +528,11 @@ def champion_after(params, cycle: int, base_dir) -> str:
     client, name = tracking_client(params), params.deploy.registered_model
     promoted = []
     for version in client.search_model_versions(f"name='{name}'"):
-        run_id = version.tags.get("tabrl.cycle_run_id")
+        run_id = version.tags.get(vocab.CYCLE_RUN_ID)
         tags = client.get_run(run_id).data.tags if run_id else {}
-        if tags.get("tabrl.kind") == "cycle" and tags.get("tabrl.ab_decision") == "promote":
-            if int(tags["tabrl.cycle"]) <= cycle:
-                promoted.append((int(tags["tabrl.cycle"]), int(version.version)))
+        if tags.get(vocab.KIND) == "cycle" and tags.get(vocab.AB_DECISION) == "promote":
+            if int(tags[vocab.CYCLE]) <= cycle:
+                promoted.append((int(tags[vocab.CYCLE]), int(version.version)))
     if not promoted:
         return str(base_dir)
     return str(resolve_model_dir(f"models:/{name}/{max(promoted)[1]}", params))

@@ -1,17 +1,18 @@
 """The reference pages, generated from the code at build time so they cannot drift (an MkDocs hook).
 
-`mkdocs.yml` names this file under `hooks:`; `on_files` adds three pages that exist only in the built site:
+`mkdocs.yml` names this file under `hooks:`; `on_files` adds four pages that exist only in the built site:
 
 * `reference/params.md`: every params key with its type, default and description, from the pydantic tree
   (`Params` in the module that defines it; descriptions are the field docstrings);
 * `reference/cli.md`: every `tabrl` command with its arguments and options, from the Typer app that the
   `tabrl` console script of `pyproject.toml` points at (so it follows the app if it moves);
 * `reference/http.md`: every gateway route with its request body, from the gateway's OpenAPI schema, and
-  `reference/openapi.json` beside it.
+  `reference/openapi.json` beside it;
+* `reference/mlflow.md`: every MLflow tag tabrl sets, where and what it holds, from `tasks/core/vocab.py`'s `TAGS`.
 
 Product modules are imported lazily, by name, so importing this file costs nothing and a moved module
 needs one name changed here (or none, for the CLI). MkDocs' own hooks are used rather than a plugin such as
-mkdocs-gen-files: three pages need `File.generated` (MkDocs >= 1.6) and nothing more.
+mkdocs-gen-files: four pages need `File.generated` (MkDocs >= 1.6) and nothing more.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 PARAMS_MODULE = "tasks.core.config"  # where `Params` (the root of the params tree) is defined
 GATEWAY_MODULE = "serving.gateway"  # `create_app(params, engine=...)` builds the gateway
-PAGES = ("reference/params.md", "reference/cli.md", "reference/http.md")
+VOCAB_MODULE = "tasks.core.vocab"  # `TAGS`: every MLflow tag key, where it is set and what it holds
+PAGES = ("reference/params.md", "reference/cli.md", "reference/http.md", "reference/mlflow.md")
 
 
 def _cell(text: Any) -> str:
@@ -239,6 +241,22 @@ def http_page(schema: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def mlflow_page() -> str:
+    """The MLflow tags tabrl sets on runs and model versions, one row per key of `TAGS`."""
+    tags = importlib.import_module(VOCAB_MODULE).TAGS
+    lines = [
+        "# MLflow tags",
+        "",
+        "Generated from `tasks/core/vocab.py` (`TAGS`), where every tag key is defined once. Search runs by them",
+        "in the MLflow UI (`tags.\"tabrl.kind\" = 'cycle'`) or with `MlflowClient().search_runs(...)`.",
+        "",
+        "| tag | set on | holds |",
+        "| --- | --- | --- |",
+    ]
+    lines += [f"| `{key}` | {_cell(where)} | {_cell(what)} |" for key, (where, what) in tags.items()]
+    return "\n".join(lines) + "\n"
+
+
 # ---- the MkDocs hook ----------------------------------------------------------------------------------------
 
 
@@ -251,6 +269,7 @@ def generate() -> dict[str, str]:
         "reference/params.md": params_page(),
         "reference/cli.md": cli_page(),
         "reference/http.md": http_page(schema),
+        "reference/mlflow.md": mlflow_page(),
         "reference/openapi.json": json.dumps(schema, indent=2),
     }
 

@@ -26,13 +26,14 @@ import mlflow
 from prefect import flow, get_run_logger
 
 from flows.remote_training import TrainingLost, train_step
+from tasks.core import vocab
 from tasks.core.config import DEFAULT_PARAMS_FILE, load_params
 from tasks.core.store import CHALLENGER
 from tasks.deploy.model_cache import resolve_model_dir
 from tasks.deploy.model_retention import model_retention_task
-from tasks.deploy.registry import CHARS_HOLDER_TAG, Registry
+from tasks.deploy.registry import Registry
 from tasks.deploy.rollout import rollout
-from tasks.deploy.tracking import GATE_WINDOW_TAG, CycleRuns
+from tasks.deploy.tracking import CycleRuns
 from tasks.evaluate.evaluate import compare_task
 from tasks.ingest.task import commit_ingest_task, ingest_task
 from tasks.reward.task import reward_task
@@ -44,7 +45,7 @@ from tasks.train.ppo import TrainingDiverged
 
 @dataclass
 class CycleReport:
-    status: str  # "deployed" | "gate_failed" | "diverged" (a training guard fired) | "train_failed" | "skipped"
+    status: vocab.CycleStatus
     reason: str
     run_id: str  # the cycle's MLflow run (skipped cycles have one too), named `cycle N · status · version`
     snapshot: str | None = None
@@ -85,7 +86,7 @@ def _evaluate(candidate_dir, champion_dir, base_dir, holder, runs: CycleRuns, ti
     test = read_samples(Path(params.paths.data_dir) / "fim" / "test.parquet")[: params.evaluate.n_samples]
     windows = params.evaluate.gate_windows
     window = runs.next_gate_window(windows)
-    mlflow.set_tag(GATE_WINDOW_TAG, str(window))
+    mlflow.set_tag(vocab.GATE_WINDOW, str(window))
     regions = gate_regions(read_regions(regions_path(params.paths.data_dir, "test")), window, windows)
     mark_dir = str(resolve_model_dir(holder.uri, params)) if holder else None
     started = time.perf_counter()
@@ -105,7 +106,7 @@ def _deploy(candidate_dir, comparison, champion, holder, base, base_dir, registr
     """A candidate that passed the gate: registered (carrying the chars-saved mark when it holds it) and rolled
     out as the challenger."""
     held_by = comparison.decision.mark_holder_after(champion, holder)
-    carried = {CHARS_HOLDER_TAG: str(held_by.version)} if held_by else {}
+    carried = {vocab.CHARS_SAVED_HOLDER: str(held_by.version)} if held_by else {}
     version = registry.register(candidate_dir, run_id, tags=carried, gate=comparison.decision.numbers, base=base)
     params = registry.params
     rollout(version, str(resolve_model_dir(version.uri, params)), params, str(base_dir))
@@ -158,7 +159,7 @@ def online_rl_cycle(
                 timing = {"time/train_s": time.perf_counter() - started}
                 if trained.stopped_early:
                     log.info(f"update ended early: {trained.stopped_early}")
-                    mlflow.set_tag("tabrl.train_stopped_early", trained.stopped_early[:5000])
+                    mlflow.set_tag(vocab.TRAIN_STOPPED_EARLY, trained.stopped_early[:5000])
                 holder = registry.chars_saved_holder(champion)
                 comparison = _evaluate(candidate_dir, champion_dir, base_dir, holder, runs, timing)
                 mlflow.log_metrics(timing)

@@ -22,6 +22,9 @@ import shutil
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
+
+from tasks.core import vocab
 
 CHECKPOINTS = "checkpoints"
 META = "loop.json"
@@ -127,7 +130,7 @@ class CycleRow:
     chars_saved: float  # online, right-and-accepted characters per typed character
     reward_per_request: float  # online
     decision: str  # A/B decision taken after the traffic (or "-")
-    cycle_status: str  # deployed | gate_failed | skipped
+    cycle_status: vocab.CycleStatus | Literal["unknown"]  # unknown: a predicted row (flows/demo_plan.py)
     eval_judge_mean: float | None  # held-out FIM spans, the cycle's candidate
     eval_accept_rate: float | None  # held-out editor traffic (test files), the cycle's candidate
     eval_chars_saved: float | None

@@ -11,6 +11,7 @@ matplotlib.use("Agg")  # headless; set at import because pyplot is imported righ
 import matplotlib.pyplot as plt  # noqa: E402
 import mlflow  # noqa: E402
 
+from tasks.core import vocab
 from tasks.core.config import Params  # noqa: E402
 from tasks.deploy.tracking import CycleRuns  # noqa: E402
 
@@ -51,7 +52,7 @@ def plot_cycles(rows: Sequence, path: Path, params: Params | None = None) -> Pat
         exp = CycleRuns(params).experiment_id()
         mlflow.set_tracking_uri(params.paths.mlflow_tracking_uri)
         name = f"online loop · {len(rows)} cycles"
-        with mlflow.start_run(experiment_id=exp, run_name=name, tags={"tabrl.kind": "loop_summary"}):
+        with mlflow.start_run(experiment_id=exp, run_name=name, tags={vocab.KIND: "loop_summary"}):
             mlflow.log_artifact(str(path))
             for r in rows:
                 mlflow.log_metrics(

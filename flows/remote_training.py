@@ -29,6 +29,7 @@ from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 from prefect.states import Cancelled
 
+from tasks.core import vocab
 from tasks.core.config import Params
 from tasks.deploy.model_cache import candidate_dir, resolve_model_dir
 from tasks.deploy.registry import MODEL_ARTIFACT
@@ -39,8 +40,6 @@ from tasks.train.ppo import TrainingDiverged, TrainResult
 
 TRAIN_FLOW = "train-candidate"  # the flow's name (flows/train_flow.py); its deployment's is cluster.train_deployment
 SNAPSHOT_ARTIFACT = "snapshot"
-OUTCOME_TAG = "tabrl.train_outcome"
-REASON_TAG = "tabrl.train_reason"
 
 
 class TrainingLost(RuntimeError):
@@ -98,10 +97,10 @@ def train_on_pool(
     if not state.is_completed():
         raise TrainingLost(f"{shown} ended {state.name}: {state.message}")
     tags = runs.get(run_id).data.tags
-    if tags.get(OUTCOME_TAG) == "diverged":
-        raise TrainingDiverged(tags.get(REASON_TAG, ""))
-    if tags.get(OUTCOME_TAG) != "trained":
-        raise TrainingLost(f"{shown} completed without tagging MLflow run {run_id} {OUTCOME_TAG}=trained")
+    if tags.get(vocab.TRAIN_OUTCOME) == "diverged":
+        raise TrainingDiverged(tags.get(vocab.TRAIN_REASON, ""))
+    if tags.get(vocab.TRAIN_OUTCOME) != "trained":
+        raise TrainingLost(f"{shown} completed without tagging MLflow run {run_id} {vocab.TRAIN_OUTCOME}=trained")
     downloaded = resolve_model_dir(f"runs:/{run_id}/{MODEL_ARTIFACT}", params)
     return read_result(downloaded), downloaded
 
@@ -129,8 +128,8 @@ def train_from_references(
         try:
             result = train_task(snapshot, str(from_dir), str(candidate), here, mlflow_run_id=run_id, base_dir=base_dir)
         except TrainingDiverged as err:
-            runs.tag(run_id, {OUTCOME_TAG: "diverged", REASON_TAG: str(err)[:5000]})
+            runs.tag(run_id, {vocab.TRAIN_OUTCOME: "diverged", vocab.TRAIN_REASON: str(err)[:5000]})
             return None
         runs.log_artifacts(run_id, candidate, MODEL_ARTIFACT)
-    runs.tag(run_id, {OUTCOME_TAG: "trained"})
+    runs.tag(run_id, {vocab.TRAIN_OUTCOME: "trained"})
     return result

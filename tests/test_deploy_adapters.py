@@ -10,6 +10,7 @@ import sqlalchemy as sa
 from prefect import flow
 
 from serving.gateway import create_app
+from tasks.core import vocab
 from tasks.core.adapters import checkpoint_sha256
 from tasks.core.fim import QWEN
 from tasks.core.generate import generate, load_model
@@ -17,10 +18,9 @@ from tasks.core.store import CHALLENGER, CHAMPION, Arm, completions, open_store,
 from tasks.deploy.errors import DeployError
 from tasks.deploy.model_cache import resolve_model_dir
 from tasks.deploy.promote import promote, rollback
-from tasks.deploy.registry import BASE_SHA_TAG, Registry
+from tasks.deploy.registry import Registry
 from tasks.deploy.rollout import rollout
 from tasks.deploy.tracking import CycleRuns, tracking_client
-from tasks.deploy.versions import BASE_VERSION_TAG
 from tests.conftest import tiny_params
 from tests.serving_util import serve_app
 
@@ -41,7 +41,7 @@ def test_an_adapter_version_is_tagged_with_its_base_and_refused_on_another(
     base = registry.ensure_champion(tiny_model_dir)
     version = registry.register(tiny_adapter_dir, runs.start(), base=base)
     tags = tracking_client(params).get_model_version(version.name, str(version.version)).tags
-    assert (tags[BASE_VERSION_TAG], tags[BASE_SHA_TAG]) == (base.label, checkpoint_sha256(tiny_model_dir))
+    assert (tags[vocab.BASE_VERSION], tags[vocab.BASE_SHA256]) == (base.label, checkpoint_sha256(tiny_model_dir))
     assert version.base == base.label and registry.base_of(version) == base
     assert {p.name for p in resolve_model_dir(version.uri, params).iterdir()} >= {"adapter_model.safetensors"}
     other = registry.register(babbler_dir, runs.start())  # a full version with other weights

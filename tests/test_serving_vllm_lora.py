@@ -26,6 +26,7 @@ from prefect import flow
 from flows.cycle import online_rl_cycle
 from serving.gateway import create_app
 from serving.simulate import run_simulation
+from tasks.core import vocab
 from tasks.core.adapters import is_adapter
 from tasks.core.store import CHALLENGER, CHAMPION, completions, open_store, read_arms
 from tasks.core.vllm import recorded_servers, served_models, start_vllm, stop_vllm
@@ -35,7 +36,6 @@ from tasks.deploy.promote import rollback
 from tasks.deploy.registry import Registry
 from tasks.deploy.rollout import rollout
 from tasks.deploy.tracking import tracking_client
-from tasks.deploy.versions import BASE_VERSION_TAG
 from tasks.sim.users import make_users
 from tests.serving_util import serve_app
 from tests.test_flow_cycle import EVERY_ANSWER_TAKEN, _dvc_repo, write_cycle_inputs
@@ -122,7 +122,7 @@ def test_a_lora_version_goes_live_on_the_one_vllm_server_and_survives_a_restart(
             base_dir = str(resolve_model_dir(base.uri, params))
             _rollout_flow(version, str(resolve_model_dir(version.uri, params)), params, base_dir)
         tags = tracking_client(params).get_model_version(version.name, str(version.version)).tags
-        assert tags[BASE_VERSION_TAG] == base.label  # registered with its base
+        assert tags[vocab.BASE_VERSION] == base.label  # registered with its base
 
         with open_store(params.paths.database_url) as engine:
             arms = {a.name: a for a in read_arms(engine)}

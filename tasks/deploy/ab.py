@@ -47,19 +47,17 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any
 
 import sqlalchemy as sa
 from scipy import stats as st
 from sqlalchemy.engine import Connection, Engine
 
-from tasks.core import outcomes
+from tasks.core import outcomes, vocab
 from tasks.core.config import DeployParams, Params, RewardParams
 from tasks.core.outcomes import ArmCounts, OutcomeSql, outcome_conditions
 from tasks.core.store import CHALLENGER, CHAMPION, completions, feedback
 from tasks.core.store import arms as arms_table
-
-Action = Literal["promote", "rollback", "continue"]
 
 
 @dataclass(frozen=True)
@@ -125,7 +123,7 @@ class ArmStats(ArmCounts):
 
 @dataclass(frozen=True)
 class Decision:
-    action: Action
+    action: vocab.Action
     reason: str
     numbers: dict[str, float]
 

@@ -28,6 +28,7 @@ from mlflow.entities import Metric
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
+from tasks.core import vocab
 from tasks.core.adapters import AdapterBaseError, check_base
 from tasks.core.config import Params
 from tasks.core.engines import engine_class
@@ -53,7 +54,7 @@ class NoChallengerError(DeployError):
 
 @dataclass(frozen=True)
 class DeployChange:
-    action: str  # "promote" | "rollback"
+    action: vocab.ChangeAction
     champion: ModelVersion | None  # the champion after the change
     challenger: ModelVersion | None  # the version that was under test
     arms: list[Arm]  # the live arms after the change
@@ -143,7 +144,7 @@ def _challenger(live: list[Arm], registry: Registry, verb: str) -> tuple[Arm | N
     return arm, version
 
 
-def _manual(action: str, engine: Engine, params: Params) -> Decision:
+def _manual(action: vocab.ChangeAction, engine: Engine, params: Params) -> Decision:
     """A by-hand decision, recorded with the live numbers and what the rule would have said."""
     stats = arm_stats(engine, params)
     if CHAMPION in stats and CHALLENGER in stats:
@@ -169,15 +170,15 @@ def log_decision(
     exp = experiment_id(client, params.deploy.decisions_experiment, params, DECISIONS_DESCRIPTION)
     label = challenger.label if challenger else "none"
     tags = {
-        "tabrl.kind": "ab_decision",
-        "tabrl.action": decision.action,
-        "tabrl.reason": decision.reason,
-        "tabrl.applied": str(applied).lower(),
-        "tabrl.challenger_version": label,
-        "tabrl.champion_version": champion.label if champion else "none",
+        vocab.KIND: "ab_decision",
+        vocab.ACTION: decision.action,
+        vocab.REASON: decision.reason,
+        vocab.APPLIED: str(applied).lower(),
+        vocab.CHALLENGER_VERSION: label,
+        vocab.CHAMPION_VERSION: champion.label if champion else "none",
     }
     if challenger and challenger.run_id:
-        tags["tabrl.cycle_run_id"] = challenger.run_id
+        tags[vocab.CYCLE_RUN_ID] = challenger.run_id
     run_id = client.create_run(exp, run_name=f"{decision.action}-{label}").info.run_id
     metrics = [Metric(f"ab/{k}", float(v), int(time.time() * 1000), 0) for k, v in decision.numbers.items()]
     client.log_batch(run_id, metrics=metrics, tags=as_flat_tags(tags))
@@ -196,7 +197,7 @@ def log_decision(
             client.log_batch(
                 challenger.run_id,
                 metrics=metrics,
-                tags=as_flat_tags({"tabrl.ab_decision": decision.action, "tabrl.ab_reason": decision.reason}),
+                tags=as_flat_tags({vocab.AB_DECISION: decision.action, vocab.AB_REASON: decision.reason}),
             )
             name = client.get_run(challenger.run_id).info.run_name or ""
             client.update_run(challenger.run_id, name=f"{name.split(' → ')[0]} → {OUTCOME[decision.action]}")

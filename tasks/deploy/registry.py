@@ -28,24 +28,16 @@ from mlflow.entities import Run
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 
+from tasks.core import vocab
 from tasks.core.adapters import AdapterBaseError, check_base, is_adapter
 from tasks.core.config import Params
 from tasks.core.store import CHAMPION
 from tasks.deploy.errors import DeployError
 from tasks.deploy.model_cache import version_dir
 from tasks.deploy.tracking import CycleRuns, get_run, tracking_client
-from tasks.deploy.versions import BASE_VERSION_TAG, ModelVersion, version_named
+from tasks.deploy.versions import ModelVersion, version_named
 
 MODEL_ARTIFACT = "model"
-SNAPSHOT_TAGS = ("tabrl.snapshot", "tabrl.snapshot_sha256", "tabrl.snapshot_dvc_md5")  # copied onto its version
-WEIGHTS_TAG = "tabrl.weights"  # "full" | "lora"
-BASE_SHA_TAG = "tabrl.base_sha256"
-
-CHARS_HOLDER_TAG = "tabrl.chars_saved_holder"
-"""Version tag: the version of its lineage that saved the most characters in the gates along it, when that
-is an ancestor (absent: the version itself). Each gate types that version through its own requests too,
-for the lineage's characters-saved mark: a score carried over as a number, measured on other requests or
-chosen on these, would be no mark."""
 
 
 class Registry:
@@ -76,7 +68,7 @@ class Registry:
         it was trained on (checked against the adapter's record of its base's weights), and is tagged with it.
         """
         model_dir = Path(model_dir)
-        adapter_tags = self._base_tags(model_dir, base) if is_adapter(model_dir) else {WEIGHTS_TAG: "full"}
+        adapter_tags = self._base_tags(model_dir, base) if is_adapter(model_dir) else {vocab.WEIGHTS: "full"}
         if not is_adapter(model_dir) and not (model_dir / "config.json").is_file():
             raise DeployError(
                 f"{model_dir} is neither a Hugging Face checkpoint directory (no config.json) nor an adapter"
@@ -84,8 +76,8 @@ class Registry:
         run = get_run(self.client, run_id)
         self.client.log_artifacts(run_id, str(model_dir), MODEL_ARTIFACT)
         self._ensure_registered_model()
-        version_tags = {"tabrl.cycle_run_id": run_id, **adapter_tags, **(tags or {})}
-        for key in SNAPSHOT_TAGS:
+        version_tags = {vocab.CYCLE_RUN_ID: run_id, **adapter_tags, **(tags or {})}
+        for key in vocab.SNAPSHOT_TAGS:
             if run.data.tags.get(key):
                 version_tags[key] = run.data.tags[key]
         mv = self.client.create_model_version(
@@ -109,7 +101,7 @@ class Registry:
             record = check_base(adapter_dir, version_dir(self.version_of(base.uri), self.params), "register")
         except AdapterBaseError as err:
             raise DeployError(f"refused to register {adapter_dir} on {base.label}: {err}") from err
-        return {WEIGHTS_TAG: "lora", BASE_VERSION_TAG: base.label, BASE_SHA_TAG: record.sha256}
+        return {vocab.WEIGHTS: "lora", vocab.BASE_VERSION: base.label, vocab.BASE_SHA256: record.sha256}
 
     def _ensure_registered_model(self) -> bool:
         """Create the registered model when missing; True when it already existed."""
@@ -141,9 +133,11 @@ class Registry:
         return ModelVersion.of(self.client.get_model_version(name, number))
 
     def chars_saved_holder(self, version: ModelVersion) -> ModelVersion | None:
-        """The ancestor holding `version`'s lineage mark for characters saved (`CHARS_HOLDER_TAG`); None when the
-        version holds it itself (the base, a version registered by hand, one that set the mark)."""
-        raw = self.client.get_model_version(version.name, str(version.version)).tags.get(CHARS_HOLDER_TAG)
+        """The ancestor holding `version`'s lineage mark for characters saved (`vocab.CHARS_SAVED_HOLDER`); None when
+        the version holds it itself (the base, a version registered by hand, one that set the mark). Each gate types
+        that version through its own requests too, for the lineage's mark: a score carried over as a number,
+        measured on other requests or chosen on these, would be no mark."""
+        raw = self.client.get_model_version(version.name, str(version.version)).tags.get(vocab.CHARS_SAVED_HOLDER)
         if raw is None or int(raw) == version.version:
             return None
         return ModelVersion.of(self.client.get_model_version(version.name, raw))
@@ -166,9 +160,9 @@ class Registry:
                 f"or with MlflowClient().set_registered_model_alias({self.name!r}, {CHAMPION!r}, VERSION)"
             )
         runs = CycleRuns(self.params)
-        run_id = runs.start(run_name="base model", tags={"tabrl.kind": "base"})
-        mv = self.register(base_dir, run_id, tags={"tabrl.kind": "base"})
-        runs.tag(run_id, {"tabrl.version": mv.label, "tabrl.base_dir": str(base_dir)})
+        run_id = runs.start(run_name="base model", tags={vocab.KIND: "base"})
+        mv = self.register(base_dir, run_id, tags={vocab.KIND: "base"})
+        runs.tag(run_id, {vocab.VERSION: mv.label, vocab.BASE_DIR: str(base_dir)})
         runs.rename(run_id, f"base model · {mv.label}")
         runs.end(run_id)
         self.set_alias(CHAMPION, mv.version)
@@ -204,13 +198,13 @@ def version_description(run: Run, gate: Mapping[str, float] | None) -> str:
     tags = run.data.tags
     link = f"[{run.info.run_name or run.info.run_id}](#/experiments/{run.info.experiment_id}/runs/{run.info.run_id})"
     lines = [f"Trained in run {link} (run id `{run.info.run_id}`)."]
-    if tags.get("tabrl.snapshot"):
+    if tags.get(vocab.SNAPSHOT):
         lines.append(
-            f"Snapshot `{tags['tabrl.snapshot']}`: DVC md5 `{tags.get('tabrl.snapshot_dvc_md5', 'not versioned')}`, "
-            f"sha256 `{tags.get('tabrl.snapshot_sha256', '?')}` "
+            f"Snapshot `{tags[vocab.SNAPSHOT]}`: DVC md5 `{tags.get(vocab.SNAPSHOT_DVC_MD5, 'not versioned')}`, "
+            f"sha256 `{tags.get(vocab.SNAPSHOT_SHA256, '?')}` "
             f"(`dvc checkout` at the commit whose .dvc file holds that md5 brings it back)."
         )
-    elif tags.get("tabrl.kind") == "base":
+    elif tags.get(vocab.KIND) == "base":
         lines.append("The base model: no interaction snapshot, not gated.")
     if gate:
         lines += ["", "Gate (candidate vs champion on held-out traffic): passed.", ""]

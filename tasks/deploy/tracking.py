@@ -28,6 +28,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH, MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
 
+from tasks.core import vocab
 from tasks.core.config import Params
 from tasks.deploy.errors import DeployError
 
@@ -38,8 +39,6 @@ CYCLES_DESCRIPTION = (
     "named `cycle N · status · version`; the tags say why (tabrl.cycle_reason) and on which snapshot "
     "(tabrl.snapshot_dvc_md5). Select runs and Compare to see how the cycles' metrics move."
 )
-CYCLE_TAG = "tabrl.cycle"  # the cycle's number, 1 for the first cycle run of the experiment
-GATE_WINDOW_TAG = "tabrl.gate_window"  # the window of held-out regions the cycle's gate typed (next_gate_window)
 MAX_RUN_NAME_LENGTH = 250
 
 
@@ -108,15 +107,15 @@ class CycleRuns:
         logged params are the ones given (a cycle resumed under another config would no longer be
         comparable) and logs any that a crash left out.
         """
-        all_tags = {"tabrl.kind": "cycle", **(tags or {})}
+        all_tags = {vocab.KIND: "cycle", **(tags or {})}
         if snapshot_sha256 is not None:
-            all_tags["tabrl.snapshot_sha256"] = snapshot_sha256
+            all_tags[vocab.SNAPSHOT_SHA256] = snapshot_sha256
         wanted = mlflow_params(self.params)
         if run_id is None:
             exp = self.experiment_id()
-            if all_tags["tabrl.kind"] == "cycle":
+            if all_tags[vocab.KIND] == "cycle":
                 number = self._last_cycle_number(exp) + 1
-                all_tags[CYCLE_TAG] = str(number)
+                all_tags[vocab.CYCLE] = str(number)
                 run_name = run_name or f"cycle {number}"
             run_id = self.client.create_run(exp, run_name=run_name, tags=all_tags).info.run_id
             missing = wanted
@@ -151,7 +150,7 @@ class CycleRuns:
         runs = self.client.search_runs(
             [experiment], "tags.`tabrl.kind` = 'cycle'", order_by=["attributes.start_time DESC"], max_results=1
         )
-        return int(runs[0].data.tags.get(CYCLE_TAG, "0")) if runs else 0
+        return int(runs[0].data.tags.get(vocab.CYCLE, "0")) if runs else 0
 
     def get(self, run_id: str) -> Run:
         """The run `run_id`; a DeployError naming the store when there is none."""
@@ -180,7 +179,7 @@ class CycleRuns:
             return []
         return self.client.search_runs(
             [experiment.experiment_id],
-            f"tags.`{GATE_WINDOW_TAG}` LIKE '%'",
+            f"tags.`{vocab.GATE_WINDOW}` LIKE '%'",
             order_by=["attributes.start_time DESC"],
             max_results=max_results,
         )
@@ -190,16 +189,16 @@ class CycleRuns:
         the last gated cycle's (its `tabrl.gate_window` tag), round the `windows`; 0 before the first gate. Counted
         by gates, not cycles: skipped cycles do not make two gates in a row type the same window."""
         runs = self.gated(max_results=1)
-        return (int(runs[0].data.tags[GATE_WINDOW_TAG]) + 1) % windows if runs else 0
+        return (int(runs[0].data.tags[vocab.GATE_WINDOW]) + 1) % windows if runs else 0
 
     def name_outcome(self, run_id: str, status: str, reason: str, version: str | None = None) -> str:
         """Tell the cycle's outcome on its run: the name (see :func:`cycle_run_name`) and the tags
         `tabrl.cycle_status`, `tabrl.cycle_reason` and, when one was registered, `tabrl.version`; returns the name."""
-        cycle = self.get(run_id).data.tags.get(CYCLE_TAG, "?")
+        cycle = self.get(run_id).data.tags.get(vocab.CYCLE, "?")
         name = cycle_run_name(cycle, status, reason, version)
-        tags = {"tabrl.cycle_status": status, "tabrl.cycle_reason": reason}
+        tags = {vocab.CYCLE_STATUS: status, vocab.CYCLE_REASON: reason}
         if version:
-            tags["tabrl.version"] = version
+            tags[vocab.VERSION] = version
         self.tag(run_id, tags)
         self.rename(run_id, name)
         return name

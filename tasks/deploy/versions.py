@@ -13,9 +13,8 @@ from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion as MlflowModelVersion
 from mlflow.exceptions import MlflowException
 
+from tasks.core import vocab
 from tasks.deploy.errors import DeployError
-
-BASE_VERSION_TAG = "tabrl.base_version"  # an adapter's base: NAME/VERSION of a full version
 
 
 @dataclass(frozen=True)
@@ -44,7 +43,7 @@ class ModelVersion:
             version=int(mv.version),
             source=mv.source,
             run_id=mv.run_id or None,
-            base=(mv.tags or {}).get(BASE_VERSION_TAG),
+            base=(mv.tags or {}).get(vocab.BASE_VERSION),
         )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tasks.core import vocab
 from tasks.ingest.parquet import display_path
 from tasks.ingest.snapshot import IngestResult
 
@@ -12,9 +13,9 @@ def ingest_tags(result: IngestResult, repo_dir: Path) -> dict[str, str]:
     """The snapshot a cycle ingested, as MLflow tags: its path in the repo, sha256 and DVC md5 (when versioned)."""
     if result.snapshot is None or result.sha256 is None:
         return {}
-    tags = {"tabrl.snapshot": display_path(result.snapshot, repo_dir), "tabrl.snapshot_sha256": result.sha256}
+    tags = {vocab.SNAPSHOT: display_path(result.snapshot, repo_dir), vocab.SNAPSHOT_SHA256: result.sha256}
     if result.dvc_md5:
-        tags["tabrl.snapshot_dvc_md5"] = result.dvc_md5
+        tags[vocab.SNAPSHOT_DVC_MD5] = result.dvc_md5
     return tags
 
 

@@ -9,24 +9,12 @@ from dataclasses import astuple, dataclass
 
 import torch
 
+from tasks.core import vocab
 from tasks.core.config import TrainParams
 from tasks.train.batching import Example, Packed, StepPlan
 from tasks.train.engines import all_reduce, first_token_logp, top_k_kl
 from tasks.train.loss import abstain_loss, ppo_loss, truncated_is_weight
 
-METRICS = (
-    "train/loss",
-    "train/clipfrac",
-    "train/approx_kl",
-    "train/kl_k3",
-    "train/entropy",
-    "train/grad_norm",
-    "train/lr",
-    "train/is_weight",
-    "train/ratio_max",
-    "train/tokens",
-    "train/abstain_p",  # only with train.abstain_weight > 0
-)
 """Per-step metric names logged to MLflow (one list, namespaced)."""
 
 
@@ -143,21 +131,21 @@ def guard(g: StepSums, tp: TrainParams, step: int, total_steps: int) -> tuple[fl
 def step_metrics(
     g: StepSums, kl: float, grad_norm: float, lr: float, ratio_max: float, abstaining: bool
 ) -> dict[str, float]:
-    """The METRICS of one step."""
+    """The metrics of one step (`vocab.STEP_METRICS`)."""
     final = {
-        "train/loss": g.loss,
-        "train/clipfrac": g.mean("clipfrac"),
-        "train/approx_kl": kl,
-        "train/kl_k3": g.mean("approx_kl"),
-        "train/entropy": g.mean("entropy"),
-        "train/grad_norm": grad_norm,
-        "train/lr": lr,
-        "train/is_weight": g.mean("is_weight"),
-        "train/ratio_max": ratio_max,
-        "train/tokens": g.tokens,
+        vocab.LOSS: g.loss,
+        vocab.CLIPFRAC: g.mean("clipfrac"),
+        vocab.APPROX_KL: kl,
+        vocab.KL_K3: g.mean("approx_kl"),
+        vocab.ENTROPY: g.mean("entropy"),
+        vocab.GRAD_NORM: grad_norm,
+        vocab.LR: lr,
+        vocab.IS_WEIGHT: g.mean("is_weight"),
+        vocab.RATIO_MAX: ratio_max,
+        vocab.TOKENS: g.tokens,
     }
     if abstaining:  # how often the policy would show nothing on these rows, before this step
-        final["train/abstain_p"] = g.abstain_p / max(g.abstain_rows, 1.0)
+        final[vocab.ABSTAIN_P] = g.abstain_p / max(g.abstain_rows, 1.0)
     return final
 
 
