@@ -20,7 +20,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import mlflow
 from prefect import flow, get_run_logger
@@ -31,10 +30,11 @@ from tasks.core.config import DEFAULT_PARAMS_FILE, load_params
 from tasks.core.store import CHALLENGER
 from tasks.deploy.model_cache import resolve_model_dir
 from tasks.deploy.model_retention import model_retention_task
-from tasks.deploy.registry import Registry
+from tasks.deploy.registry import Lineage, Registry
 from tasks.deploy.rollout import rollout
 from tasks.deploy.tracking import CycleRuns
-from tasks.evaluate.evaluate import compare_task
+from tasks.deploy.versions import ModelVersion
+from tasks.evaluate.evaluate import Comparison, compare_task
 from tasks.ingest.task import commit_ingest_task, ingest_task
 from tasks.reward.task import reward_task
 from tasks.sim.acceptance import gate_regions
@@ -57,16 +57,6 @@ def challenger_under_test(registry: Registry) -> bool:
     return registry.aliased(CHALLENGER) is not None
 
 
-def _champion_and_base(registry: Registry) -> tuple[Any, Path, Any, Path]:
-    """The champion (registered from model.base_dir when there is none), and the full version it runs on (an
-    adapter's base, else the champion itself), each with its local directory."""
-    params = registry.params
-    champion = registry.ensure_champion(params.model.base_dir)
-    champion_dir = resolve_model_dir(champion.uri, params)
-    base = registry.base_of(champion)  # the full version an adapter champion runs on (else the champion)
-    return champion, champion_dir, base, resolve_model_dir(base.uri, params)
-
-
 def _skipped_under_test(runs: CycleRuns, log) -> CycleReport:
     """A cycle that does not train while a challenger is under test; it still leaves a run."""
     log.info(
@@ -79,7 +69,9 @@ def _skipped_under_test(runs: CycleRuns, log) -> CycleReport:
     return report
 
 
-def _evaluate(candidate_dir, champion_dir, base_dir, holder, runs: CycleRuns, timing: dict[str, float]):
+def _evaluate(
+    candidate_dir: Path, lineage: Lineage, holder: ModelVersion | None, runs: CycleRuns, timing: dict[str, float]
+) -> Comparison:
     """The candidate against the champion on held-out FIM samples and this cycle's gate window of typing regions
     (the window is tagged on the run); the time it took goes into `timing`."""
     params = runs.params
@@ -90,26 +82,35 @@ def _evaluate(candidate_dir, champion_dir, base_dir, holder, runs: CycleRuns, ti
     regions = gate_regions(read_regions(regions_path(params.paths.data_dir, "test")), window, windows)
     mark_dir = str(resolve_model_dir(holder.uri, params)) if holder else None
     started = time.perf_counter()
-    comparison = compare_task(str(candidate_dir), str(champion_dir), test, regions, params, mark_dir, str(base_dir))
+    champion_dir, base_dir = str(lineage.champion_dir), str(lineage.base_dir)
+    comparison = compare_task(str(candidate_dir), champion_dir, test, regions, params, mark_dir, base_dir)
     timing["time/evaluate_s"] = time.perf_counter() - started
     typed = (comparison.candidate.typing, comparison.champion.typing)
     timing["time/typing_s"] = sum(run.seconds for run in typed if run is not None)  # of which the two typed regions
     return comparison
 
 
-def _cycle_metrics(comparison, steps: int, timing: dict[str, float]) -> dict[str, float]:
+def _cycle_metrics(comparison: Comparison, steps: int, timing: dict[str, float]) -> dict[str, float]:
     champion_metrics = {k.replace("eval/", "eval/champion/", 1): v for k, v in comparison.champion.metrics.items()}
     return dict(comparison.candidate.metrics) | champion_metrics | {"train/steps": steps} | timing
 
 
-def _deploy(candidate_dir, comparison, champion, holder, base, base_dir, registry: Registry, run_id: str):
+def _deploy(
+    candidate_dir: Path,
+    comparison: Comparison,
+    lineage: Lineage,
+    holder: ModelVersion | None,
+    registry: Registry,
+    run_id: str,
+) -> ModelVersion:
     """A candidate that passed the gate: registered (carrying the chars-saved mark when it holds it) and rolled
     out as the challenger."""
-    held_by = comparison.decision.mark_holder_after(champion, holder)
+    held_by = comparison.decision.mark_holder_after(lineage.champion, holder)
     carried = {vocab.CHARS_SAVED_HOLDER: str(held_by.version)} if held_by else {}
-    version = registry.register(candidate_dir, run_id, tags=carried, gate=comparison.decision.numbers, base=base)
+    numbers = comparison.decision.numbers
+    version = registry.register(candidate_dir, run_id, tags=carried, gate=numbers, base=lineage.base)
     params = registry.params
-    rollout(version, str(resolve_model_dir(version.uri, params)), params, str(base_dir))
+    rollout(version, str(resolve_model_dir(version.uri, params)), params, str(lineage.base_dir))
     return version
 
 
@@ -125,7 +126,7 @@ def online_rl_cycle(
     registry, runs = Registry(params), CycleRuns(params)
     if challenger_under_test(registry) and not force:
         return _skipped_under_test(runs, log)
-    champion, champion_dir, base, base_dir = _champion_and_base(registry)
+    lineage = registry.lineage()
     model_retention_task(params)  # local copies of retired versions go after deploy.retired_retention_hours
     run_id = runs.start()
     report = CycleReport("skipped", "", run_id)
@@ -144,9 +145,7 @@ def online_rl_cycle(
             )
             started = time.perf_counter()
             try:
-                trained, candidate_dir = train_step(
-                    rewarded.path, champion, champion_dir, base, base_dir, params, run_id
-                )
+                trained, candidate_dir = train_step(rewarded.path, lineage, params, run_id)
             except TrainingDiverged as err:  # a guard stopped the update: nothing to evaluate, the champion stays
                 commit_ingest_task(params, pending)
                 report.status, report.reason = "diverged", f"training stopped by a guard: {err}"
@@ -160,15 +159,15 @@ def online_rl_cycle(
                 if trained.stopped_early:
                     log.info(f"update ended early: {trained.stopped_early}")
                     mlflow.set_tag(vocab.TRAIN_STOPPED_EARLY, trained.stopped_early[:5000])
-                holder = registry.chars_saved_holder(champion)
-                comparison = _evaluate(candidate_dir, champion_dir, base_dir, holder, runs, timing)
+                holder = registry.chars_saved_holder(lineage.champion)
+                comparison = _evaluate(candidate_dir, lineage, holder, runs, timing)
                 mlflow.log_metrics(timing)
                 report.metrics = _cycle_metrics(comparison, trained.steps, timing)
                 if not comparison.decision.passed:  # the gate
                     report.status, report.reason = "gate_failed", "; ".join(comparison.decision.reasons)
                     log.info(f"candidate not deployed: {report.reason}")
                 else:
-                    version = _deploy(candidate_dir, comparison, champion, holder, base, base_dir, registry, run_id)
+                    version = _deploy(candidate_dir, comparison, lineage, holder, registry, run_id)
                     report.status, report.version = "deployed", version.label
                     report.reason = "; ".join(comparison.decision.reasons)
                     log.info(f"{version.label} is the challenger at {params.deploy.challenger_share:.0%} of traffic")

@@ -32,9 +32,8 @@ from prefect.states import Cancelled
 from tasks.core import vocab
 from tasks.core.config import Params
 from tasks.deploy.model_cache import candidate_dir, resolve_model_dir
-from tasks.deploy.registry import MODEL_ARTIFACT
+from tasks.deploy.registry import MODEL_ARTIFACT, Lineage
 from tasks.deploy.tracking import CycleRuns
-from tasks.deploy.versions import ModelVersion
 from tasks.train.launch import read_result, train_task
 from tasks.train.ppo import TrainingDiverged, TrainResult
 
@@ -46,25 +45,19 @@ class TrainingLost(RuntimeError):
     """The training run failed, crashed, was cancelled or did not finish in time; the message says which run."""
 
 
-def train_step(
-    rewarded: Path,
-    champion: ModelVersion,
-    champion_dir: Path,
-    base: ModelVersion,
-    base_dir: Path,
-    params: Params,
-    run_id: str,
-) -> tuple[TrainResult, Path]:
+def train_step(rewarded: Path, lineage: Lineage, params: Params, run_id: str) -> tuple[TrainResult, Path]:
     """Train the champion on the rewarded snapshot here (``cluster.train_on: process``) or on the gpu pool
-    (``pool``); returns the result and the candidate's local checkpoint (or adapter) directory. base, base_dir:
-    the full version an adapter champion runs on (the champion itself when it is a full checkpoint).
+    (``pool``); returns the result and the candidate's local checkpoint (or adapter) directory. An adapter
+    champion trains on its base (`lineage.adapter_base`).
 
     Raises TrainingDiverged (a guard stopped the update) and, on the pool, TrainingLost."""
+    base = lineage.adapter_base
     if params.cluster.train_on == "pool":
-        return train_on_pool(rewarded, champion.uri, params, run_id, base.uri if base != champion else None)
+        return train_on_pool(rewarded, lineage.champion.uri, params, run_id, base.uri if base else None)
     trained_dir = candidate_dir(params, run_id)
-    adapter_base = str(base_dir) if base != champion else None
-    return train_task(str(rewarded), str(champion_dir), str(trained_dir), params, None, adapter_base), trained_dir
+    adapter_base = str(lineage.base_dir) if base else None
+    result = train_task(str(rewarded), str(lineage.champion_dir), str(trained_dir), params, None, adapter_base)
+    return result, trained_dir
 
 
 def train_on_pool(

@@ -22,6 +22,7 @@ version is found or downloaded on this host is ``model_cache.py``.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from mlflow.entities import Run
@@ -33,11 +34,27 @@ from tasks.core.adapters import AdapterBaseError, check_base, is_adapter
 from tasks.core.config import Params
 from tasks.core.store import CHAMPION
 from tasks.deploy.errors import DeployError
-from tasks.deploy.model_cache import version_dir
+from tasks.deploy.model_cache import resolve_model_dir, version_dir
 from tasks.deploy.tracking import CycleRuns, get_run, tracking_client
 from tasks.deploy.versions import ModelVersion, version_named
 
 MODEL_ARTIFACT = "model"
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """The champion a cycle trains from and the full version it runs on (an adapter's base, else the champion
+    itself), each with its local directory."""
+
+    champion: ModelVersion
+    champion_dir: Path
+    base: ModelVersion
+    base_dir: Path
+
+    @property
+    def adapter_base(self) -> ModelVersion | None:
+        """The base of an adapter champion; None when the champion is a full checkpoint."""
+        return self.base if self.base != self.champion else None
 
 
 class Registry:
@@ -131,6 +148,14 @@ class Registry:
             return version
         name, _, number = version.base.rpartition("/")
         return ModelVersion.of(self.client.get_model_version(name, number))
+
+    def lineage(self) -> Lineage:
+        """The champion (registered from model.base_dir when there is none) and the full version it runs on."""
+        champion = self.ensure_champion(self.params.model.base_dir)
+        base = self.base_of(champion)
+        return Lineage(
+            champion, resolve_model_dir(champion.uri, self.params), base, resolve_model_dir(base.uri, self.params)
+        )
 
     def chars_saved_holder(self, version: ModelVersion) -> ModelVersion | None:
         """The ancestor holding `version`'s lineage mark for characters saved (`vocab.CHARS_SAVED_HOLDER`); None when

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -102,6 +102,39 @@ def lr_at(step: int, total: int, tp: TrainParams) -> float:
     if tp.lr_schedule == "linear":
         return tp.lr * (1.0 - progress)
     return tp.lr
+
+
+class TrainEngine(Protocol):
+    """How an update runs its forwards, backwards and optimiser steps: `TorchEngine` or `DeepSpeedEngine`
+    (`choose_engine`). The policy's forward is `module(input_ids, position_ids, gather_idx)`."""
+
+    name: str
+    dtype: str  # what forwards compute in: "float32" or "bfloat16"
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The policy as the engine wraps it (DDP, a DeepSpeed engine, or itself)."""
+        ...
+
+    def __init__(self, policy: CompletionPolicy, tp: TrainParams, world: int, device: torch.device) -> None: ...
+
+    def autocast(self) -> contextlib.AbstractContextManager[object]:
+        """Context of a forward."""
+        ...
+
+    def micro_step(self, boundary: bool) -> contextlib.AbstractContextManager[object]:
+        """Context of one forward and backward; gradients are synchronised at the step boundary only."""
+        ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def step(self, lr: float) -> float:
+        """One optimiser step at lr (gradients clipped to train.grad_clip); the gradient norm."""
+        ...
+
+    def fp32_state_dict(self, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+        """The weights to save, fp32 on the CPU: all, or those named (an adapter's)."""
+        ...
 
 
 class TorchEngine:
@@ -207,7 +240,7 @@ class DeepSpeedEngine:
         }
 
 
-def choose_engine(tp: TrainParams, device: torch.device) -> type[TorchEngine] | type[DeepSpeedEngine]:
+def choose_engine(tp: TrainParams, device: torch.device) -> type[TrainEngine]:
     if tp.engine == "deepspeed" or (tp.engine == "auto" and device.type == "cuda"):
         return DeepSpeedEngine
     return TorchEngine

@@ -40,7 +40,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,6 +62,7 @@ from tasks.train.batching import (
 from tasks.train.engines import (
     CompletionPolicy,
     DeepSpeedEngine,
+    TrainEngine,
     all_gather_lists,
     all_reduce,
     choose_engine,
@@ -73,7 +73,7 @@ from tasks.train.engines import (
     top_logp,
 )
 from tasks.train.policy import Start, StartError, load_start, save_start, trainable_names
-from tasks.train.step import ProxTop, StepSums, TrainingDiverged, guard, micro_loss, step_metrics
+from tasks.train.step import MicroBatch, ProxTop, StepSums, TrainingDiverged, Update, guard, micro_loss, step_metrics
 
 
 @dataclass
@@ -158,7 +158,7 @@ class _Job:
     start: Start
     rows: list
     examples: list[Example]
-    engine: Any
+    engine: TrainEngine
     make_batch: Callable[[list[int]], Packed]
     stop_ids: torch.Tensor
     prox: dict[int, list[float]]
@@ -214,6 +214,7 @@ def _step_sums(job: _Job, plan: StepPlan) -> tuple[StepSums, float, int]:
     """Forward and backward over one step's micro-batches: the step's sums over all ranks, the largest ratio
     and the real tokens this rank saw (step 3)."""
     sums = StepSums()
+    update = Update(job.examples, job.prox, job.prox_top, job.stop_ids, job.tp, job.world)
     ratio_max = 0.0
     tokens = 0
     for k, idx in enumerate(plan.micro):
@@ -225,10 +226,7 @@ def _step_sums(job: _Job, plan: StepPlan) -> tuple[StepSums, float, int]:
             logz = row_log_softmax(logits, batch.inv_temp)  # (N, V), read by every term below
             logp, entropy = target_logp(logz, batch.targets)  # (N,)
             if idx:
-                loss, stats = micro_loss(
-                    logz, logp, entropy, batch, plan, job.examples, job.prox, job.prox_top, job.stop_ids, job.tp,
-                    job.world,
-                )  # fmt: skip
+                loss, stats = micro_loss(MicroBatch(logz, logp, entropy, batch, plan, update))
             else:
                 loss, stats = logp.sum() * 0.0, {"tokens": 0.0}
             job.engine.backward(loss)

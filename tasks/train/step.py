@@ -65,22 +65,37 @@ ProxTop = dict[int, tuple[torch.Tensor, torch.Tensor]]
 """Per example: (n, k) pi_prox's top-k log-probs at each completion position and (n, k) their token ids."""
 
 
-def micro_loss(
-    logz: torch.Tensor,
-    logp: torch.Tensor,
-    entropy: torch.Tensor,
-    batch: Packed,
-    plan: StepPlan,
-    examples: Sequence[Example],
-    prox: dict[int, list[float]],
-    prox_top: ProxTop,
-    stop_ids: torch.Tensor,
-    tp: TrainParams,
-    world: int,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@dataclass(frozen=True)
+class Update:
+    """What every micro-batch of one update reads, fixed for the whole update: its rows, pi_prox's log-probs (and
+    top-k), the stop tokens, the train params and the world size."""
+
+    examples: Sequence[Example]
+    prox: dict[int, list[float]]
+    prox_top: ProxTop
+    stop_ids: torch.Tensor
+    tp: TrainParams
+    world: int
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch as the loss reads it: the policy's scores on its rows, the rows, the step and the update."""
+
+    logz: torch.Tensor  # (N, V) log-softmax at each completion position
+    logp: torch.Tensor  # (N,) the targets' log-probs
+    entropy: torch.Tensor  # (N,)
+    batch: Packed
+    plan: StepPlan
+    update: Update
+
+
+def micro_loss(m: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of one micro-batch that holds rows (PPO, plus the top-k KL statistic and the abstain term when on)."""
+    logz, logp, batch, plan, u = m.logz, m.logp, m.batch, m.plan, m.update
+    examples, tp, world = u.examples, u.tp, u.world
     device = logp.device
-    old, weight, adv = token_inputs(examples, batch.example_idx, prox, tp.is_cap, device)
+    old, weight, adv = token_inputs(examples, batch.example_idx, u.prox, tp.is_cap, device)
     # DDP/DeepSpeed average gradients over ranks, so each rank divides by step_tokens / world
     loss, stats = ppo_loss(
         logp,
@@ -90,17 +105,17 @@ def micro_loss(
         clip_low=tp.clip_low,
         clip_high=tp.clip_high,
         is_weight=weight,
-        entropy=entropy,
+        entropy=m.entropy,
         ref_logp=old,
         kl_beta=tp.kl_beta,  # reference = the starting weights
         num_tokens=plan.step_tokens / world,
     )
     if tp.kl_top_k:
-        top = torch.cat([prox_top[i][0] for i in batch.example_idx]).to(device)
-        ids = torch.cat([prox_top[i][1] for i in batch.example_idx]).to(device).long()
+        top = torch.cat([u.prox_top[i][0] for i in batch.example_idx]).to(device)
+        ids = torch.cat([u.prox_top[i][1] for i in batch.example_idx]).to(device).long()
         stats["kl_top_k"] = float(top_k_kl(logz, top, ids).mean())
     if tp.abstain_weight > 0:
-        a_logp = first_token_logp(logz, batch.first_idx, stop_ids)  # (E,)
+        a_logp = first_token_logp(logz, batch.first_idx, u.stop_ids)  # (E,)
         a_adv = torch.tensor([examples[i].abstain_advantage for i in batch.example_idx], device=device)
         a_loss, a_stats = abstain_loss(a_logp, a_adv, weight=tp.abstain_weight, num_tokens=plan.step_tokens / world)
         loss, stats = loss + a_loss, {**stats, **a_stats}
