@@ -7,7 +7,7 @@
 
 `ENGINES` is the registry: a name (a `tasks.core.config.BackendName`) and the class that serves it
 (`tasks.core.engines.base.ServingEngine`). Nothing outside these modules asks which backend it runs on: it asks
-the engine. Adding one is a module here and an entry in each of the two (docs/serving-engines.md).
+the engine. Adding one is a module here and an entry in each of the two (docs/how-to/serving-engine.md).
 """
 
 from __future__ import annotations
