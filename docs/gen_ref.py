@@ -87,7 +87,8 @@ def params_page() -> str:
         "Every key of `params.yaml`, generated from the typed tree in "
         f"`{PARAMS_MODULE}` when the site is built. Override one with `tabrl CMD --set section.key=VALUE` "
         "or the environment (`TABRL_SECTION__KEY=VALUE`); `tabrl params` prints the resolved tree. "
-        "The default is the code's; `params.yaml` may set another value.",
+        "The default is the code's and the shipped one: `params.yaml` repeats it (`tests/test_config.py` fails "
+        "when they drift), and the [decision records](../decisions/index.md) say why it is what it is.",
         "",
     ]
     for name, field in root.model_fields.items():

@@ -29,6 +29,7 @@ def test_pipeline_commands_end_to_end(tmp_path):
             "model": TINY_MODEL | {"pretrain_steps": 5},
             "evaluate": {"n_samples": 8, "n_requests": 8, "max_new_tokens": 8},
             "traffic": {"train_regions": 30, "eval_regions": 10},
+            "serving": {"min_logprob": None},  # the test model is sure of nothing: shown whole, it shows something
         }
     )
     none = ["--params", str(tmp_path / "none.yaml")]

@@ -32,7 +32,8 @@ PROMPT = QWEN.render("def add(a, b):\n    ", "\n\nprint(add(1, 2))\n")
 def _gateway(store_url, tmp_path, arms, factory=None, **ingest):
     params = tiny_params(
         tmp_path,
-        serving={"config_ttl_s": 0, "max_tokens": 8, "min_logprob": None},
+        # suggestions shown whole, at a temperature where the test model rarely answers with nothing
+        serving={"config_ttl_s": 0, "max_tokens": 8, "min_logprob": None, "temperature": 0.7},
         ingest={"feedback_timeout_s": 0.5, "reported_timeout_s": 1.0, **ingest},
     )
     engine = Store(store_url).engine

@@ -76,8 +76,12 @@ def _params(tmp, **train):
         "grad_clip": 1e6,
         "max_approx_kl": 10.0,
         "target_kl": 10.0,
+        # the PPO update alone, the embeddings in it: the tests turn on the term they test
+        "train_embeddings": True,
+        "abstain_weight": 0.0,
     }
-    return tiny_params(tmp, train=base | train, serving={"max_tokens": MAX_NEW, "temperature": TEMPERATURE})
+    serving = {"max_tokens": MAX_NEW, "temperature": TEMPERATURE}
+    return tiny_params(tmp, train=base | train, serving=serving, reward={"typed_demo": None})
 
 
 def _examples(model_dir, snapshot, params):

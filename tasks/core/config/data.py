@@ -52,9 +52,9 @@ class FimParams(Section):
     """Middles with fewer non-blank characters are dropped (nothing worth suggesting)."""
     max_middle_chars: int = Field(200, ge=1)
     """Middles longer than this are dropped (a completion is a few lines, not a file)."""
-    max_prefix_chars: int = Field(1200, ge=1)
+    max_prefix_chars: int = Field(600, ge=1)
     """Prefix text kept before the cursor (the nearest characters)."""
-    max_suffix_chars: int = Field(300, ge=0)
+    max_suffix_chars: int = Field(200, ge=0)
     """Suffix text kept after the middle (the nearest characters)."""
 
 
@@ -64,23 +64,23 @@ class ModelParams(Section):
     to use as the base instead; the rest of tabrl treats both the same."""
     vocab_size: int = Field(4096, ge=300)
     """Byte-level BPE vocabulary of the tiny model's tokenizer (special tokens included)."""
-    hidden_size: int = Field(256, ge=32)
-    """Width of the tiny model."""
+    hidden_size: int = Field(128, ge=32)
+    """Width of the tiny model (the shipped shape and budget: docs/decisions/base-shape.md)."""
     num_layers: int = Field(4, ge=1)
     """Transformer blocks of the tiny model."""
-    num_heads: int = Field(4, ge=1)
+    num_heads: int = Field(2, ge=1)
     """Attention heads; hidden_size / num_heads must be >= 32 (vLLM's CPU attention needs head dim >= 32)."""
-    num_kv_heads: int = Field(2, ge=1)
+    num_kv_heads: int = Field(1, ge=1)
     """Key/value heads (grouped-query attention, as in Qwen2.5)."""
-    intermediate_size: int = Field(704, ge=32)
+    intermediate_size: int = Field(352, ge=32)
     """MLP width of the tiny model."""
     max_position: int = Field(1024, ge=128)
     """Longest sequence (prompt + completion) the tiny model supports."""
-    pretrain_steps: int = Field(500, ge=1)
+    pretrain_steps: int = Field(5000, ge=1)
     """Optimiser steps of FIM pre-training."""
     pretrain_batch: int = Field(16, ge=1)
     """Sequences per pre-training step."""
-    pretrain_seq_len: int = Field(320, ge=32)
+    pretrain_seq_len: int = Field(256, ge=32)
     """Tokens per pre-training sequence (longer FIM samples are truncated on the prefix side)."""
     pretrain_lr: float = Field(3e-3, gt=0)
     """Peak learning rate of pre-training (linear warm-up, cosine decay)."""

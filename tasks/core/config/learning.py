@@ -19,41 +19,40 @@ class RewardParams(Section):
     accepted_per_char: float = Field(0.0, ge=0)
     """Training only: extra reward per character of an accepted suggestion, so a long accepted suggestion
     outweighs a short one (Copilot: an accept-rate reward favours short suggestions; characters saved is what
-    users feel). Reported rewards per request stay the per-outcome ones above. 0: none (0.1 raised neither
-    characters saved nor accept rate: docs/lab, "Two tries at characters saved")."""
-    typed_demo: float | None = None
+    users feel). Reported rewards per request stay the per-outcome ones above. 0: none (why:
+    docs/decisions/left-off.md)."""
+    typed_demo: float | None = 0.75
     """Training only: every rejected or abstained request whose continuation is known also trains on the rest
     of the line the user typed there (then the end token), as a suggestion that earned this reward: what a right
     suggestion would have been, on every request instead of the few accepted ones. Its tokens were not sampled
-    (importance weight 1, as rows logged without log-probs); the ratio clip bounds each update. None: off
-    (params.yaml: 0.75, the accepted reward; 3 seeds x 5 cycles vs control: characters saved +0.0084 [+0.0025,
-    +0.0152], accept/shown +23.8 % [+3.1 %, +51.5 %]: docs/lab, "Learning from what users typed")."""
+    (importance weight 1, as rows logged without log-probs); the ratio clip bounds each update. None: off. The
+    default is the accepted reward (docs/decisions/typed-lines.md)."""
     continuation_chars: int = Field(200, ge=1)
     """Characters of what a user typed after a request kept in the rewarded snapshot (``continuation``)."""
     advantage: Literal["raw", "batch_mean", "batch_norm", "shown_mean"] = "raw"
     """`raw`: the reward (one-step Monte-Carlo return); `batch_mean`: minus the batch mean;
     `batch_norm`: whitened over the batch (REINFORCE++ style); `shown_mean`: minus the mean over the
-    shown suggestions (accepted and rejected pull equally; nothing-shown rows 0; tasks/reward/reward.py; with the
-    tiny base no better than raw: docs/lab, "Balanced advantages")."""
+    shown suggestions (accepted and rejected pull equally; nothing-shown rows 0; tasks/reward/reward.py). Why `raw`:
+    docs/decisions/left-off.md."""
 
 
 class TrainParams(Section):
     algorithm: Literal["ppo", "grpo"] = "ppo"
     """`ppo`: critic-free PPO on logged interactions; `grpo`: offline, G samples per FIM train prompt."""
-    lr: float = Field(2e-5, gt=0)
-    """Peak learning rate (AdamW)."""
+    lr: float = Field(5e-5, gt=0)
+    """Peak learning rate (AdamW; docs/decisions/lr.md)."""
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     """Learning-rate schedule after warm-up."""
     warmup_steps: int = Field(0, ge=0)
     """Optimiser steps of linear warm-up."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
-    train_embeddings: bool = True
+    train_embeddings: bool = False
     """Update the token embeddings (and a head tied to them). Adam gives a row's tiny but steady gradient
-    a full lr-sized step, so rows of tokens sampled once and rejected drop by many nats in one
-    update: bench/kl_probe.py measures it (docs/lab, "Why approx-KL jumped")."""
-    epochs: int = Field(2, ge=1)
-    """Passes over the snapshot."""
+    a full lr-sized step, so rows of tokens sampled once and rejected can drop by many nats in one update
+    (bench/kl_probe.py measures it; why off: docs/decisions/stable-updates.md)."""
+    epochs: int = Field(1, ge=1)
+    """Passes over the snapshot (why one: docs/decisions/stable-updates.md)."""
     micro_batch: int = Field(8, ge=1)
     """Sequences per forward/backward on one rank."""
     grad_accum: int = Field(2, ge=1)
@@ -75,20 +74,20 @@ class TrainParams(Section):
     weights' k most likely tokens at each completion position, the rest lumped into one (a lower bound of the
     exact KL, exact when the k hold all the mass; pi_prox's top k are kept per token, k x 12 bytes); 0: the
     sampled k3 estimate (r - 1) - log r, which one rarely sampled token that became likely can send past
-    the guards while the distribution moved little (docs/lab, "Is the gate what stops learning?")."""
+    the guards while the distribution moved little (docs/decisions/kl-guard.md)."""
     max_approx_kl: float = Field(1.0, gt=0)
     """Divergence guard: the job fails (no checkpoint) when approx-KL of a step exceeds this."""
-    abstain_weight: float = Field(0.0, ge=0)
+    abstain_weight: float = Field(1.0, ge=0)
     """Weight of the known-reward abstain term: showing nothing earns reward.abstained whatever the user
     would have done, so every logged row also says whether abstaining there would have been better
     (advantage reward.abstained - the row's reward) without the empty suggestion having been sampled. The
     term is -weight x that advantage x log pi(stop as the first token), one per row, counted like a
-    completion token in the token mean (tasks/train/loss.py, abstain_loss). 0 disables it."""
-    abstain_where_typed: bool = True
+    completion token in the token mean (tasks/train/loss.py, abstain_loss). 0 disables it
+    (docs/decisions/abstain-term.md)."""
+    abstain_where_typed: bool = False
     """With abstain_weight > 0 and reward.typed_demo: also push towards abstaining on the rows whose typed line
     trains as a suggestion. False: where the line the user typed is known the loop teaches that line only (the
-    better action), and the abstain term acts where no line is known (params.yaml: false; 3 seeds x 5 cycles:
-    characters saved +0.0062 vs control where True gave +0.0011: docs/lab, "Teach the typed line")."""
+    better action), and the abstain term acts where no line is known (docs/decisions/abstain-term.md)."""
     target_kl: float = Field(0.5, gt=0)
     """PPO's early stop: when approx-KL of a step (to the starting weights) exceeds this, the update ends
     before that step and the checkpoint so far is kept. Set it above max_approx_kl to turn it off."""
@@ -98,9 +97,8 @@ class TrainParams(Section):
     """What the plain torch engine computes in: the weights, gradients and Adam stay float32, and with `bfloat16`
     the forward runs under bf16 autocast, pi_prox's pass and the update's alike (so their ratio starts at 1).
     `host`: bfloat16 where the device multiplies bf16 in hardware (a CPU with AMX or AVX512-BF16, a CUDA GPU),
-    else float32; a CPU with neither runs bf16 many times slower (`tasks/core/dtypes.py`). A SmolLM2 LoRA step ran
-    1.9x as fast on a 2-core Xeon with AMX, 2.75x on a 2-core EPYC (Zen 5) with AVX512-BF16 (docs/results.md,
-    "Compute dtype"). DeepSpeed on GPUs computes in bf16 whatever this says."""
+    else float32; a CPU with neither runs bf16 many times slower (`tasks/core/dtypes.py`; what it buys:
+    docs/decisions/cpu-dtypes.md). DeepSpeed on GPUs computes in bf16 whatever this says."""
     engine: Literal["auto", "deepspeed", "torch"] = "auto"
     """`auto`: DeepSpeed on GPUs, plain torch (DDP over gloo for nproc > 1) on CPU, where DeepSpeed's
     first start JIT-compiles a comm op for minutes; `deepspeed` forces DeepSpeed's CPU accelerator too."""
@@ -165,18 +163,16 @@ class JudgeParams(Section):
 class EvaluateParams(Section):
     n_requests: int = Field(1000, ge=1)
     """Editor-traffic requests per evaluated model: simulated users type held-out regions (the headline numbers)."""
-    chars_saved_tolerance: float = Field(0.2, ge=0)
+    chars_saved_tolerance: float = Field(0.05, ge=0)
     """The gate refuses a candidate whose characters saved (per typed character, editor traffic) fall more
     than this fraction below the champion's (and its lineage's best), however its accept rate or reward
-    moved (no reward hacking by showing less). Relative, since the level depends on the code (0.2: about the
-    absolute 0.005 it replaced at the standard library's ~0.022-0.025; 1 or more: never refuses on it). params.yaml
-    sets 0.05, the A/B decision's deploy.chars_tolerance (docs/lab, "The 5 % tolerance again")."""
+    moved (no reward hacking by showing less). Relative, since the level depends on the code; 1 or more: never
+    refuses on it. The same fraction as the A/B decision's deploy.chars_tolerance (docs/decisions/gate-5-percent.md)."""
     gate_windows: int = Field(3, ge=1)
     """Windows the gate's half of the held-out regions is cut into (`tasks.sim.acceptance.gate_regions`): each gate
     types the window after the last gate's, so candidate and champion are compared on requests the champion
     was not chosen on. 1: every gate types the same requests, where a champion's lucky score there is the
-    bar every later candidate must clear (the winner's curse; docs/lab, "On requests the gate never
-    saw"). 3 windows of 100 regions hold 1000 requests of the standard library's held-out files."""
+    bar every later candidate must clear (the winner's curse; docs/decisions/gate-windows.md)."""
     n_samples: int = Field(200, ge=1)
     """Held-out FIM test samples scored per evaluation."""
     max_new_tokens: int = Field(48, ge=1)
@@ -190,9 +186,9 @@ class EvaluateParams(Section):
     adapter_engine: Literal["lora", "merged"] = "lora"
     """How an evaluation on vLLM (serving.backend: vllm) types an adapter version: `lora`, loaded at runtime into
     its base's one server beside the arms (no new process; the default); `merged`, merged into a full checkpoint
-    typed by a server started for the evaluation and stopped after it. vLLM's CPU build runs LoRA through slow
-    fallback kernels (SmolLM2: an adapter typed 0.57 requests/s, its base 3.5), so there `merged` is faster once
-    an evaluation outlasts a server start (~1 min). serving.adapter_serving: merged types merged either way."""
+    typed by a server started for the evaluation and stopped after it, faster on vLLM's CPU build, whose LoRA
+    kernels are slow fallbacks, once an evaluation outlasts a server start (docs/decisions/cpu-dtypes.md).
+    serving.adapter_serving: merged types merged either way."""
     sim_users: int = Field(16, ge=1)
     """Simulated users replaying the samples round-robin (the same users for candidate and champion)."""
     judge: JudgeParams = JudgeParams()

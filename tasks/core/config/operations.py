@@ -69,19 +69,21 @@ class ServingParams(Section):
     """Port the gateway binds."""
     backend: BackendName = "embedded"
     """How arms generate: transformers in the gateway process, or a vLLM server over HTTP."""
-    temperature: float = Field(0.7, ge=0)
-    """Default sampling temperature (training scores log-probs at the same temperature)."""
+    temperature: float = Field(0.3, ge=0)
+    """Sampling temperature of the arms (training scores log-probs at the same temperature;
+    docs/decisions/temperature.md)."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Default nucleus sampling cut."""
-    min_logprob: float | None = Field(None, le=0)
+    min_logprob: float | None = Field(-0.25, le=0)
     """Show a suggestion only up to the model's first unsure token: cut before the first token whose log-prob
     under logits / temperature is below this (nothing left: no suggestion). None shows every suggestion whole.
-    The gateway's arms (embedded and vLLM) and the held-out evaluation apply the same rule (tasks/core/generate.py)."""
+    The gateway's arms (embedded and vLLM) and the held-out evaluation apply the same rule (tasks/core/generate.py;
+    the threshold: docs/decisions/show-rule.md)."""
     explore_fraction: float = Field(0.0, ge=0, le=1)
     """Fraction of served requests (drawn per request) cut at explore_min_logprob instead of min_logprob, so
     the logs hold users' verdicts on text the strict rule hides: an accepted one raises those tokens'
-    log-probs, and the next model shows them under min_logprob. Evaluations never explore. 0: never (at 0.25
-    and -1.0 not shown to beat a stricter threshold, and it costs live accepts: docs/lab, "Two tries")."""
+    log-probs, and the next model shows them under min_logprob. Evaluations never explore. 0: never
+    (docs/decisions/left-off.md)."""
     explore_min_logprob: float | None = Field(-1.0, le=0)
     """The looser cut of an exploring request (below min_logprob); None shows an exploring suggestion whole."""
     seed: int | None = None
@@ -123,9 +125,7 @@ class ServingParams(Section):
     vllm_dtype: Literal["float32", "bfloat16", "float16", "host"] | None = None
     """The --dtype of the vLLM servers tabrl starts; None: vLLM's own choice (the checkpoint's), or a --dtype in
     vllm_args. `host`, for vLLM's CPU build: bfloat16 on a CPU that multiplies bf16 in hardware (AMX or AVX512-BF16),
-    else float32 (`tasks/core/dtypes.py`); SmolLM2 typed 1.8-2.4x as many requests a second in bfloat16 as in
-    float32 on a 2-core Xeon with AMX, 1.35x on a 2-core EPYC (Zen 5) with AVX512-BF16 (docs/results.md, "Compute
-    dtype")."""
+    else float32 (`tasks/core/dtypes.py`; what it buys: docs/decisions/cpu-dtypes.md)."""
     vllm_env: dict[str, str] = Field(default_factory=dict)
     """Environment variables for the vLLM servers tabrl starts (one the environment already sets wins), e.g. the
     CPU build's VLLM_CPU_NUM_OF_RESERVED_CPU and VLLM_CPU_KVCACHE_SPACE (params.vllm-cpu.yaml)."""
