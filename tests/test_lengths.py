@@ -1,6 +1,7 @@
 """Files and functions that do one job (issue 41 item 6): no product file over 400 lines, no function over 60.
 
-Product files are the Python modules under `tasks/`, `serving/` and `flows/`. A file counts every line; a
+Product files are the Python modules under `tasks/`, `serving/` and `flows/`, and the benchmarks under `bench/`
+(issue 55: they make the headline numbers). A file counts every line; a
 function counts the lines from its `def` (decorators not included) to its last line, nested functions with it.
 
 The one exception is declared, never inferred: a function may run longer when a comment starting `# long:`
@@ -11,9 +12,10 @@ A file has no such exception: over 400 lines, split it.
 
 Run as `python tests/test_lengths.py` to print every file and function over the limits (marked or not).
 
-Known debt is named in `DVC_DEBT` and nowhere else (empty now: `tasks/sim/editor.py` and
-`tasks/train/base.py:pretrain`, code deps of the DVC stages `fim` and `base`, were split with the stages' outputs
-proven unchanged, old and new builds compared, and `dvc commit`).
+Known debt is named in `DVC_DEBT` and `BENCH_DEBT` and nowhere else. `BENCH_DEBT`: the benchmarks over the limits
+when bench/ came under them (bench/learning.py was split then; these are owed). `DVC_DEBT` (empty now:
+`tasks/sim/editor.py` and `tasks/train/base.py:pretrain`, code deps of the DVC stages `fim` and `base`, were split
+with the stages' outputs proven unchanged, old and new builds compared, and `dvc commit`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("tasks", "serving", "flows")
+PACKAGES = ("tasks", "serving", "flows", "bench")
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
 MARKER = "# long:"
@@ -73,15 +75,30 @@ def long_functions() -> list[tuple[str, int, bool]]:
 
 # Known debt, named one by one (see the module doc); an entry that is no longer over the limit fails, so it goes.
 DVC_DEBT: set[str] = set()
+BENCH_DEBT: set[str] = {
+    "bench/gpu/ppo_bench.py",
+    "bench/gpu/ppo_bench.py run_one",
+    "bench/adapters.py main",
+    "bench/base_size.py main",
+    "bench/cancel_bias.py main",
+    "bench/gateway_profile.py main",
+    "bench/headroom.py main",
+    "bench/ingest.py main",
+    "bench/kl_probe.py main",
+    "bench/matched_rule.py report",
+    "bench/mlflow_screenshot.py screenshot",
+    "bench/stop_rule.py main",
+}
+DEBT = DVC_DEBT | BENCH_DEBT
 
 
 def test_no_product_file_is_over_the_limit() -> None:
-    over = [(name, n) for name, n in long_files() if name not in DVC_DEBT]
+    over = [(name, n) for name, n in long_files() if name not in DEBT]
     assert not over, f"product files over {MAX_FILE_LINES} lines (split them by job): {over}"
 
 
 def test_no_function_is_over_the_limit_unless_marked() -> None:
-    over = [(name, n) for name, n, marked in long_functions() if not marked and _key(name) not in DVC_DEBT]
+    over = [(name, n) for name, n, marked in long_functions() if not marked and _key(name) not in DEBT]
     assert not over, (
         f"functions over {MAX_FUNCTION_LINES} lines without a `{MARKER} why` comment on or above the def: {over}"
     )
@@ -89,8 +106,8 @@ def test_no_function_is_over_the_limit_unless_marked() -> None:
 
 def test_the_known_debt_is_still_owed() -> None:
     owed = {name for name, _ in long_files()} | {_key(name) for name, _, marked in long_functions() if not marked}
-    paid = DVC_DEBT - owed
-    assert not paid, f"no longer over the limit: remove {sorted(paid)} from DVC_DEBT"
+    paid = DEBT - owed
+    assert not paid, f"no longer over the limit: remove {sorted(paid)} from DVC_DEBT or BENCH_DEBT"
 
 
 def _key(located: str) -> str:
