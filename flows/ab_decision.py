@@ -2,7 +2,8 @@
 
 Run once: `python -m flows.ab_decision` (ephemeral Prefect) or `tabrl ab-status` to only look.
 Scheduled by `tabrl schedule` every `deploy.decision_every_minutes`. The rule is in tasks/deploy/ab.py.
-With vLLM arms it first loads again any live adapter a restarted server lost (`tasks/deploy/arms.py`).
+With vLLM arms it first loads again any live adapter a restarted server lost (`tasks/deploy/arms.py`). It holds the
+arms slot throughout (flows/slots.py): a cycle's rollout and a decision never change the arms at the same moment.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
+from flows.slots import arms_slot
 from tasks.core.config import DEFAULT_PARAMS_FILE, Params, load_params
 from tasks.core.store import CHALLENGER, CHAMPION, ArmError, open_store
 from tasks.deploy import ab
@@ -61,6 +63,11 @@ def sync_live_adapters(params: Params) -> list[str]:
 def ab_decision(params_file: str = str(DEFAULT_PARAMS_FILE), overrides: list[str] | None = None) -> ab.Decision:
     """Decide on the running A/B test; a promote or rollback is applied and recorded, a continue recorded."""
     params = load_params(params_file, overrides or [])
+    with arms_slot():  # never while a cycle rolls out its challenger: one waits for the other (flows/slots.py)
+        return _decide(params)
+
+
+def _decide(params: Params) -> ab.Decision:
     for line in sync_live_adapters(params):
         print(f"loaded again: {line}")
     stats = live_stats(params)

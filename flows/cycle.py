@@ -3,15 +3,16 @@
     tabrl cycle                                   # a manual run (Prefect ephemeral mode without a server)
     prefect deployment run 'online-rl-cycle/online-rl-cycle'   # against `tabrl schedule`
 
-The flow holds no logic but the gate: it skips (and says why) while a challenger is still under
-test (unless forced) or when the snapshot is too small to train on, and keeps the champion when a
-training guard (non-finite loss, approx-KL) stops the update. Training runs here or, with
-`cluster.train_on: pool` (`tabrl deploy`), as the `train-candidate` deployment on the gpu pool
-(flows/remote_training.py); a training run that fails, is cancelled or loses its worker ends the cycle
-as `train_failed` with the champion and the ingest watermark as they were (the snapshot's rows are
-trained on by the next cycle). Every cycle, a skipped one too, leaves an MLflow run named for its
-outcome (`cycle 3 · deployed · tabrl-completion/4`, `cycle 4 · skipped: challenger under test`), so
-the runs list of the MLflow UI tells the loop's story. A cycle not skipped first deletes this host's copies of
+The flow holds no logic but the gate: it skips (and says why) while another cycle runs (one at a
+time, flows/slots.py), while a challenger is still under test (unless forced) or when the snapshot is
+too small to train on, and keeps the champion when a training guard (non-finite loss, approx-KL) stops
+the update. Training runs here or, with `cluster.train_on: pool` (`tabrl deploy`), as the
+`train-candidate` deployment on the gpu pool (flows/remote_training.py); a training run that fails, is
+cancelled or loses its worker ends the cycle as `train_failed` with the champion and the ingest
+watermark as they were (the snapshot's rows are trained on by the next cycle). Every cycle, a skipped
+one too, leaves an MLflow run named for its outcome (`cycle 3 · deployed · tabrl-completion/4`,
+`cycle 4 · skipped: challenger under test`), so the runs list of the MLflow UI tells the loop's story.
+A cycle not skipped first deletes this host's copies of
 retired versions older than `deploy.retired_retention_hours` (tasks/deploy/model_retention.py).
 """
 
@@ -25,8 +26,9 @@ import mlflow
 from prefect import flow, get_run_logger
 
 from flows.remote_training import TrainingLost, train_step
+from flows.slots import SlotTaken, arms_slot, cycle_slot
 from tasks.core import vocab
-from tasks.core.config import DEFAULT_PARAMS_FILE, load_params
+from tasks.core.config import DEFAULT_PARAMS_FILE, Params, load_params
 from tasks.core.store import CHALLENGER
 from tasks.deploy.model_cache import resolve_model_dir
 from tasks.deploy.model_retention import model_retention_task
@@ -57,13 +59,10 @@ def challenger_under_test(registry: Registry) -> bool:
     return registry.aliased(CHALLENGER) is not None
 
 
-def _skipped_under_test(runs: CycleRuns, log) -> CycleReport:
-    """A cycle that does not train while a challenger is under test; it still leaves a run."""
-    log.info(
-        "skipped: a challenger is still under test (the A/B decision flow promotes or rolls it back; "
-        "pass force=True to train anyway)"
-    )
-    report = CycleReport("skipped", "challenger under test", run_id=runs.start())
+def _skipped(runs: CycleRuns, log, reason: str, why: str) -> CycleReport:
+    """A cycle that does not train (reason: the run's name says it); it still leaves a run."""
+    log.info(f"skipped: {why}")
+    report = CycleReport("skipped", reason, run_id=runs.start())
     runs.name_outcome(report.run_id, report.status, report.reason)  # every cycle leaves a run
     runs.end(report.run_id)
     return report
@@ -110,7 +109,8 @@ def _deploy(
     numbers = comparison.decision.numbers
     version = registry.register(candidate_dir, run_id, tags=carried, gate=numbers, base=lineage.base)
     params = registry.params
-    rollout(version, str(resolve_model_dir(version.uri, params)), params, str(lineage.base_dir))
+    with arms_slot():  # never while the A/B decision changes the arms
+        rollout(version, str(resolve_model_dir(version.uri, params)), params, str(lineage.base_dir))
     return version
 
 
@@ -123,16 +123,26 @@ def online_rl_cycle(
 ) -> CycleReport:
     params = load_params(params_file, overrides or [])
     log = get_run_logger()
-    registry, runs = Registry(params), CycleRuns(params)
+    runs = CycleRuns(params)
+    try:
+        with cycle_slot():  # one cycle at a time: a second one finds the slot held and ends now (flows/slots.py)
+            return _cycle(params, runs, log, force, Path(repo_dir))
+    except SlotTaken as err:
+        return _skipped(runs, log, "another cycle is running", f"{err}; the next scheduled cycle tries again")
+
+
+def _cycle(params: Params, runs: CycleRuns, log, force: bool, repo_dir: Path) -> CycleReport:
+    registry = Registry(params)
     if challenger_under_test(registry) and not force:
-        return _skipped_under_test(runs, log)
+        why = "a challenger is still under test (the A/B decision flow promotes or rolls it back; force=True trains)"
+        return _skipped(runs, log, "challenger under test", why)
     lineage = registry.lineage()
     model_retention_task(params)  # local copies of retired versions go after deploy.retired_retention_hours
     run_id = runs.start()
     report = CycleReport("skipped", "", run_id)
     mlflow.set_tracking_uri(params.paths.mlflow_tracking_uri)  # the stages log into the active run
     with mlflow.start_run(run_id=run_id, log_system_metrics=False):  # ends FAILED if a stage raises
-        pending = ingest_task(params, Path(repo_dir))  # the watermark moves once training has finished
+        pending = ingest_task(params, repo_dir)  # the watermark moves once training has finished
         ingested = pending.result
         report.snapshot = str(ingested.snapshot) if ingested.snapshot else None
         if ingested.snapshot is None or ingested.rows < params.train.min_rows:

@@ -21,7 +21,7 @@ from tasks.sim.corpus import SourceFile, sample_spans, split_files, stdlib_root 
 CLI_COLUMNS = os.environ.get("TABRL_TEST_COLUMNS", "40")
 
 # Fixtures shared by the serving tests (store_url: SQLite, and PostgreSQL when configured) and `store` (a Store).
-pytest_plugins = ["tests.serving_util", "tests.support.store"]
+pytest_plugins = ["tests.serving_util", "tests.support.store", "tests.support.prefect_server"]
 
 
 @pytest.fixture(autouse=True)

@@ -9,44 +9,10 @@ import sys
 import time
 
 import httpx
-import pytest
 import yaml
 
-from tasks.core.procs import free_port, wait_until_up
 from tests.conftest import tiny_params
-
-
-def _cli(*args, env, timeout=120):
-    return subprocess.run(
-        [sys.executable, "-m", "prefect", *args], env=env, capture_output=True, text=True, timeout=timeout
-    )
-
-
-@pytest.fixture
-def prefect_server(tmp_path):
-    port = free_port()
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(tmp_path / "prefect"),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-    }
-    env.pop("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", None)
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        wait_until_up(f"http://127.0.0.1:{port}/api/health", proc, 120)
-        yield env
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(30)
-        log.close()
+from tests.support.prefect_server import prefect_cli
 
 
 def test_schedule_serves_both_flows_and_runs_a_manual_run(tmp_path, prefect_server):
@@ -73,7 +39,7 @@ def test_schedule_serves_both_flows_and_runs_a_manual_run(tmp_path, prefect_serv
         intervals = {name: d["schedules"][0]["schedule"]["interval"] for name, d in found.items()}
         assert intervals == {"online-rl-cycle": 90 * 60, "ab-decision": 7 * 60}
 
-        started = _cli("deployment", "run", "ab-decision/ab-decision", env=env)
+        started = prefect_cli("deployment", "run", "ab-decision/ab-decision", env=env)
         assert started.returncode == 0, started.stdout + started.stderr
         # the manual run by its id: the served schedules add SCHEDULED runs of their own beside it
         printed = re.search(r"UUID: ([0-9a-f-]{36})", started.stdout)

@@ -1,0 +1,73 @@
+"""One online cycle at a time, and one change of the arms at a time: Prefect global concurrency limits by scope.
+
+- `cycle_slot`: an online cycle holds `tabrl-cycle-<scope>` from its first look at the registry to its end. A cycle
+  that finds the slot held does not wait: it ends at once as `skipped` (the collision strategy: the new run is
+  dropped, as Prefect's CANCEL_NEW drops it; the next tick of the schedule tries again). Queued, it would train
+  minutes later on only the rows the running cycle left.
+- `arms_slot`: the cycle's rollout and the A/B decision hold `tabrl-arms-<scope>` while they read and change the
+  arms; whichever comes second waits for the first (a decision then reads the arms the rollout left).
+
+The scope is `org` today. With teams (issue 57) it is the team's name: each team its own two slots, so cycles of
+different teams run side by side. The limits are global concurrency limits (limit 1) on the Prefect server the
+flows report to (the ephemeral one of `tabrl cycle` too), created on first use; unlike a deployment's
+concurrency_limit they hold for runs started by hand and can be keyed per team. A slot is a lease the holder
+renews: one whose process died is free again after `LEASE_S`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+
+ORG = "org"
+LEASE_S = 300.0  # a dead holder's slot is free again after this long (Prefect's default lease)
+ARMS_WAIT_S = 30 * 60.0  # longest an arms change waits for another (a vLLM rollout takes minutes)
+
+
+class SlotTaken(RuntimeError):
+    """Another run holds the slot."""
+
+
+def cycle_slot_name(scope: str = ORG) -> str:
+    return f"tabrl-cycle-{scope}"
+
+
+def arms_slot_name(scope: str = ORG) -> str:
+    return f"tabrl-arms-{scope}"
+
+
+@contextmanager
+def cycle_slot(scope: str = ORG) -> Iterator[None]:
+    """Hold the scope's cycle slot, or raise SlotTaken at once when another cycle holds it."""
+    with _slot(cycle_slot_name(scope), wait_s=1.0):
+        yield
+
+
+@contextmanager
+def arms_slot(scope: str = ORG) -> Iterator[None]:
+    """Hold the scope's arms slot, waiting up to ARMS_WAIT_S for another change of the arms to finish."""
+    with _slot(arms_slot_name(scope), wait_s=ARMS_WAIT_S):
+        yield
+
+
+@contextmanager
+def _slot(name: str, wait_s: float) -> Iterator[None]:
+    from prefect.client.orchestration import get_client
+    from prefect.concurrency.sync import concurrency
+
+    with get_client(sync_client=True) as client:
+        client.upsert_global_concurrency_limit_by_name(name, 1)  # idempotent: the first user creates it
+    with ExitStack() as held:
+        try:
+            held.enter_context(
+                concurrency(
+                    name,
+                    timeout_seconds=wait_s,
+                    lease_duration=LEASE_S,
+                    strict=True,
+                    raise_on_lease_renewal_failure=False,
+                )
+            )
+        except TimeoutError as err:
+            raise SlotTaken(f"{name} is held by another run (waited {wait_s:.0f} s)") from err
+        yield
