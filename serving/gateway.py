@@ -28,6 +28,7 @@ import os
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from functools import partial
+from pathlib import Path
 
 import torch
 import uvicorn
@@ -40,6 +41,7 @@ from serving.errors import install_error_handlers
 from serving.fast_path import BodyLimit, HotRoutes, fastapi_route
 from serving.feedback import continue_events, rlinf_submit
 from serving.feedback import feedback as record_feedback
+from serving.metrics import MULTIPROC_ENV, multiprocess_dir
 from serving.protocol import CompletionRequest, ContinueData, FeedbackRequest
 from serving.state import Gateway
 from serving.status import healthz, models
@@ -123,13 +125,16 @@ PARAMS_ENV = "TABRL_GATEWAY_PARAMS"  # the resolved params (JSON), from `tabrl s
 def serve(params: Params, host: str, port: int, workers: int, factory: str = "serving.gateway:app_from_env") -> None:
     """Run the gateway with uvicorn until stopped: `workers` processes on one port (uvicorn's supervisor
     restarts one that dies), each building its app with `factory` (an import string) from the resolved params
-    handed over in the environment. Replicas share the log store and, with serving.redis_url, the rate limits."""
+    handed over in the environment. Replicas share the log store and, with serving.redis_url, the rate limits; their
+    metrics are summed through a directory under paths.state_dir (prometheus_client's multiprocess mode)."""
     if workers > 1 and not params.serving.redis_url:
         raise ValueError(
             f"{workers} gateway processes would each count the rate limits on their own; "
             "set serving.redis_url (e.g. --set serving.redis_url=redis://127.0.0.1:6379/0) or run one"
         )
     os.environ[PARAMS_ENV] = params.model_dump_json()
+    if workers > 1:  # /metrics sums every process's counters (serving/metrics.py)
+        os.environ[MULTIPROC_ENV] = str(multiprocess_dir(Path(params.paths.state_dir)))
     uvicorn.run(factory, factory=True, host=host, port=port, workers=workers, **UVICORN_OPTIONS)
 
 

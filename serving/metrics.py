@@ -1,28 +1,55 @@
-"""The gateway's Prometheus metrics, and the per-arm latency quantiles /metrics shows."""
+"""The gateway's Prometheus metrics, and the per-arm latency quantiles /metrics shows.
+
+Under `tabrl serve --workers N` every process writes its counters and histograms to files in one directory
+(prometheus_client's multiprocess mode, `PROMETHEUS_MULTIPROC_DIR`, set by `serving.gateway.serve` before the
+workers start), and /metrics sums them over the processes, whichever process answers the scrape. The two gauges
+computed per process at scrape time cannot be summed, so a multi-process gateway leaves them out; the counters and
+the histogram give the same numbers in PromQL:
+- the online accept rate of an arm: `tabrl_feedback_total{accepted="true"}` / (`tabrl_completions_total{shown="true"}`
+  - `tabrl_not_shown_total`);
+- its latency quantiles: `histogram_quantile(0.95, rate(tabrl_completion_latency_seconds_bucket[5m]))`.
+"""
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from serving.log import Recorded
 
 LATENCY_QUANTILES = (0.5, 0.95)  # the per-arm latency quantiles /metrics shows (tabrl_arm_latency_ms)
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client reads it when it is imported: set before the workers
+
+
+def multiprocess_dir(state_dir: Path) -> Path:
+    """The directory the gateway processes of one `tabrl serve` share their metrics in (PROMETHEUS_MULTIPROC_DIR
+    when set, else state_dir/prometheus), emptied of an earlier run's files, which would count again."""
+    path = Path(os.environ.get(MULTIPROC_ENV) or Path(state_dir) / "prometheus")
+    path.mkdir(parents=True, exist_ok=True)
+    for stale in path.glob("*.db"):
+        stale.unlink()
+    return path
 
 
 class Metrics:
-    """Prometheus metrics of one app (own registry, so several apps can live in one process).
+    """Prometheus metrics of one app (own registry, so several apps can live in one process), or of one of the
+    processes of a multi-process gateway (PROMETHEUS_MULTIPROC_DIR set: the module's docstring).
 
     Latency per arm twice: the histogram `tabrl_completion_latency_seconds` (buckets, since start, for
     PromQL's histogram_quantile across replicas) and the gauge `tabrl_arm_latency_ms{arm, quantile}`: p50
     and p95 of the arm's last `latency_window` completions in this process, read directly. The gauge is
-    computed when /metrics is read (`render`), so serving a request only appends to a bounded deque."""
+    computed when /metrics is read (`render`), so serving a request only appends to a bounded deque. The gauge
+    and `tabrl_online_accept_rate` exist in a one-process gateway only."""
 
     def __init__(self, latency_window: int) -> None:
         self.registry = CollectorRegistry()
+        self.multiprocess_dir = os.environ.get(MULTIPROC_ENV) or None
         self.requests = Counter(
             "tabrl_requests", "HTTP requests by endpoint and status.", ["endpoint", "status"], registry=self.registry
         )
@@ -39,23 +66,10 @@ class Metrics:
             registry=self.registry,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
         )
-        self.latency_quantiles = Gauge(
-            "tabrl_arm_latency_ms",
-            f"Completion latency in the gateway by arm, quantile of its last {latency_window} completions "
-            "in this process (serving.latency_window), in milliseconds.",
-            ["arm", "quantile"],
-            registry=self.registry,
-        )
         self.feedback = Counter(
             "tabrl_feedback",
             "Outcomes recorded by arm ('' when unmatched) and answer.",
             ["arm", "accepted"],
-            registry=self.registry,
-        )
-        self.accept_rate = Gauge(
-            "tabrl_online_accept_rate",
-            "Accepted / shown suggestions per arm since start.",
-            ["arm"],
             registry=self.registry,
         )
         self.cancelled = Counter(
@@ -81,6 +95,24 @@ class Metrics:
         self._accepted: dict[str, int] = {}
         self._latency_window = latency_window
         self._recent_ms: dict[str, deque[float]] = {}  # arm -> its last latency_window latencies (ms)
+        self._gauges(latency_window)
+
+    def _gauges(self, latency_window: int) -> None:
+        """The two gauges computed per process when /metrics is read: registered in a one-process gateway only."""
+        per_process = None if self.multiprocess_dir else self.registry
+        self.latency_quantiles = Gauge(
+            "tabrl_arm_latency_ms",
+            f"Completion latency in the gateway by arm, quantile of its last {latency_window} completions "
+            "in this process (serving.latency_window), in milliseconds.",
+            ["arm", "quantile"],
+            registry=per_process,
+        )
+        self.accept_rate = Gauge(
+            "tabrl_online_accept_rate",
+            "Accepted / shown suggestions per arm since start.",
+            ["arm"],
+            registry=per_process,
+        )
 
     def served(self, arm: str, shown: bool, seconds: float) -> None:
         self.completions.labels(arm, str(shown).lower()).inc()
@@ -105,6 +137,10 @@ class Metrics:
             self._accepted[rec.arm] = self._accepted.get(rec.arm, 0) + 1
 
     def render(self) -> bytes:
+        if self.multiprocess_dir:  # every process's counters and histograms, summed
+            summed = CollectorRegistry()
+            MultiProcessCollector(summed, path=self.multiprocess_dir)
+            return generate_latest(summed)
         for arm, shown in self._shown.items():
             self.accept_rate.labels(arm).set(self._accepted.get(arm, 0) / shown if shown else 0.0)
         for arm, recent in self._recent_ms.items():

@@ -168,12 +168,25 @@ def _workers(pid: int) -> int:
     return len(found.stdout.split())
 
 
+def _samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """One metric's samples on a /metrics page, by their sorted labels (the process's pid label aside)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        tuple(sorted(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    }
+
+
 def test_tabrl_serve_workers_share_one_port_and_the_limits(store_url, redis_url, tiny_model_dir, tmp_path):
     port = free_port()
     sets = _sets(
         f"paths.database_url={store_url}",
         "serving.max_tokens=4",
         "serving.rate_limit_per_minute=5",
+        f"paths.state_dir={tmp_path / 'state'}",  # the processes' metrics files go under it
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     refused = subprocess.run(
@@ -214,6 +227,15 @@ def test_tabrl_serve_workers_share_one_port_and_the_limits(store_url, redis_url,
             for i in range(8)
         ]
         assert statuses == [200] * 5 + [429] * 3, (tmp_path / "serve.log").read_text()[-2000:]  # 5 in total
+        # /metrics sums both processes, whichever answers the scrape (prometheus_client's multiprocess mode)
+        for conn in conns:
+            scraped = conn.get("/metrics")
+            assert scraped.status_code == 200, scraped.text
+            completions = _samples(scraped.text, "tabrl_completions_total")
+            assert sum(completions.values()) == 5, completions
+            requests = _samples(scraped.text, "tabrl_requests_total")
+            assert requests[(("endpoint", "/v1/completions"), ("status", "429"))] == 3, requests
+            assert not _samples(scraped.text, "tabrl_online_accept_rate"), "a per-process gauge cannot be summed"
         for client in opened:
             client.close()
     finally:
