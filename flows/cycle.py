@@ -26,7 +26,7 @@ import mlflow
 from prefect import flow, get_run_logger
 
 from flows.remote_training import TrainingLost, train_step
-from flows.slots import SlotTaken, arms_slot, cycle_slot
+from flows.slots import CycleRunning, arms_slot, cycle_slot
 from tasks.core import vocab
 from tasks.core.config import DEFAULT_PARAMS_FILE, Params, load_params
 from tasks.core.store import CHALLENGER
@@ -127,7 +127,7 @@ def online_rl_cycle(
     try:
         with cycle_slot():  # one cycle at a time: a second one finds the slot held and ends now (flows/slots.py)
             return _cycle(params, runs, log, force, Path(repo_dir))
-    except SlotTaken as err:
+    except CycleRunning as err:  # only the cycle slot's own refusal: an arms wait that timed out fails the cycle
         return _skipped(runs, log, "another cycle is running", f"{err}; the next scheduled cycle tries again")
 
 

@@ -28,6 +28,10 @@ class SlotTaken(RuntimeError):
     """Another run holds the slot."""
 
 
+class CycleRunning(SlotTaken):
+    """Another online cycle of the scope holds its cycle slot."""
+
+
 def cycle_slot_name(scope: str = ORG) -> str:
     return f"tabrl-cycle-{scope}"
 
@@ -38,20 +42,20 @@ def arms_slot_name(scope: str = ORG) -> str:
 
 @contextmanager
 def cycle_slot(scope: str = ORG) -> Iterator[None]:
-    """Hold the scope's cycle slot, or raise SlotTaken at once when another cycle holds it."""
-    with _slot(cycle_slot_name(scope), wait_s=1.0):
+    """Hold the scope's cycle slot, or raise CycleRunning at once when another cycle holds it."""
+    with _slot(cycle_slot_name(scope), wait_s=1.0, taken=CycleRunning):
         yield
 
 
 @contextmanager
 def arms_slot(scope: str = ORG) -> Iterator[None]:
     """Hold the scope's arms slot, waiting up to ARMS_WAIT_S for another change of the arms to finish."""
-    with _slot(arms_slot_name(scope), wait_s=ARMS_WAIT_S):
+    with _slot(arms_slot_name(scope), wait_s=ARMS_WAIT_S, taken=SlotTaken):
         yield
 
 
 @contextmanager
-def _slot(name: str, wait_s: float) -> Iterator[None]:
+def _slot(name: str, wait_s: float, taken: type[SlotTaken]) -> Iterator[None]:
     from prefect.client.orchestration import get_client
     from prefect.concurrency.sync import concurrency
 
@@ -69,5 +73,5 @@ def _slot(name: str, wait_s: float) -> Iterator[None]:
                 )
             )
         except TimeoutError as err:
-            raise SlotTaken(f"{name} is held by another run (waited {wait_s:.0f} s)") from err
+            raise taken(f"{name} is held by another run (waited {wait_s:.0f} s)") from err
         yield
