@@ -23,6 +23,7 @@ from flows.cli.evaluate import acceptance_cmd, evaluate_cmd, headroom_cmd
 from flows.cli.keys import keys_app, purge_cmd
 from flows.cli.serve import arms_cmd, import_continue_cmd, serve_cmd, simulate_cmd
 from flows.cli.train import build_base_cmd, import_model_cmd, train_cmd
+from flows.cli.up import up_cmd
 from tasks.core.config import DEFAULT_PARAMS_FILE
 
 HELP = """tabrl: online reinforcement learning for a code-completion service.
@@ -98,6 +99,7 @@ COMMANDS = (
     ("ab-status", ab_status_cmd, DEPLOYMENT, ""),
     ("schedule", schedule_cmd, DEPLOYMENT, "tabrl schedule --params params.yaml"),
     ("deploy", deploy_cmd, DEPLOYMENT, "tabrl deploy --repo ."),
+    ("up", up_cmd, DEPLOYMENT, ""),
     ("purge", purge_cmd, KEYS, "tabrl purge --older-than 30d --dry-run"),
     ("doctor", doctor_cmd, MACHINE, "tabrl doctor --set serving.vllm_python=.venv-vllm/bin/python"),
 )
