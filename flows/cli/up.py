@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 from typing import Annotated
@@ -82,6 +83,9 @@ def _run(stack) -> None:
     from tasks.core.procs import exit_on_sigterm
 
     exit_on_sigterm()
+    # Ctrl-C must stop the stack even where SIGINT came in ignored (a shell starts background jobs so, and
+    # Python then leaves it ignored): KeyboardInterrupt is what reaches the `finally` below.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     running = start(stack, Path.cwd())
     try:
         for name, seconds in wait_ready(running, list(FIRST)).items():
