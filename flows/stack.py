@@ -10,8 +10,9 @@ socket, the way supervisorctl does:
 1. the Prefect server and the MLflow server start (the MLflow server serves paths.mlflow_tracking_uri's
    store; a tracking URI that is already a server, http://..., is used as it is);
 2. once both answer, `tabrl deploy` registers the deployments on their pools with params' schedules;
-3. on serving.backend=vllm, `tabrl vllm start` starts the champion's vLLM server (the cycles start and
-   retire the challengers' servers themselves, each recorded under `{paths.state_dir}/vllm/`);
+3. on serving.backend=vllm, `tabrl vllm start` starts the champion's vLLM server and points the arms at it (the
+   cycles start and retire the challengers' servers themselves, each recorded under `{paths.state_dir}/vllm/`);
+   on the embedded backend a store with no arms gets the champion as its one arm (`serve_first_champion`);
 4. a Prefect worker per pool (cluster.cpu_pool, cluster.gpu_pool) and the gateway start.
 
 Stopping (Ctrl-C, SIGTERM) stops supervisord's programs, then every process seen below them that is still
@@ -68,6 +69,7 @@ class Stack:
     gateway_url: str
     vllm: bool  # serving.backend serves from a vLLM server: start the champion's before the gateway
     args: list[str]  # --params FILE --set ... for every tabrl command of the stack
+    params_file: Path
 
     @property
     def deploy(self) -> list[str]:
@@ -144,7 +146,7 @@ def plan(
     }
     return Stack(
         params, programs, state / "up", env, sets, prefect_url.removesuffix("/api"), tracking, gateway_url,
-        vllm=engine_class(params.serving.backend).remote, args=args,
+        vllm=engine_class(params.serving.backend).remote, args=args, params_file=params_file.resolve(),
     )  # fmt: skip
 
 
@@ -204,7 +206,7 @@ class Running:
     seen: dict[int, float] = field(default_factory=dict)
 
     def rpc(self):
-        return _rpc(self.stack.socket)
+        return supervisor_rpc(self.stack.socket)
 
     def look(self) -> None:
         """Remember every process below supervisord now: the stop kills those still alive after it."""
@@ -233,7 +235,7 @@ def start(stack: Stack, cwd: Path) -> Running:
     return Running(stack, proc)
 
 
-def _rpc(socket: Path):
+def supervisor_rpc(socket: Path):
     """supervisord's XML-RPC interface over its unix socket (what supervisorctl talks to)."""
     transport = SupervisorTransport(None, None, f"unix://{socket}")
     return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport).supervisor
@@ -241,7 +243,7 @@ def _rpc(socket: Path):
 
 def _answers(stack: Stack) -> bool:
     try:
-        _rpc(stack.socket).getState()
+        supervisor_rpc(stack.socket).getState()
         return True
     except (OSError, xmlrpc.client.Error):
         return False
@@ -298,6 +300,27 @@ def run_step(running: Running, name: str, command: list[str], timeout_s: float =
         )
     if done.returncode != 0:
         raise StackError(f"{name} failed (exit {done.returncode}): {_tail(log)}")
+
+
+def serve_first_champion(stack: Stack) -> str | None:
+    """On a store with no arms (a new stack), make the registry's champion the one live arm (the base model as
+    version 1 on a new registry), as the demo starts: the arms then name what the champion alias names from the
+    first request on. A store that has arms keeps them (a restarted stack resumes its A/B test). The label served,
+    or None when the arms were left alone."""
+    from tasks.core.config import load_params
+    from tasks.core.engines.base import ServeError
+    from tasks.core.store import open_store, read_arms
+    from tasks.deploy.arms import serve_champion
+    from tasks.deploy.errors import DeployError
+
+    params = load_params(stack.params_file, stack.overrides)
+    with open_store(params.paths.database_url) as engine:
+        if read_arms(engine):
+            return None
+    try:
+        return serve_champion(params).model_version
+    except (ServeError, DeployError) as err:
+        raise StackError(f"the champion could not be served: {err}") from err
 
 
 def start_rest(running: Running) -> None:

@@ -2,9 +2,9 @@
 
 A real Prefect server, MLflow server, two Prefect process workers and the gateway, under supervisord, in a
 temporary directory on free ports. Checked: every process answers, the deployments are registered with
-their schedules, each process logs to its own file under the state dir, a second `tabrl up` on the same
-state dir is refused, a gateway killed with SIGKILL is
-started again, and after SIGINT nothing that ran below `tabrl up` is left alive and no port is still taken.
+their schedules, a new store gets the champion as its one arm, each process logs to its own file under the
+state dir, a second `tabrl up` on the same state dir is refused, a gateway killed with SIGKILL is started
+again, and after SIGINT nothing that ran below `tabrl up` is left alive and no port is still taken.
 """
 
 import os
@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from tasks.core.procs import free_port
+from tasks.core.store import CHAMPION, open_store, read_arms
 
 UP_TIMEOUT_S = 300
 
@@ -88,9 +89,9 @@ def test_tabrl_up_brings_the_stack_up_and_ctrl_c_leaves_nothing_running(tmp_path
         cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
     try:
-        _wait_for_line(proc, "Ctrl-C stops everything", UP_TIMEOUT_S)
+        said = "".join(_wait_for_line(proc, "Ctrl-C stops everything", UP_TIMEOUT_S))
         gateway = f"http://127.0.0.1:{gateway_port}"
-        assert httpx.get(f"{gateway}/v1/models").json()["data"][0]["id"] == tiny_model_dir.name
+        assert httpx.get(f"{gateway}/v1/models").json()["data"][0]["id"] == "tabrl-completion/1"  # the champion arm
         api = f"http://127.0.0.1:{prefect_port}/api"
         deployments = httpx.post(f"{api}/deployments/filter", json={}).json()
         by_name = {d["name"]: d for d in deployments}
@@ -98,7 +99,14 @@ def test_tabrl_up_brings_the_stack_up_and_ctrl_c_leaves_nothing_running(tmp_path
         for name in ("online-rl-cycle", "ab-decision"):
             (schedule,) = by_name[name]["schedules"]
             assert schedule["schedule"]["interval"] == 600 * 60, schedule
+            # their flow runs run in the repo, where params' relative paths (data/fim) are
+            assert by_name[name]["job_variables"]["working_dir"] == str(tmp_path), by_name[name]["job_variables"]
         assert httpx.get(f"http://127.0.0.1:{mlflow_port}/health").status_code == 200
+        # A new store gets the champion (the base, version 1) as its one arm, as the champion alias names it.
+        with open_store(f"sqlite:///{tmp_path / 'state' / 'tabrl.db'}") as store:
+            (arm,) = read_arms(store)
+        assert (arm.name, arm.model_version) == (CHAMPION, "tabrl-completion/1")
+        assert "the champion tabrl-completion/1 is the one arm" in said
         logs = tmp_path / "state" / "up" / "logs"
         for name in ("prefect", "mlflow", "worker-cpu", "worker-gpu", "gateway", "deploy"):
             assert (logs / f"{name}.log").stat().st_size > 0, name

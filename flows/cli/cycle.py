@@ -123,12 +123,16 @@ def deploy_cmd(
         else {"interval": timedelta(minutes=p.deploy.cycle_every_minutes)}
     )
     by_module = {"entrypoint_type": EntrypointType.MODULE_PATH}  # workers import tabrl; no source dir to share
+    # The cpu pool's flow runs run in the repo (a process worker otherwise starts each in a new temporary
+    # directory, where params' relative paths, data/fim among them, name nothing); a gpu host has no such checkout.
+    in_repo = {"job_variables": {"working_dir": str(repo.resolve())}}
     deployments = [
         online_rl_cycle.to_deployment(
             name="online-rl-cycle",
             parameters={**args, "repo_dir": str(repo.resolve())},
             work_pool_name=cp.cpu_pool,
             **by_module,
+            **in_repo,
             **timing,
         ),
         ab_decision.to_deployment(
@@ -137,6 +141,7 @@ def deploy_cmd(
             work_pool_name=cp.cpu_pool,
             interval=timedelta(minutes=p.deploy.decision_every_minutes),
             **by_module,
+            **in_repo,
         ),
         train_candidate.to_deployment(name=cp.train_deployment, work_pool_name=cp.gpu_pool, **by_module),
     ]

@@ -79,7 +79,7 @@ def _print_plan(stack) -> None:
 
 def _run(stack) -> None:
     """Bring the stack up in order, wait for Ctrl-C or SIGTERM, and stop all of it whatever happened."""
-    from flows.stack import FIRST, StackError, run_step, start, start_rest, stop, wait_ready
+    from flows.stack import FIRST, StackError, run_step, serve_first_champion, start, start_rest, stop, wait_ready
     from tasks.core.procs import exit_on_sigterm
 
     exit_on_sigterm()
@@ -95,6 +95,8 @@ def _run(stack) -> None:
         if stack.vllm:
             run_step(running, "vllm", stack.vllm_start)
             console.print("the champion's vLLM server is up", highlight=False)
+        elif (label := serve_first_champion(stack)) is not None:
+            console.print(f"the champion {label} is the one arm", highlight=False)
         start_rest(running)
         rest = [p.name for p in stack.programs if p.name not in FIRST]
         for name, seconds in wait_ready(running, rest).items():
