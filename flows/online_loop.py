@@ -71,7 +71,7 @@ def _start_state(params: Params, state: Path, restored: dict | None, cycles: int
         shutil.rmtree(state, ignore_errors=True)
         state.mkdir(parents=True)
         serve_champion(params)  # the base model is version 1, `champion`, the one arm (on vLLM: its base's server)
-        _snapshot_repo(state / "repo")  # every interaction snapshot is versioned here with DVC
+        snapshot_repo(state / "repo")  # every interaction snapshot is versioned here with DVC
         return []
     rows = [CycleRow(**row) for row in restored["rows"]]
     print(f"resumed {state} after cycle {restored['cycle']} of {cycles}", flush=True)
@@ -230,7 +230,7 @@ def _serving_eval(report, promoted: bool) -> dict:
     return {k.replace("eval/champion/", "eval/", 1): v for k, v in m.items() if k.startswith("eval/champion/")}
 
 
-def _snapshot_repo(path: Path) -> Path:
+def snapshot_repo(path: Path) -> Path:
     """A git + DVC repo of its own for the loop's snapshots (the project's git history is left alone)."""
     path.mkdir(parents=True)
     for cmd in (

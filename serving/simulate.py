@@ -36,7 +36,11 @@ from tasks.sim.users import SimUser
 
 
 class SimulationError(RuntimeError):
-    """The gateway refused a simulated request; the message carries its answer."""
+    """The gateway refused a simulated request; the message carries its answer, `status` its HTTP status."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -75,7 +79,8 @@ class _Editor:
                 return None, time.perf_counter() - started
         if response.status_code != 200:
             raise SimulationError(
-                f"POST /v1/completions for {self.user.user_id} answered {response.status_code}: {response.text[:300]}"
+                f"POST /v1/completions for {self.user.user_id} answered {response.status_code}: {response.text[:300]}",
+                response.status_code,
             )
         return response.json(), time.perf_counter() - started
 
@@ -85,7 +90,9 @@ class _Editor:
                 "/v1/feedback", json={"completion_id": completion_id, **body}, headers=self.headers
             )
         if fb.status_code != 200:
-            raise SimulationError(f"POST /v1/feedback for {completion_id} answered {fb.status_code}: {fb.text[:300]}")
+            raise SimulationError(
+                f"POST /v1/feedback for {completion_id} answered {fb.status_code}: {fb.text[:300]}", fb.status_code
+            )
 
     def saw(self, turn: Turn) -> None:
         if turn.arm and not self.arm:  # the first answer names the user's arm: earlier cancelled turns were on it
@@ -133,8 +140,11 @@ async def _one_user(
     seed: int,
     traffic: TrafficParams,
     done: Callable[[], None],
+    on_error: Callable[[Exception], None] | None = None,
 ) -> dict[str, int]:
-    """Type this user's regions in order until the shared request budget is spent; characters typed per arm."""
+    """Type this user's regions in order until the shared request budget is spent; characters typed per arm.
+    With on_error, a turn the gateway failed (no answer, or an error status) is reported to it and the user goes
+    on a second later instead of the simulation stopping (a soak's traffic through faults)."""
     typed: dict[str, int] = {}  # arm -> characters typed in sessions it served
     for region in regions:
         if budget[0] <= 0:
@@ -146,7 +156,13 @@ async def _one_user(
                 session.type_on()  # typed on within the debounce: the editor never asked
                 continue
             budget[0] -= 1
-            await editor.turn(session, pause)
+            try:
+                await editor.turn(session, pause)
+            except (httpx.HTTPError, SimulationError) as err:
+                if on_error is None:
+                    raise
+                on_error(err)
+                await asyncio.sleep(1.0)
             done()
         if editor.arm:
             typed[editor.arm] = typed.get(editor.arm, 0) + session.typed_chars
@@ -166,8 +182,11 @@ async def simulate_async(
     timeout_s: float = 60.0,
     max_tokens: int | None = None,
     progress: Callable[[], None] = lambda: None,
+    on_error: Callable[[Exception], None] | None = None,
+    event_hooks: dict[str, list[Callable]] | None = None,
 ) -> tuple[list[Turn], dict[str, int]]:
-    """All turns of n_requests; user i types regions i, i+U, ... (the characters typed per arm come back too)."""
+    """All turns of n_requests; user i types regions i, i+U, ... (the characters typed per arm come back too).
+    on_error: see _one_user; event_hooks: httpx's, on the editors' client (a soak's ledger reads every answer)."""
     if not regions or not users:
         raise ValueError("simulation needs at least one region and one user")
     budget = [n_requests]
@@ -177,13 +196,15 @@ async def simulate_async(
     # failed with PoolTimeout (the demo's A/B test, 96 Continue-like users, 2026-12-02). An unbounded pool never
     # makes a request wait for a connection.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=base_url, timeout=httpx.Timeout(timeout_s), limits=limits, event_hooks=event_hooks
+    ) as client:
         editors = [
             _Editor(client, user, (api_keys or {}).get(user.user_id), simulator, limiter, max_tokens) for user in users
         ]
         per_user = await asyncio.gather(
             *[
-                _one_user(editor, regions[i :: len(users)], budget, seed, traffic, progress)
+                _one_user(editor, regions[i :: len(users)], budget, seed, traffic, progress, on_error)
                 for i, editor in enumerate(editors)
             ]
         )

@@ -4,11 +4,15 @@ for what was displayed; `simulator.client: waits` keeps the old editor that wait
 
 from __future__ import annotations
 
+import asyncio
 import time
 
+import httpx
+import pytest
 import sqlalchemy as sa
 
-from serving.simulate import run_simulation
+from serving.simulate import run_simulation, simulate_async
+from tasks.core.procs import free_port
 from tasks.core.store import CHALLENGER, CHAMPION, completions, feedback
 from tasks.sim.users import make_users
 from tests.conftest import tiny_params
@@ -80,3 +84,18 @@ def test_the_old_editor_waits_for_every_answer(tmp_path, tiny_model_dir, typing_
     assert all(r.cancelled_at is None for r in rows.values()) and len(rows) == 24
     assert all(a.shown is not False for a in answers.values())
     assert sum(s.cancelled + s.not_shown for s in by_arm.values()) == 0
+
+
+def test_with_on_error_the_editors_go_on_through_a_gateway_that_is_down(tmp_path, typing_regions):
+    """A soak's traffic (bench/soak): with on_error, every failed turn is reported and the simulation ends when the
+    budget is spent; without it, the first failure stops the simulation, as before."""
+    params = tiny_params(tmp_path, simulator={"client": "waits"})
+    users = make_users(2, params.simulator)
+    down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    args = (down, typing_regions, users, 3, None, 2, 0, params.traffic, params.simulator)
+    failures: list[Exception] = []
+    turns, _ = asyncio.run(simulate_async(*args, on_error=failures.append))
+    assert turns == [] and len(failures) == 3
+    assert all(isinstance(err, httpx.ConnectError) for err in failures)
+    with pytest.raises(httpx.ConnectError):
+        asyncio.run(simulate_async(*args))
