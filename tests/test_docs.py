@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
@@ -80,3 +81,28 @@ def test_the_architecture_page_names_every_module() -> None:
     ]
     missing = [m for m in modules if f"`{m}`" not in page]
     assert not missing, f"modules without a line in docs/concepts/architecture.md: {missing}"
+
+
+def _continue_configs() -> list[tuple[str, dict]]:
+    """Every Continue config.yaml the docs show: a yaml block with a model in the autocomplete role."""
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        blocks = path.read_text().split("```yaml\n")[1:]
+        for block in (b.split("```")[0] for b in blocks):
+            config = yaml.safe_load(block)
+            models = config.get("models") if isinstance(config, dict) else None
+            if models and any("autocomplete" in m.get("roles", []) for m in models):
+                found.append((path.relative_to(ROOT).as_posix(), config))
+    return found
+
+
+def test_every_continue_config_shown_has_the_keys_continue_requires() -> None:
+    """Continue's config.yaml (issue 58, item 2): top-level name, version and `schema: v1`; a data destination
+    carries its own `schema: 0.2.0` (the event format)."""
+    configs = _continue_configs()
+    assert {where for where, _ in configs} >= {"README.md", "docs/how-to/continue.md"}
+    for where, config in configs:
+        assert config.get("name") and config.get("version"), where
+        assert config.get("schema") == "v1", where
+        for destination in config.get("data", []):
+            assert str(destination.get("schema")) == "0.2.0", (where, destination)
