@@ -61,6 +61,7 @@ def _gateway(soak: Soak, ledger: Ledger, nth: int) -> None:
     """kill -9 one of the two gateway processes (the other answers meanwhile), or, every second time, the whole
     gateway: its supervisor process and both workers (supervisord starts it again)."""
     master = psutil.Process(_program_pid(soak, "gateway"))
+    at = time.time()
     if nth % 2 == 0:
         victim = sorted(master.children(recursive=True), key=lambda p: p.pid)[-1]
         victim.kill()
@@ -68,20 +69,21 @@ def _gateway(soak: Soak, ledger: Ledger, nth: int) -> None:
     else:
         os.killpg(master.pid, signal.SIGKILL)
         what = f"kill -9 the whole gateway ({master.pid} and its workers)"
-    soak.event("fault", fault="gateway", what=what, recovery_s=_wait(lambda: probe_ok(soak, ledger)))
+    soak.event("fault", fault="gateway", what=what, recovery_s=_wait(lambda: probe_ok(soak, ledger)), at=at)
 
 
 def _mlflow(soak: Soak) -> None:
+    at = time.time()
     soak.rpc().stopProcess("mlflow", True)
     time.sleep(MLFLOW_DOWN_S)
     soak.rpc().startProcess("mlflow", False)
     back = _wait(lambda: answers(f"{soak.mlflow}/health"))
-    soak.event("fault", fault="mlflow", what=f"MLflow server down for {MLFLOW_DOWN_S:.0f} s", recovery_s=back)
+    soak.event("fault", fault="mlflow", what=f"MLflow server down for {MLFLOW_DOWN_S:.0f} s", recovery_s=back, at=at)
 
 
 def _restart(soak: Soak, ledger: Ledger, kind: str) -> None:
     """Restart PostgreSQL or Redis; recovery: from the restart until a completion is served again."""
-    started = time.monotonic()
+    started, at = time.monotonic(), time.time()
     if kind == "postgres":
         subprocess.run(soak.pg_restart, check=True, capture_output=True, timeout=120)
         what = " ".join(soak.pg_restart)
@@ -91,7 +93,7 @@ def _restart(soak: Soak, ledger: Ledger, kind: str) -> None:
         soak.redis = start_redis(soak.redis_port, soak.out / "redis.log")
         what = "redis-server killed and started again (empty)"
     back = _wait(lambda: probe_ok(soak, ledger))
-    soak.event("fault", fault=kind, what=what, recovery_s=None if back is None else time.monotonic() - started)
+    soak.event("fault", fault=kind, what=what, recovery_s=None if back is None else time.monotonic() - started, at=at)
 
 
 def _worker(soak: Soak, nth: int, until: float) -> None:
@@ -108,13 +110,13 @@ def _worker(soak: Soak, nth: int, until: float) -> None:
         )
         return
     time.sleep(random.Random(f"worker{nth}").uniform(1.0, 10.0))
-    worker = _program_pid(soak, "worker-gpu")
+    worker, at = _program_pid(soak, "worker-gpu"), time.time()
     for proc in [psutil.Process(worker), *_flow_run_processes(run_id)]:
         with contextlib.suppress(psutil.Error):
             proc.kill()
     back = _wait(lambda: _program_pid(soak, "worker-gpu") not in (0, worker))
     what = f"kill -9 the gpu worker ({worker}) and its training run {run_id}"
-    soak.event("fault", fault="worker", what=what, recovery_s=back, flow_run=run_id)
+    soak.event("fault", fault="worker", what=what, recovery_s=back, flow_run=run_id, at=at)
 
 
 def fault_plan(seconds: float, rounds: int, seed: int) -> list[tuple[float, str]]:

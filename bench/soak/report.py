@@ -38,18 +38,14 @@ def plot(path: Path, soak: Soak, ledger: Ledger, bin_s: float) -> None:
                 label="accepted characters / shown")  # fmt: skip
     colours = {"promoted": "tab:green", "rolled back": "tab:orange", "challenger": "tab:blue", "fault": "tab:red"}
     for e in soak.events:
-        if e["kind"] in colours:
-            for ax in (top, bottom):
-                ax.axvline(
-                    (e["t"] - t0) / 60,
-                    color=colours[e["kind"]],
-                    lw=1,
-                    alpha=0.7,
-                    ls="--" if e["kind"] == "fault" else "-",
-                )
-            if e["kind"] == "fault":
-                top.annotate(e["fault"], ((e["t"] - t0) / 60, 0.98), xycoords=("data", "axes fraction"), rotation=90,
-                             fontsize=7, va="top", color="tab:red")  # fmt: skip
+        if e["kind"] not in colours or not e.get("injected", True):
+            continue
+        x = (e.get("at", e["t"]) - t0) / 60  # a fault at its injection, not at its recovery
+        for ax in (top, bottom):
+            ax.axvline(x, color=colours[e["kind"]], lw=1, alpha=0.7, ls="--" if e["kind"] == "fault" else "-")
+        if e["kind"] == "fault":
+            top.annotate(e["fault"], (x, 0.98), xycoords=("data", "axes fraction"), rotation=90, fontsize=7, va="top",
+                         color="tab:red")  # fmt: skip
     top.set_ylabel("accept / shown")
     bottom.set_ylabel("accepted chars / shown")
     bottom.set_xlabel("minutes into the soak")
@@ -83,5 +79,5 @@ def print_report(report: dict, soak: Soak) -> None:
         faults.add_column(col)
     for f in report["faults"]:
         rec = "-" if f["recovery_s"] is None else f"{f['recovery_s']:.1f}"
-        faults.add_row(f"{soak.minutes(f['t']):.1f}", f["fault"], f["what"], rec)
+        faults.add_row(f"{soak.minutes(f.get('at', f['t'])):.1f}", f["fault"], f["what"], rec)
     print_table(faults)
