@@ -30,6 +30,12 @@ def _program_pid(soak: Soak, name: str) -> int:
     return int(soak.rpc().getProcessInfo(name)["pid"])
 
 
+def _running_again(soak: Soak, name: str, old_pid: int) -> bool:
+    """supervisord runs the program again: a new process, up for its startsecs (RUNNING), not just forked."""
+    info = soak.rpc().getProcessInfo(name)
+    return info["statename"] == "RUNNING" and int(info["pid"]) not in (0, old_pid)
+
+
 def _wait(check, timeout_s: float = RECOVERY_TIMEOUT_S) -> float | None:
     started = time.monotonic()
     while time.monotonic() - started < timeout_s:
@@ -114,7 +120,7 @@ def _worker(soak: Soak, nth: int, until: float) -> None:
     for proc in [psutil.Process(worker), *_flow_run_processes(run_id)]:
         with contextlib.suppress(psutil.Error):
             proc.kill()
-    back = _wait(lambda: _program_pid(soak, "worker-gpu") not in (0, worker))
+    back = _wait(lambda: _running_again(soak, "worker-gpu", worker))
     what = f"kill -9 the gpu worker ({worker}) and its training run {run_id}"
     soak.event("fault", fault="worker", what=what, recovery_s=back, flow_run=run_id, at=at)
 
