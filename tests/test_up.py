@@ -7,6 +7,7 @@ state dir, a second `tabrl up` on the same state dir is refused, a gateway kille
 again, and after SIGINT nothing that ran below `tabrl up` is left alive and no port is still taken.
 """
 
+import contextlib
 import os
 import signal
 import socket
@@ -136,8 +137,12 @@ def test_tabrl_up_brings_the_stack_up_and_ctrl_c_leaves_nothing_running(tmp_path
         assert not alive, [p.cmdline() for p in alive]
         assert not any(_listening(p) for p in (prefect_port, mlflow_port, gateway_port))
     finally:
-        if proc.poll() is None:
+        if proc.poll() is None:  # a failed check: supervisord runs in a session of its own, so kill all below too
+            below = psutil.Process(proc.pid).children(recursive=True)
             os.killpg(proc.pid, signal.SIGKILL)
+            for child in below:
+                with contextlib.suppress(psutil.Error):
+                    child.kill()
             proc.wait()
 
 

@@ -24,6 +24,7 @@ from flows.online_loop import snapshot_repo
 from flows.stack import supervisor_rpc
 from tasks.core.config import load_params
 from tasks.core.procs import free_port
+from tasks.sim.editor import regions_path
 
 ROOT = Path(__file__).resolve().parents[2]
 UP_TIMEOUT_S = 600.0  # a Prefect server's first start migrates its database: minutes on 2 slow cores
@@ -122,6 +123,9 @@ def write_params(out: Path, repo: Path, db_url: str, redis_port: int, cycle_ever
 
 def bring_up(args, out: Path, db_url: str) -> Soak:
     """The repo, Redis, params and `tabrl up`; returns once the stack says it is up."""
+    for split in ("train", "test"):  # the editors type the train regions; the cycles' gate reads the test ones
+        if not regions_path(ROOT / "data", split).exists():
+            raise SystemExit(f"error: {regions_path(ROOT / 'data', split)} not found: run `make data` first")
     repo = snapshot_repo(out / "repo")
     (repo / "data").mkdir()
     (repo / "data" / "fim").symlink_to(ROOT / "data" / "fim")  # the gate's held-out regions
