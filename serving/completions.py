@@ -21,7 +21,7 @@ from serving.errors import ApiError
 from serving.fast_path import ClientGone, HangUp
 from serving.log import insert_completion, mark_cancelled, prompt_hash
 from serving.normalise import CompletionInputs, normalise_request
-from serving.protocol import Answer, CompletionRequest, sse_events
+from serving.protocol import Answer, CompletionRequest, sse_events, usage
 from serving.router import UnknownArmError
 from serving.state import Gateway
 from tasks.core.generate import Generation
@@ -74,7 +74,7 @@ async def completions(gw: Gateway, headers: Mapping[str, str], body: bytes, hang
     tabrl = {"arm": arm.name, "model_version": arm.model_version, "logged": caller.logged}
     answer_headers = {"X-Tabrl-Arm": arm.name}
     if req.stream:
-        return Answer(200, {}, answer_headers, sse_events(completion_id, created, arm, gen, tabrl))
+        return Answer(200, {}, answer_headers, sse_events(completion_id, created, arm, gen, tabrl, req.include_usage))
     return Answer(
         200,
         {
@@ -83,7 +83,7 @@ async def completions(gw: Gateway, headers: Mapping[str, str], body: bytes, hang
             "created": created,
             "model": arm.model_version,
             "choices": [{"text": gen.text, "index": 0, "logprobs": None, "finish_reason": gen.finish_reason}],
-            "usage": {"completion_tokens": len(gen.token_ids)},
+            "usage": usage(gen),
             "tabrl": tabrl,
         },
         answer_headers,

@@ -13,6 +13,12 @@ from tasks.core.generate import Generation
 from tasks.core.store import Arm
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: bool = False  # a last chunk with `usage` and no choices, as OpenAI's
+
+
 class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="allow")  # OpenAI clients send more fields (presence_penalty, echo, ...)
 
@@ -24,8 +30,14 @@ class CompletionRequest(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=128)
     n: int = Field(1, ge=1, le=1)
+
+    @property
+    def include_usage(self) -> bool:
+        """A stream that ends with a usage chunk (`stream_options.include_usage`)."""
+        return self.stream_options is not None and self.stream_options.include_usage
 
 
 class FeedbackRequest(BaseModel):
@@ -76,8 +88,23 @@ def sse_chunks(events: tuple[dict, ...]) -> list[bytes]:
     return [f"data: {json.dumps(event)}\n\n".encode() for event in events] + [b"data: [DONE]\n\n"]
 
 
-def sse_events(completion_id: str, created: int, arm: Arm, gen: Generation, tabrl: dict) -> tuple[dict, ...]:
-    """OpenAI-style SSE: the text, then the finish reason (then [DONE]); the row is already committed."""
+def usage(gen: Generation) -> dict[str, int | None]:
+    """OpenAI's usage: the prompt's tokens as the model read them (None when the backend did not say), the
+    completion's tokens as sampled (the stop token included), and their sum."""
+    completion = len(gen.token_ids)
+    prompt = gen.prompt_tokens
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": None if prompt is None else prompt + completion,
+    }
+
+
+def sse_events(
+    completion_id: str, created: int, arm: Arm, gen: Generation, tabrl: dict, include_usage: bool = False
+) -> tuple[dict, ...]:
+    """OpenAI-style SSE: the text, then the finish reason, then (include_usage) a chunk with the usage and no
+    choices, then [DONE]; the row is already committed."""
     base = {"id": completion_id, "object": "text_completion", "created": created, "model": arm.model_version}
     first = {
         **base,
@@ -85,4 +112,6 @@ def sse_events(completion_id: str, created: int, arm: Arm, gen: Generation, tabr
         "tabrl": tabrl,
     }
     last = {**base, "choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": gen.finish_reason}]}
-    return (first, last)
+    if not include_usage:
+        return (first, last)
+    return ({**first, "usage": None}, {**last, "usage": None}, {**base, "choices": [], "usage": usage(gen)})

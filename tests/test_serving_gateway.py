@@ -119,6 +119,36 @@ def test_streaming_sends_sse_chunks_and_done(gw):
     assert row["id"] in ids and row["completion"] == text
 
 
+def test_the_official_openai_client_gets_full_usage_streamed_or_not(gw):
+    """Issue 58, item 1 (usage): the `openai` package's completions.create, plain and with stream=True and
+    stream_options.include_usage, gets OpenAI's usage: the prompt's tokens as the model read them, the
+    completion's as logged, and their sum; the streamed usage comes last, in a chunk with no choices."""
+    from openai import OpenAI
+    from transformers import AutoTokenizer
+
+    client = OpenAI(base_url=gw.url + "/v1", api_key=gw.key, max_retries=0)
+    plain = client.completions.create(model="tiny/1", prompt=FIM, max_tokens=8, temperature=0)
+    row = {r["id"]: r for r in gw.rows(completions)}[plain.id]
+    prompt_tokens = len(AutoTokenizer.from_pretrained(gw.model_dir)(FIM, add_special_tokens=False)["input_ids"])
+    assert plain.usage.prompt_tokens == prompt_tokens
+    assert plain.usage.completion_tokens == len(row["token_ids"])
+    assert plain.usage.total_tokens == prompt_tokens + len(row["token_ids"])
+
+    chunks = list(
+        client.completions.create(
+            model="tiny/1", prompt=FIM, max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    *text_chunks, last = chunks
+    assert last.choices == [] and all(c.usage is None for c in text_chunks)
+    streamed = {r["id"]: r for r in gw.rows(completions)}[last.id]
+    assert "".join(c.choices[0].text for c in text_chunks) == streamed["completion"]
+    assert last.usage.prompt_tokens == prompt_tokens
+    assert last.usage.total_tokens == prompt_tokens + len(streamed["token_ids"])
+    without = list(client.completions.create(model="tiny/1", prompt=FIM, max_tokens=8, temperature=0, stream=True))
+    assert all(c.choices for c in without)  # no usage chunk unless asked for
+
+
 def test_feedback_is_idempotent_first_answer_wins(gw):
     cid = _complete(gw)["id"]
     first = gw.post("/v1/feedback", {"completion_id": cid, "accepted": True, "accepted_chars": 3})

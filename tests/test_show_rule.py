@@ -116,6 +116,9 @@ def test_a_vllm_answer_is_cut_by_its_token_strings():
     # Unsure from the first token: no suggestion, no tokens to train on.
     none = generation_from_vllm(body, stops, 1.0, ShowRule(-0.05, 0.3))
     assert (none.text, none.token_ids) == ("", [])
+    # vLLM's usage gives the prompt's tokens (the gateway's `usage`), kept through a cut; without it, unknown.
+    counted = generation_from_vllm(body | {"usage": {"prompt_tokens": 42}}, stops, 1.0, ShowRule(-1.0, 0.3))
+    assert (counted.prompt_tokens, cut.prompt_tokens) == (42, None)
 
 
 def test_a_vllm_cut_that_splits_a_character_shows_nothing_and_missing_strings_are_named():

@@ -15,7 +15,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -46,6 +46,7 @@ class Generation:
     raw_text: str = ""  # the decoded tokens before stop handling
     latency_ms: float = 0.0
     finish_reason: str = field(default="stop")  # "stop" | "length"
+    prompt_tokens: int | None = None  # tokens of the prompt the model read (None: the backend did not say)
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,7 @@ def cut_unsure(gen: Generation, keep: int, raw: str, stops: Sequence[str]) -> Ge
         raw_text=raw,
         latency_ms=gen.latency_ms,
         finish_reason="stop",
+        prompt_tokens=gen.prompt_tokens,
     )
 
 
@@ -377,5 +379,6 @@ def generate(
         gen = _row_generation(
             tokenizer, new_tokens[row].tolist(), logps[row].tolist(), stop_set, text_stops, stop, latency
         )
+        gen = replace(gen, prompt_tokens=len(encoded[row]))
         results.append(gen if rule is None else _shown_part(gen, rule, rule_logps[row], tokenizer, stop))
     return results

@@ -373,6 +373,7 @@ def generation_from_vllm(
         raw_text=raw,
         latency_ms=latency_ms,
         finish_reason="length" if choice.get("finish_reason") == "length" else "stop",
+        prompt_tokens=(body.get("usage") or {}).get("prompt_tokens"),
     )
     shown_logprobs = gen.logprobs
     if rule is not None and greedy_top:  # a greedy request that asked for the top-k: the rule at its temperature
