@@ -129,7 +129,12 @@ def finish(out: Path, soak: Soak, ledger: Ledger, table: dict, detail: dict, lef
 
 
 def settle(soak: Soak, timeout_s: float = 900.0) -> None:
-    """Wait for the running cycle (if any) to end, so the reconciliation sees a stack at rest."""
+    """Pause the deployments' schedules (no run starts during the reconciliation), then wait for the running
+    flow runs (if any) to end, so the reconciliation sees a stack at rest."""
+    for deployment in httpx.post(f"{soak.prefect_api}/deployments/filter", json={}, timeout=30).json():
+        url = f"{soak.prefect_api}/deployments/{deployment['id']}"
+        httpx.patch(url, json={"paused": True}, timeout=30).raise_for_status()
+    soak.event("schedules paused")
     flt = {"flow_runs": {"state": {"type": {"any_": ["RUNNING", "PENDING", "CANCELLING"]}}}}
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
