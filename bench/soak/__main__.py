@@ -20,10 +20,11 @@ import bench.soak
 from bench.soak.faults import fault_plan, run_faults, run_samples, run_worker_fault
 from bench.soak.reconcile import MUST_BE_ZERO, reconcile_cycles, reconcile_snapshots, reconcile_store
 from bench.soak.report import machine, plot, print_report
-from bench.soak.stack import ROOT, Soak, bring_up, soak_schema, stop_stack
+from bench.soak.stack import ROOT, Soak, bring_up, stop_stack
 from bench.soak.traffic import Ledger, traffic
 from flows.cli.console import console
 from tasks.core.config import load_params
+from tests.support.harness import throwaway_schema
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     ledger = Ledger(out / "ledger.jsonl")
-    with soak_schema(args.postgres_url) as db_url:
+    with throwaway_schema(args.postgres_url) as db_url:
         soak = bring_up(args, out, db_url)
         engine = sa.create_engine(db_url, pool_pre_ping=True)
         stop = threading.Event()

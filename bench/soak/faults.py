@@ -16,8 +16,9 @@ import httpx
 import psutil
 import sqlalchemy as sa
 
-from bench.soak.stack import Soak, answers, start_redis
+from bench.soak.stack import Soak, start_redis
 from bench.soak.traffic import Ledger, probe_ok
+from tasks.core.procs import NotUp, wait_until_up
 from tasks.core.store import CHALLENGER, CHAMPION, completions, read_arms
 
 FAULTS = ("gateway", "worker", "mlflow", "postgres", "redis")
@@ -83,7 +84,12 @@ def _mlflow(soak: Soak) -> None:
     soak.rpc().stopProcess("mlflow", True)
     time.sleep(MLFLOW_DOWN_S)
     soak.rpc().startProcess("mlflow", False)
-    back = _wait(lambda: answers(f"{soak.mlflow}/health"))
+    started = time.monotonic()
+    try:
+        wait_until_up(f"{soak.mlflow}/health", None, RECOVERY_TIMEOUT_S)
+        back: float | None = time.monotonic() - started
+    except NotUp:
+        back = None
     soak.event("fault", fault="mlflow", what=f"MLflow server down for {MLFLOW_DOWN_S:.0f} s", recovery_s=back, at=at)
 
 

@@ -9,14 +9,10 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import psutil
-import sqlalchemy as sa
 import yaml
 
 from flows.cli.console import console
@@ -28,22 +24,6 @@ from tasks.sim.editor import regions_path
 
 ROOT = Path(__file__).resolve().parents[2]
 UP_TIMEOUT_S = 600.0  # a Prefect server's first start migrates its database: minutes on 2 slow cores
-
-
-@contextlib.contextmanager
-def soak_schema(base_url: str) -> Iterator[str]:
-    """URL of a fresh schema in base_url's database, dropped after (on a connection made after the restarts)."""
-    schema = f"soak_{uuid.uuid4().hex[:10]}"
-    admin = sa.create_engine(base_url, pool_pre_ping=True)
-    with admin.begin() as conn:
-        conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
-    try:
-        yield f"{base_url}?options=-csearch_path%3D{schema}"
-    finally:
-        admin.dispose()
-        with admin.begin() as conn:
-            conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
-        admin.dispose()
 
 
 def pg_restart_command() -> list[str]:
@@ -176,10 +156,3 @@ def stop_stack(soak: Soak) -> list[str]:
             if proc.status() != psutil.STATUS_ZOMBIE:
                 left.append(f"{proc.pid} {' '.join(proc.cmdline()[:4])}")
     return left
-
-
-def answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False

@@ -313,7 +313,7 @@ def _serve_bare(port: int) -> None:
 def throwaway_schema(base_url: str) -> Iterator[str]:
     """URL of a fresh PostgreSQL schema in base_url's database (tests run side by side), dropped after."""
     schema = f"t_{uuid.uuid4().hex[:10]}"
-    admin = sa.create_engine(base_url)
+    admin = sa.create_engine(base_url, pool_pre_ping=True)  # the drop reconnects after a server restart (a soak's)
     with admin.begin() as conn:
         conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
     try:
