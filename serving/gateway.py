@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import uvicorn
 from fastapi import FastAPI
+from pydantic import BaseModel
 from sqlalchemy.engine import Engine
 
 from serving.compat import ContinueEvent, RlinfSubmit
@@ -107,7 +108,7 @@ def create_app(
         ("/v1/completions", completions, CompletionRequest),
         ("/v1/feedback", feedback, FeedbackRequest),
     ):
-        app.post(path, openapi_extra=_json_body(model.model_json_schema()))(fastapi_route(handler, metrics))
+        app.post(path, openapi_extra=_json_body(_documented(app, model)))(fastapi_route(handler, metrics))
     # These two routes parse their bodies by hand (lenient, size-checked first); the schemas are for the docs
     # and the fuzzer.
     rlinf_schema = _json_body(RlinfSubmit.model_json_schema())
@@ -156,6 +157,24 @@ def app_from_env() -> HotRoutes:
 
 def _json_body(schema: dict) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _documented(app: FastAPI, model: type[BaseModel]) -> dict:
+    """model's JSON schema for a hand-declared request body, its nested models (`stream_options`) moved into the
+    document's components, where their references point: pydantic's own `#/$defs/...` would resolve to nothing
+    in an OpenAPI document (the docs page and the fuzzer could not read the body)."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    nested = schema.pop("$defs", {})
+    if nested:
+        generate = app.openapi
+
+        def openapi() -> dict:
+            document = generate()
+            document.setdefault("components", {}).setdefault("schemas", {}).update(nested)
+            return document
+
+        app.openapi = openapi  # type: ignore[method-assign]
+    return schema
 
 
 def _continue_schema() -> dict:
