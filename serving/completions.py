@@ -26,6 +26,7 @@ from serving.router import UnknownArmError
 from serving.state import Gateway
 from tasks.core.generate import Generation
 from tasks.core.store import Arm
+from tasks.core.teams import stored
 
 
 async def completions(gw: Gateway, headers: Mapping[str, str], body: bytes, hang_up: HangUp) -> Answer:
@@ -37,7 +38,7 @@ async def completions(gw: Gateway, headers: Mapping[str, str], body: bytes, hang
     await gw.limiter.acquire(caller)
     forced = headers.get("x-tabrl-arm")
     try:
-        routed, champion = await gw.router.route(caller.user_id, forced)
+        routed, champion = await gw.router.route(caller.user_id, forced, caller.team)
     except UnknownArmError as err:
         raise ApiError(404 if forced else 503, str(err), "X-Tabrl-Arm") from None
     hang_up.watch()
@@ -65,11 +66,11 @@ async def completions(gw: Gateway, headers: Mapping[str, str], body: bytes, hang
     else:
         gw.metrics.unlogged.inc()
     if hang_up.gone:
-        gw.metrics.cancelled.labels(arm.name).inc()
+        gw.metrics.cancelled.labels(arm.name, arm.team).inc()
         raise ClientGone()
-    gw.metrics.served(arm.name, bool(gen.text), time.perf_counter() - started)
+    gw.metrics.served(arm, bool(gen.text), time.perf_counter() - started)
     if explore:
-        gw.metrics.explored.labels(arm.name).inc()
+        gw.metrics.explored.labels(arm.name, arm.team).inc()
     created = int(time.time())
     tabrl = {"arm": arm.name, "model_version": arm.model_version, "logged": caller.logged}
     answer_headers = {"X-Tabrl-Arm": arm.name}
@@ -118,6 +119,8 @@ def _row(
         "prompt_hash": prompt_hash(inputs.client_prompt, gen.text),
         "cancelled_at": cancelled_at,
         "reports_outcomes": caller.reports_outcomes,
+        "team": stored(caller.team),
+        "arm_team": stored(arm.team),
     }
 
 
@@ -126,7 +129,7 @@ async def _log_cancelled(
 ) -> None:
     """The row of a request whose client hung up during generation: what was asked, nothing generated (the
     prompt was never rendered for the model, and the suggestion never finished)."""
-    gw.metrics.cancelled.labels(arm.name).inc()
+    gw.metrics.cancelled.labels(arm.name, arm.team).inc()
     if not caller.logged:
         gw.metrics.unlogged.inc()
         return

@@ -8,6 +8,9 @@ the histogram give the same numbers in PromQL:
 - the online accept rate of an arm: `tabrl_feedback_total{accepted="true"}` / (`tabrl_completions_total{shown="true"}`
   - `tabrl_not_shown_total`);
 - its latency quantiles: `histogram_quantile(0.95, rate(tabrl_completion_latency_seconds_bucket[5m]))`.
+
+Every per-arm series carries the arm's `team` too (`org`: the organisation's arms; tasks/core/teams.py): each team
+has its own champion and challenger.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from serving.log import Recorded
+from tasks.core.store import Arm
 
 LATENCY_QUANTILES = (0.5, 0.95)  # the per-arm latency quantiles /metrics shows (tabrl_arm_latency_ms)
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client reads it when it is imported: set before the workers
@@ -56,45 +60,51 @@ class Metrics:
         self.completions = Counter(
             "tabrl_completions",
             "Completions served by arm (shown or abstained).",
-            ["arm", "shown"],
+            ["arm", "team", "shown"],
             registry=self.registry,
         )
         self.latency = Histogram(
             "tabrl_completion_latency_seconds",
             "Completion latency in the gateway by arm.",
-            ["arm"],
+            ["arm", "team"],
             registry=self.registry,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
         )
         self.feedback = Counter(
             "tabrl_feedback",
             "Outcomes recorded by arm ('' when unmatched) and answer.",
-            ["arm", "accepted"],
+            ["arm", "team", "accepted"],
             registry=self.registry,
         )
         self.cancelled = Counter(
             "tabrl_cancelled",
             "Completions whose client hung up before the answer was sent, by arm: never shown, in no rate.",
-            ["arm"],
+            ["arm", "team"],
             registry=self.registry,
         )
         self.not_shown = Counter(
             "tabrl_not_shown",
             "Outcomes by which a client said it never displayed the suggestion, by arm: in no rate.",
-            ["arm"],
+            ["arm", "team"],
             registry=self.registry,
         )
         self.fallbacks = Counter(
-            "tabrl_fallbacks", "Requests a failing arm handed to the champion.", ["arm"], registry=self.registry
+            "tabrl_fallbacks",
+            "Requests a failing arm handed to the champion.",
+            ["arm", "team"],
+            registry=self.registry,
         )
         self.explored = Counter(
-            "tabrl_explored", "Requests cut at serving.explore_min_logprob, by arm.", ["arm"], registry=self.registry
+            "tabrl_explored",
+            "Requests cut at serving.explore_min_logprob, by arm.",
+            ["arm", "team"],
+            registry=self.registry,
         )
         self.unlogged = Counter("tabrl_unlogged", "Requests served but not logged (opted out).", registry=self.registry)
-        self._shown: dict[str, int] = {}
-        self._accepted: dict[str, int] = {}
+        self._shown: dict[tuple[str, str], int] = {}  # (arm, team) -> shown suggestions
+        self._accepted: dict[tuple[str, str], int] = {}
         self._latency_window = latency_window
-        self._recent_ms: dict[str, deque[float]] = {}  # arm -> its last latency_window latencies (ms)
+        self._recent_ms: dict[tuple[str, str], deque[float]] = {}  # (arm, team) -> its last latencies (ms)
         self._gauges(latency_window)
 
     def _gauges(self, latency_window: int) -> None:
@@ -104,48 +114,50 @@ class Metrics:
             "tabrl_arm_latency_ms",
             f"Completion latency in the gateway by arm, quantile of its last {latency_window} completions "
             "in this process (serving.latency_window), in milliseconds.",
-            ["arm", "quantile"],
+            ["arm", "team", "quantile"],
             registry=per_process,
         )
         self.accept_rate = Gauge(
             "tabrl_online_accept_rate",
             "Accepted / shown suggestions per arm since start.",
-            ["arm"],
+            ["arm", "team"],
             registry=per_process,
         )
 
-    def served(self, arm: str, shown: bool, seconds: float) -> None:
-        self.completions.labels(arm, str(shown).lower()).inc()
-        self.latency.labels(arm).observe(seconds)
-        recent = self._recent_ms.get(arm)
+    def served(self, arm: Arm, shown: bool, seconds: float) -> None:
+        key = (arm.name, arm.team)
+        self.completions.labels(*key, str(shown).lower()).inc()
+        self.latency.labels(*key).observe(seconds)
+        recent = self._recent_ms.get(key)
         if recent is None:
-            recent = self._recent_ms[arm] = deque(maxlen=self._latency_window)
+            recent = self._recent_ms[key] = deque(maxlen=self._latency_window)
         recent.append(seconds * 1000.0)
         if shown:
-            self._shown[arm] = self._shown.get(arm, 0) + 1
+            self._shown[key] = self._shown.get(key, 0) + 1
 
     def recorded(self, rec: Recorded) -> None:
         if rec.status != "recorded":
             return
+        key = (rec.arm or "", rec.arm_team or "")  # ('', ''): an outcome for a completion that is not ours
         if rec.shown is False:
-            self.not_shown.labels(rec.arm or "").inc()
-            if rec.arm and rec.arm in self._shown:  # it was counted as shown when it was served
-                self._shown[rec.arm] -= 1
+            self.not_shown.labels(*key).inc()
+            if key in self._shown:  # it was counted as shown when it was served
+                self._shown[key] -= 1
             return
-        self.feedback.labels(rec.arm or "", str(rec.accepted).lower()).inc()
+        self.feedback.labels(*key, str(rec.accepted).lower()).inc()
         if rec.accepted and rec.arm:
-            self._accepted[rec.arm] = self._accepted.get(rec.arm, 0) + 1
+            self._accepted[key] = self._accepted.get(key, 0) + 1
 
     def render(self) -> bytes:
         if self.multiprocess_dir:  # every process's counters and histograms, summed
             summed = CollectorRegistry()
             MultiProcessCollector(summed, path=self.multiprocess_dir)
             return generate_latest(summed)
-        for arm, shown in self._shown.items():
-            self.accept_rate.labels(arm).set(self._accepted.get(arm, 0) / shown if shown else 0.0)
-        for arm, recent in self._recent_ms.items():
+        for key, shown in self._shown.items():
+            self.accept_rate.labels(*key).set(self._accepted.get(key, 0) / shown if shown else 0.0)
+        for key, recent in self._recent_ms.items():
             for q, value in zip(LATENCY_QUANTILES, latency_quantiles(recent, LATENCY_QUANTILES), strict=True):
-                self.latency_quantiles.labels(arm, f"{q:g}").set(value)
+                self.latency_quantiles.labels(*key, f"{q:g}").set(value)
         return generate_latest(self.registry)
 
 

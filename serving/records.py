@@ -20,6 +20,7 @@ from sqlalchemy.engine import Connection
 
 from tasks.core.fim import QWEN
 from tasks.core.store import completions, feedback
+from tasks.core.teams import loaded
 
 Op = Callable[[Connection], Any]
 
@@ -105,6 +106,7 @@ class Recorded:
     accepted: bool | None = None  # the stored answer (the first one)
     arm: str | None = None
     shown: bool | None = None  # the stored answer's `shown` (the first one)
+    arm_team: str | None = None  # the team whose arm served it (None when unmatched)
 
 
 def record_outcome(outcome: Outcome, user_id: str | None, require_ours: bool) -> Op:
@@ -120,13 +122,13 @@ def record_outcome(outcome: Outcome, user_id: str | None, require_ours: bool) ->
         row = None
         if outcome.completion_id:
             row = conn.execute(
-                sa.select(completions.c.id, completions.c.user_id, completions.c.arm).where(
+                sa.select(completions.c.id, completions.c.user_id, completions.c.arm, completions.c.arm_team).where(
                     completions.c.id == outcome.completion_id
                 )
             ).first()
         if row is None and outcome.prompt is not None and outcome.completion is not None:
             query = (
-                sa.select(completions.c.id, completions.c.user_id, completions.c.arm)
+                sa.select(completions.c.id, completions.c.user_id, completions.c.arm, completions.c.arm_team)
                 .where(completions.c.prompt_hash == prompt_hash(outcome.prompt, outcome.completion))
                 .order_by(completions.c.seq.desc())
                 .limit(1)
@@ -161,15 +163,19 @@ def record_outcome(outcome: Outcome, user_id: str | None, require_ours: bool) ->
             "completion_id",
         )
         if inserted:
-            return Recorded("recorded", key, row is not None, outcome.accepted, row and row.arm, outcome.shown)
+            return Recorded(
+                "recorded", key, row is not None, outcome.accepted, row and row.arm, outcome.shown, _team_of(row)
+            )
         first = conn.execute(_ANSWERS, {"ids": [key]}).one()
         status: Literal["duplicate", "conflict"] = "duplicate" if _same(first, outcome) else "conflict"
-        return Recorded(status, key, row is not None, first.accepted, row and row.arm, _shown(first.shown))
+        return Recorded(
+            status, key, row is not None, first.accepted, row and row.arm, _shown(first.shown), _team_of(row)
+        )
 
     return op
 
 
-_BY_IDS = sa.select(completions.c.id, completions.c.user_id, completions.c.arm).where(
+_BY_IDS = sa.select(completions.c.id, completions.c.user_id, completions.c.arm, completions.c.arm_team).where(
     completions.c.id.in_(sa.bindparam("ids", expanding=True))
 )
 _ANSWERS = sa.select(feedback.c.completion_id, feedback.c.accepted, feedback.c.shown).where(
@@ -242,13 +248,19 @@ class RecordFeedback:
             if done is None:
                 row = found[op.outcome.completion_id or ""]
                 if i in recorded:
-                    done = Recorded("recorded", row.id, True, op.outcome.accepted, row.arm, op.outcome.shown)
+                    done = Recorded(
+                        "recorded", row.id, True, op.outcome.accepted, row.arm, op.outcome.shown, _team_of(row)
+                    )
                 else:
                     answer = stored[row.id]
                     status: Literal["duplicate", "conflict"] = "duplicate" if _same(answer, op.outcome) else "conflict"
-                    done = Recorded(status, row.id, True, answer.accepted, row.arm, _shown(answer.shown))
+                    done = Recorded(status, row.id, True, answer.accepted, row.arm, _shown(answer.shown), _team_of(row))
             out.append(done)
         return out
+
+
+def _team_of(row: sa.Row | None) -> str | None:
+    return None if row is None else loaded(row.arm_team)
 
 
 def _shown(stored: bool | None) -> bool:

@@ -7,6 +7,11 @@ every request until the arms or the salt change. Arms are re-read from the store
 restart. The champion is the arm named ``champion``, else the arm with the largest share; a failing
 challenger falls back to it (the gateway logs and counts that).
 
+Each team has its own arms (``tasks/core/teams.py``): a caller is routed among its team's, or among the
+organisation's when its team has none (a team without an adapter of its own gets the organisation's champion,
+and takes part in the organisation's A/B test like any caller). A team's arms are never routed to another team's
+callers.
+
 Each arm's model speaks its own FIM template: the request's prefix, suffix and context are rendered
 in it here, so two families can be A/B tested on the same traffic, and the prompt the arm's model
 saw is what the gateway logs. A long prefix is first cut to serving.window_chars at an anchor line
@@ -30,6 +35,7 @@ from tasks.core.engines.base import Backend, BackendError, Sampling
 from tasks.core.fim import FimPrompt, FimTemplate
 from tasks.core.generate import Generation, ShowRule
 from tasks.core.store import CHAMPION, Arm, read_arms
+from tasks.core.teams import ORG
 from tasks.core.window import window_prefix
 
 
@@ -111,17 +117,23 @@ class Router:
         self._backends: dict[tuple[str, str, str | None, str | None], Backend] = {}
 
     async def arms(self) -> list[Arm]:
+        """Every team's live arms (the organisation's too)."""
         if time.monotonic() - self._read_at >= self.ttl_s:
             async with self._lock:
                 if time.monotonic() - self._read_at >= self.ttl_s:
-                    self._arms = await asyncio.to_thread(read_arms, self.engine)
+                    self._arms = await asyncio.to_thread(read_arms, self.engine, None)
                     self._read_at = time.monotonic()
                     await self._drop_stale_backends()
         return self._arms
 
-    async def route(self, user_id: str, forced: str | None = None) -> tuple[Arm, Arm]:
-        """(arm to try, champion to fall back to) for this user; `forced` names an arm explicitly."""
-        arms = await self.arms()
+    async def arms_of(self, team: str) -> list[Arm]:
+        """The arms a caller of `team` is routed among: its team's own, else the organisation's."""
+        every = await self.arms()
+        return [a for a in every if a.team == team] or [a for a in every if a.team == ORG]
+
+    async def route(self, user_id: str, forced: str | None = None, team: str = ORG) -> tuple[Arm, Arm]:
+        """(arm to try, champion to fall back to) for this user of `team`; `forced` names one of its arms."""
+        arms = await self.arms_of(team)
         if not arms:
             raise UnknownArmError(
                 "no arms are configured; add one with `tabrl arms --arm ...` or `tabrl serve --model DIR`"

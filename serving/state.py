@@ -59,4 +59,4 @@ class Gateway:
 
     def fell_back(self, arm: Arm, err: Exception) -> None:
         log.warning("arm %r failed (%s); falling back to the champion", arm.name, err)
-        self.metrics.fallbacks.labels(arm.name).inc()
+        self.metrics.fallbacks.labels(arm.name, arm.team).inc()

@@ -25,6 +25,7 @@ async def models(gw: Gateway, request: Request):
                     "object": "model",
                     "owned_by": "tabrl",
                     "arm": a.name,
+                    "team": a.team,
                     "backend": a.backend,
                     "share": a.share,
                 }

@@ -99,7 +99,7 @@ def test_backend_killed_mid_load_fails_over_to_the_champion_then_502(tmp_path, t
             assert result.statuses[200] >= 80 and result.errors == 0, result.statuses  # every request answered
             assert result.acked_arms[CHALLENGER] > 0 and result.acked_arms[CHAMPION] > 0
             fallbacks = httpx.get(f"{url}/metrics").text
-            assert f'tabrl_fallbacks_total{{arm="{CHALLENGER}"}}' in fallbacks
+            assert f'tabrl_fallbacks_total{{arm="{CHALLENGER}",team="org"}}' in fallbacks
             assert store_problems(engine, result, {CHAMPION, CHALLENGER}) == []
             assert _count(engine) == len(result.acked)
             # The champion's own backend dies: 502 naming the arm, nothing stored.

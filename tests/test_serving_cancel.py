@@ -167,7 +167,7 @@ def test_not_shown_feedback_and_a_reporting_clients_silence_are_never_rejections
         time.sleep(params.ingest.feedback_timeout_s + 0.1)  # past a silent client's deadline, within the reporter's
         assert tell(reporting, {"completion_id": rejected, "accepted": False}).status_code == 200
         metrics = httpx.get(url + "/metrics", timeout=30).text
-    assert 'tabrl_not_shown_total{arm="champion"} 1.0' in metrics
+    assert 'tabrl_not_shown_total{arm="champion",team="org"} 1.0' in metrics
     rows = _rows(engine, completions)
     assert [rows[c]["reports_outcomes"] for c in (discarded, quiet, quiet_reporter, rejected)] == [
         False,

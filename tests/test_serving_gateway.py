@@ -244,7 +244,7 @@ def test_fallback_to_champion_and_share_changes_without_restart(gw):
     assert answer["tabrl"]["arm"] == "champion"  # the challenger's vLLM is down: the champion answered
     assert gw.rows(completions)[0]["arm"] == "champion"
     metrics = httpx.get(gw.url + "/metrics").text
-    assert 'tabrl_fallbacks_total{arm="challenger"} 1.0' in metrics
+    assert 'tabrl_fallbacks_total{arm="challenger",team="org"} 1.0' in metrics
     replace_arms(
         gw.engine,
         [
@@ -339,9 +339,9 @@ def test_models_healthz_metrics(gw):
     metrics = httpx.get(gw.url + "/metrics").text
     n_shown = sum(1 for a in shown if a["choices"][0]["text"])
     assert 'tabrl_requests_total{endpoint="/v1/completions",status="200"} 3.0' in metrics
-    assert 'tabrl_completion_latency_seconds_count{arm="champion"} 3.0' in metrics
+    assert 'tabrl_completion_latency_seconds_count{arm="champion",team="org"} 3.0' in metrics
     if n_shown:
-        assert 'tabrl_online_accept_rate{arm="champion"} 1.0' in metrics
+        assert 'tabrl_online_accept_rate{arm="champion",team="org"} 1.0' in metrics
 
 
 def _samples(metrics_text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
@@ -369,10 +369,10 @@ def test_metrics_show_each_arms_latency_p50_and_p95(gw):
     gauges = _samples(text, "tabrl_arm_latency_ms")
     totals = _samples(text, "tabrl_completion_latency_seconds_sum")  # the histogram stays
     for arm in ("champion", "challenger"):
-        p50 = gauges[(("arm", arm), ("quantile", "0.5"))]
-        p95 = gauges[(("arm", arm), ("quantile", "0.95"))]
+        p50 = gauges[(("arm", arm), ("quantile", "0.5"), ("team", "org"))]
+        p95 = gauges[(("arm", arm), ("quantile", "0.95"), ("team", "org"))]
         # every latency is > 0 and at most the arm's total, so its quantiles are too
-        assert 0 < p50 <= p95 <= totals[(("arm", arm),)] * 1000
+        assert 0 < p50 <= p95 <= totals[(("arm", arm), ("team", "org"))] * 1000
     assert len(gauges) == 4
 
 

@@ -17,7 +17,7 @@ from serving.protocol import CompletionRequest
 from serving.router import FimRequest, stops_for
 from tasks.core.config import ServingParams
 from tasks.core.fim import CODELLAMA, CODESTRAL, DEEPSEEK, PREFIX_ONLY, QWEN, STARCODER, FimPrompt
-from tasks.core.store import Store, init_schema
+from tasks.core.store import Arm, Store, init_schema
 
 SERVING = ServingParams(max_tokens=48, temperature=0.7, max_prompt_chars=100)
 
@@ -117,15 +117,24 @@ def test_the_caller_is_the_keys_user_with_auth_and_the_claimed_user_without(tmp_
 
 def test_latency_gauges_are_the_quantiles_of_each_arms_latest_window():
     metrics = Metrics(latency_window=4)
+    champion, challenger = (Arm(name, "m/1", "/m", "embedded", 0.5) for name in ("champion", "challenger"))
     for ms in (900.0, 10.0, 20.0, 30.0, 40.0):  # the first falls out of the window of 4
-        metrics.served("champion", True, ms / 1000)
-    metrics.served("challenger", False, 0.005)
+        metrics.served(champion, True, ms / 1000)
+    metrics.served(challenger, False, 0.005)
+    metrics.served(Arm("champion", "m.alpha/2", "/m", "embedded", 1.0, team="alpha"), True, 0.5)  # a team's own
     gauges = {
         (s.labels["arm"], s.labels["quantile"]): s.value
         for family in text_string_to_metric_families(metrics.render().decode())
         for s in family.samples
-        if s.name == "tabrl_arm_latency_ms"
+        if s.name == "tabrl_arm_latency_ms" and s.labels["team"] == "org"
     }
     assert gauges[("champion", "0.5")] == pytest.approx(25.0)
     assert gauges[("champion", "0.95")] == pytest.approx(np.quantile([10, 20, 30, 40], 0.95))  # 38.5
     assert gauges[("challenger", "0.5")] == gauges[("challenger", "0.95")] == pytest.approx(5.0)
+    teams = {
+        (s.labels["team"], s.labels["arm"]): s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for s in family.samples
+        if s.name == "tabrl_arm_latency_ms" and s.labels["quantile"] == "0.5"
+    }
+    assert teams == {("org", "champion"): 25.0, ("org", "challenger"): 5.0, ("alpha", "champion"): 500.0}

@@ -74,10 +74,42 @@ def test_a_store_of_schema_1_is_migrated_in_place_and_keeps_its_arms(tmp_path):
         init_schema(engine)  # idempotent once migrated
         assert read_arms(engine) == [Arm("champion", "m/1", "/models/a", "embedded", 1.0)]  # NULL: as before
         with engine.connect() as conn:
-            assert conn.execute(sa.select(schema_version.c.version)).scalars().all() == [1, 2, 3]
+            assert conn.execute(sa.select(schema_version.c.version)).scalars().all() == [1, 2, 3, 4]
+        assert read_arms(engine)[0].team == "org"  # schema 4 re-keyed the arms by team: the old ones, the org's
         adapter_arm = Arm("champion", "m/2", "http://127.0.0.1:9", "vllm", 1.0, "m-v2-abc", "/models/v2")
         replace_arms(engine, [adapter_arm])
         assert read_arms(engine) == [adapter_arm]
+        engine.dispose()
+
+
+def test_each_team_changes_only_its_own_arms(tmp_path):
+    """Arms are keyed by (team, name): a team's arm set is replaced alone, the organisation's stays; a team may
+    have none (its callers get the organisation's), the organisation may not."""
+    for engine in _engines(tmp_path):
+        init_schema(engine)
+        org = [Arm("champion", "m/1", "/models/base", "embedded", 1.0)]
+        replace_arms(engine, org)
+        team_arms = [
+            Arm("champion", "m/1", "/models/base", "embedded", 0.8, team="alpha"),
+            Arm("challenger", "m.alpha/1", "/models/base", "embedded", 0.2, None, "/adapters/a1", "alpha"),
+        ]
+        replace_arms(engine, team_arms, "alpha")
+        replace_arms(engine, [Arm("champion", "m.beta/2", "/models/base", "embedded", 1.0, team="beta")], "beta")
+        assert read_arms(engine) == org and read_arms(engine, "alpha") == sorted(team_arms, key=lambda a: a.name)
+        assert [(a.team, a.name) for a in read_arms(engine, None)] == [
+            ("alpha", "challenger"),
+            ("alpha", "champion"),
+            ("beta", "champion"),
+            ("org", "champion"),
+        ]
+        with pytest.raises(ArmError, match="belongs to team 'alpha', not 'beta'"):
+            replace_arms(engine, team_arms, "beta")
+        replace_arms(engine, [], "alpha")  # back to the organisation's arms
+        assert read_arms(engine, "alpha") == [] and read_arms(engine) == org and len(read_arms(engine, "beta")) == 1
+        with pytest.raises(ArmError, match="at least one arm"):
+            replace_arms(engine, [])
+        with pytest.raises(ValueError, match="team name 'Bad Team'"):
+            replace_arms(engine, [], "Bad Team")
         engine.dispose()
 
 

@@ -2,8 +2,8 @@
 
 SQLite (WAL, synchronous=FULL) by default, PostgreSQL through ``TABRL_DATABASE_URL``; one schema
 for both, created on start and stamped with ``SCHEMA_VERSION`` in ``schema_version``. A store made by
-an older tabrl is migrated in place on start (``MIGRATIONS``: columns added, nothing rewritten), so
-old stores keep working; a store from a newer tabrl is refused.
+an older tabrl is migrated in place on start (``MIGRATIONS``: columns added; only the few rows of the arms table
+are rewritten, re-keyed by team), so old stores keep working; a store from a newer tabrl is refused.
 A completion row is committed before its response is sent, so an acknowledged suggestion is
 never lost when the gateway dies; a client that hung up before the answer was sent gets its row
 stamped ``cancelled_at`` (never shown: ``tasks/core/outcomes.py``).
@@ -22,8 +22,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from tasks.core.config import BackendName, check_backend
+from tasks.core.teams import ORG, check_team
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 metadata = sa.MetaData()
 
@@ -58,6 +59,10 @@ completions = sa.Table(
     # the caller reports its own outcomes (its key's setting when served; NULL: no, as older rows)
     sa.Column("cancelled_at", sa.Float, nullable=True),
     sa.Column("reports_outcomes", sa.Boolean, nullable=True),
+    # schema 4: the caller's team and the team whose arms served it (NULL: the organisation, as older rows;
+    # tasks/core/teams.py)
+    sa.Column("team", sa.String(32), nullable=True),
+    sa.Column("arm_team", sa.String(32), nullable=True),
 )
 
 feedback = sa.Table(
@@ -81,6 +86,8 @@ feedback = sa.Table(
 arms = sa.Table(
     "arms",
     metadata,
+    # schema 4: arms are keyed by (team, name): each team its own champion and challenger (`org`: the organisation's)
+    sa.Column("team", sa.String(32), primary_key=True),
     sa.Column("name", sa.String(64), primary_key=True),
     sa.Column("model_version", sa.String(256), nullable=False),
     sa.Column("model_uri", sa.Text, nullable=False),  # local checkpoint dir (the base of an adapter), or vLLM base URL
@@ -103,6 +110,18 @@ api_keys = sa.Table(
     # schema 3: the key's client reports every outcome itself (Continue's data destination): a completion it
     # never reported was not shown, not rejected (NULL: it does not)
     sa.Column("reports_outcomes", sa.Boolean, nullable=True),
+    sa.Column("team", sa.String(32), nullable=True),  # schema 4: the key's team (NULL: the organisation)
+)
+
+teams = sa.Table(
+    "teams",
+    metadata,
+    sa.Column("name", sa.String(32), primary_key=True),
+    # out of the logged cohort, as a user can be: served, never stored
+    sa.Column("opted_out", sa.Boolean, nullable=False, server_default=sa.false()),
+    # its outcomes also train the organisation's model (False: only its own adapter)
+    sa.Column("shares_with_org", sa.Boolean, nullable=False, server_default=sa.true()),
+    sa.Column("updated_at", sa.Float, nullable=False),
 )
 
 users = sa.Table(
@@ -132,6 +151,7 @@ snapshots = sa.Table(
     sa.Column("rows", sa.Integer, nullable=False),
     sa.Column("sha256", sa.String(64), nullable=False),
     sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("team", sa.String(32), nullable=True),  # schema 4: whose cycle took it (NULL: the organisation's)
 )
 
 late_feedback = sa.Table(
@@ -213,9 +233,11 @@ MIGRATIONS: dict[int, tuple[tuple[str, str], ...]] = {
         ("feedback", "shown"),
         ("api_keys", "reports_outcomes"),
     ),
+    4: (("completions", "team"), ("completions", "arm_team"), ("api_keys", "team"), ("snapshots", "team")),
 }
 """Version -> the (table, column) pairs it added: nullable columns, so an older store is brought up to date by
-adding them, and its rows keep their meaning (NULL: what the older tabrl did)."""
+adding them, and its rows keep their meaning (NULL: what the older tabrl did). Schema 4 also re-keys the arms
+(`_key_arms_by_team`), the one table rewritten: a few rows."""
 
 
 def init_schema(engine: Engine) -> None:
@@ -233,6 +255,19 @@ def init_schema(engine: Engine) -> None:
         if found is None:  # a new store, or the tables of a start that died before stamping: bring them up to date
             _add_columns(conn, [pair for pairs in MIGRATIONS.values() for pair in pairs])
             conn.execute(schema_version.insert().values(version=SCHEMA_VERSION, applied_at=time.time()))
+        _key_arms_by_team(conn)
+
+
+def _key_arms_by_team(conn: Connection) -> None:
+    """An arms table keyed by name alone (schema < 4) becomes the (team, name) one, its arms the organisation's.
+    In the migration's transaction: the table holds a few rows, and every gateway re-reads it after."""
+    if "team" in {c["name"] for c in sa.inspect(conn).get_columns("arms")}:
+        return
+    old = [dict(row) for row in conn.execute(sa.text("SELECT * FROM arms")).mappings()]
+    conn.execute(sa.text("DROP TABLE arms"))
+    arms.create(conn)
+    if old:
+        conn.execute(arms.insert(), [{**row, "team": ORG} for row in old])
 
 
 def _add_columns(conn: Connection, pairs: Sequence[tuple[str, str]]) -> None:
@@ -267,15 +302,22 @@ class Arm:
     share: float  # traffic share; the shares of all arms sum to 1
     served_model: str | None = None  # the name asked for: an adapter's load name; None: the server's one model
     adapter: str | None = None  # the LoRA adapter directory served on model_uri's base; None: a full checkpoint
+    team: str = ORG  # whose arm it is (tasks/core/teams.py): the organisation's, or a team's own
 
 
-def validate_arms(new_arms: list[Arm]) -> None:
+def validate_arms(new_arms: list[Arm], team: str = ORG) -> None:
+    """A servable arm set of `team`: names unique, shares in [0, 1] summing to 1, known backends. A team may have no
+    arms (its callers get the organisation's); the organisation needs at least one."""
     names = [a.name for a in new_arms]
     if not new_arms:
-        raise ArmError("at least one arm is needed")
+        if team == ORG:
+            raise ArmError("at least one arm is needed")
+        return
     if len(set(names)) != len(names):
         raise ArmError(f"arm names must be unique, got {names}")
     for arm in new_arms:
+        if arm.team != team:
+            raise ArmError(f"arm {arm.name!r} belongs to team {arm.team!r}, not {team!r}")
         if not 0 <= arm.share <= 1:
             raise ArmError(f"arm {arm.name!r}: share {arm.share} must be within [0, 1]")
         try:
@@ -289,10 +331,13 @@ def validate_arms(new_arms: list[Arm]) -> None:
         )
 
 
-def read_arms(conn_or_engine: Connection | Engine) -> list[Arm]:
-    """The live arms, by name."""
+def read_arms(conn_or_engine: Connection | Engine, team: str | None = ORG) -> list[Arm]:
+    """The live arms of `team` (None: of every team), by team and name."""
+    query = sa.select(arms).order_by(arms.c.team, arms.c.name)
+    if team is not None:
+        query = query.where(arms.c.team == team)
     with _connect(conn_or_engine) as conn:
-        rows = conn.execute(sa.select(arms).order_by(arms.c.name)).mappings().all()
+        rows = conn.execute(query).mappings().all()
     return [
         Arm(
             r["name"],
@@ -302,18 +347,21 @@ def read_arms(conn_or_engine: Connection | Engine) -> list[Arm]:
             r["share"],
             r["served_model"],
             r["adapter"],
+            r["team"],
         )
         for r in rows
     ]
 
 
-def replace_arms(conn_or_engine: Connection | Engine, new_arms: list[Arm]) -> None:
-    """Swap the whole arm set in one transaction (validated first); gateways pick it up without restart."""
-    validate_arms(new_arms)
+def replace_arms(conn_or_engine: Connection | Engine, new_arms: list[Arm], team: str = ORG) -> None:
+    """Swap `team`'s whole arm set in one transaction (validated first); other teams' arms are untouched, and
+    gateways pick the change up without restart. A team's empty set hands its callers back to the organisation's."""
+    validate_arms(new_arms, check_team(team))
     now = time.time()
     with _begin(conn_or_engine) as conn:
-        conn.execute(arms.delete())
-        conn.execute(arms.insert(), [{**asdict(a), "updated_at": now} for a in new_arms])
+        conn.execute(arms.delete().where(arms.c.team == team))
+        if new_arms:
+            conn.execute(arms.insert(), [{**asdict(a), "updated_at": now} for a in new_arms])
 
 
 @contextmanager

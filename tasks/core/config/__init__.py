@@ -23,6 +23,7 @@ from tasks.core.config.data import (
     ModelParams,
     Persona,
     SimulatorParams,
+    TeamsParams,
     TrafficParams,
 )
 from tasks.core.config.learning import EvaluateParams, JudgeParams, RewardParams, TrainParams
@@ -71,6 +72,7 @@ __all__ = [
     "Section",
     "ServingParams",
     "SimulatorParams",
+    "TeamsParams",
     "TrafficParams",
     "TrainParams",
     "env_overrides",

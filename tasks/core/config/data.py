@@ -33,6 +33,25 @@ class DataParams(Section):
     """Salt of the path hash that assigns a file to train or test; change it to draw a new split."""
 
 
+class TeamsParams(Section):
+    sources: dict[str, str] = {}
+    """Each team's code base, by team name (docs/how-to/teams.md): a directory, a corpus file or a FIM data set, as
+    data.source takes. Split into train and test files as data.source is (data.test_fraction, data.split_salt);
+    `tabrl data --team NAME` writes its held-out FIM samples and typing regions under
+    paths.data_dir/teams/NAME/, where the team's gate reads them. A team without a source is gated on the
+    organisation's held-out files."""
+
+    @model_validator(mode="after")
+    def _names(self) -> TeamsParams:
+        from tasks.core.teams import ORG, check_team
+
+        for name in self.sources:
+            if name == ORG:
+                raise ValueError(f"teams.sources: {ORG!r} is the organisation itself (its code is data.source)")
+            check_team(name)
+        return self
+
+
 class FimParams(Section):
     n_train: int = Field(3000, ge=1)
     """FIM samples drawn from the train files (RLinf's setup uses 3000)."""

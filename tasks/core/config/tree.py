@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import model_validator
 
 from tasks.core.config.base import Section
-from tasks.core.config.data import DataParams, FimParams, ModelParams, SimulatorParams, TrafficParams
+from tasks.core.config.data import DataParams, FimParams, ModelParams, SimulatorParams, TeamsParams, TrafficParams
 from tasks.core.config.learning import EvaluateParams, RewardParams, TrainParams
 from tasks.core.config.operations import ClusterParams, DeployParams, IngestParams, PathsParams, ServingParams
 
@@ -40,6 +40,8 @@ class Params(Section):
     """Running the flows across machines: Prefect work pools, the training deployment, the DVC remote."""
     paths: PathsParams = PathsParams()
     """Where data, models, local state, the log store and the MLflow tracking store live."""
+    teams: TeamsParams = TeamsParams()
+    """Teams, each with its own adapter, cycle and gate: their code bases (`tabrl teams`, docs/how-to/teams.md)."""
 
     @model_validator(mode="after")
     def _adapter_rank(self) -> Params:
