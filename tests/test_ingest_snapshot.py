@@ -77,8 +77,8 @@ def test_a_racing_ingest_cannot_commit_twice(tmp_path, monkeypatch):
         add_completions(engine, _rows(5, 5, 150.0))
         old = snapshot_mod.read_watermark
 
-        def stale(conn):  # another ingest commits right after this one read the watermark
-            seen = old(conn)
+        def stale(conn, team):  # another ingest commits right after this one read the watermark
+            seen = old(conn, team)
             with engine.begin() as c:
                 c.execute(watermarks.update().values(completion_seq=7))
             return seen
@@ -215,3 +215,45 @@ def test_cli_prints_the_report_and_snapshot_path(tmp_path):
     assert "rows_out" in out.output and "interactions-000000000001-000000000004.parquet" in out.output
     bad = CliRunner().invoke(app, ["ingest", "--params", str(params_file), "--set", "ingest.secret_detectors=[Nope]"])
     assert bad.exit_code == 2 and "Nope" in bad.output
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_each_team_snapshots_its_own_rows_and_the_org_those_teams_share(tmp_path, backend):
+    """Issue 57's isolation: a team's snapshot holds only its callers' rows, past its own watermark, in its own
+    folder; the organisation's holds every row but those of a team that keeps its outcomes to itself. A late
+    answer for a row two scopes snapshotted is recorded once."""
+    from serving.auth import set_team_flags
+    from tasks.core.store import late_feedback, snapshots
+
+    params = tiny_params(tmp_path)
+    with store(backend, tmp_path) as engine:
+        rows = [
+            completion_row(f"r{i:03d}", 100.0, user=f"u{i}", team=[None, "alpha", "beta"][i % 3]) for i in range(30)
+        ]
+        add_completions(engine, rows)
+        set_team_flags(engine, "beta", shares_with_org=False)
+        add_feedback(engine, "r001", True, 105.0, user="u1")  # alpha's, answered in time
+        alpha = run_ingest(engine, params, tmp_path, 200.0, "alpha")
+        beta = run_ingest(engine, params, tmp_path, 200.0, "beta")
+        org = run_ingest(engine, params, tmp_path, 200.0)
+
+        def ids(result):
+            return set(pq.read_table(result.snapshot).column("completion_id").to_pylist())
+
+        assert ids(alpha) == {f"r{i:03d}" for i in range(30) if i % 3 == 1}
+        assert ids(beta) == {f"r{i:03d}" for i in range(30) if i % 3 == 2}
+        assert ids(org) == {f"r{i:03d}" for i in range(30) if i % 3 != 2}  # beta shares nothing with the org
+        assert alpha.snapshot.parent == tmp_path / "data" / "teams" / "alpha" / "interactions"
+        assert alpha.snapshot.name.startswith("interactions-alpha-") and org.snapshot.parent.name == "interactions"
+        assert (alpha.watermark, beta.watermark, org.watermark) == (29, 30, 29)  # each its own: its last row's seq
+
+        add_completions(engine, [completion_row("r030", 300.0, user="u30", team="alpha")])
+        add_feedback(engine, "r004", False, 350.0, user="u4")  # late for r004 (alpha's), in two snapshots
+        again = run_ingest(engine, params, tmp_path, 400.0, "alpha")
+        assert ids(again) == {"r030"} and again.late_feedback == 1
+        org_again = run_ingest(engine, params, tmp_path, 400.0)
+        assert ids(org_again) == {"r030"} and org_again.late_feedback == 0  # r004's, recorded already
+        with engine.connect() as conn:
+            assert conn.execute(sa.select(late_feedback.c.completion_id)).scalars().all() == ["r004"]
+            recorded = dict(conn.execute(sa.select(snapshots.c.name, snapshots.c.team)).all())
+        assert recorded[alpha.snapshot.name] == "alpha" and recorded[org.snapshot.name] is None

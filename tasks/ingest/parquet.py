@@ -12,14 +12,20 @@ from pathlib import Path
 import pyarrow as pa
 
 from tasks.core.schema import INTERACTION_SCHEMA
+from tasks.core.teams import ORG
 from tasks.ingest.pull import Decided
 
-SNAPSHOT_NAME = re.compile(r"^interactions-(\d{12})-(\d{12})\.parquet$")
+# interactions-[TEAM-]FIRST-LAST.parquet: a team's snapshots carry its name (the snapshots table keys them by file
+# name, and a team's range of seqs may equal the organisation's)
+SNAPSHOT_NAME = re.compile(
+    r"^interactions-(?:(?P<team>[a-z0-9][a-z0-9_-]*)-)?(?P<first>\d{12})-(?P<last>\d{12})\.parquet$"
+)
 INCOMING = ".incoming.parquet.tmp"
 
 
-def snapshot_name(first_seq: int, last_seq: int) -> str:
-    return f"interactions-{first_seq:012d}-{last_seq:012d}.parquet"
+def snapshot_name(first_seq: int, last_seq: int, team: str = ORG) -> str:
+    scope = "" if team == ORG else f"{team}-"
+    return f"interactions-{scope}{first_seq:012d}-{last_seq:012d}.parquet"
 
 
 def file_sha256(path: Path) -> str:
@@ -36,7 +42,7 @@ def crashed_cycle(out_dir: Path, watermark: int) -> Path | None:
         return None
     for path in sorted(out_dir.iterdir()):
         match = SNAPSHOT_NAME.match(path.name)
-        if match and int(match.group(1)) == watermark + 1:
+        if match and int(match["first"]) == watermark + 1:
             return path
     return None
 

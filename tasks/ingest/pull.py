@@ -18,6 +18,11 @@ an insert still committing is an invisible gap below rows already visible. A gap
 row younger than ``ingest.commit_grace_s`` may be such an insert, so the cut also stops there;
 an older gap is a rolled-back insert (nothing will fill it). SQLite commits one writer at a
 time, so its sequence has no such gaps.
+
+Each team's cycle pulls its own rows (``in_scope``: the completions its callers were served) past its own
+watermark (``tasks/core/teams.py``); the organisation's pulls every row but those of teams that keep their
+outcomes to themselves (``teams.shares_with_org``). Another scope's rows are gaps in a team's sequence; they
+only stop the cut where a young row follows, which waits anyway (``commit_grace_s`` is longer than any deadline).
 """
 
 from __future__ import annotations
@@ -31,9 +36,8 @@ from sqlalchemy.engine import Connection
 
 from tasks.core.config import IngestParams
 from tasks.core.outcomes import Outcome, deadline, outcome_of
-from tasks.core.store import completions, feedback, users, watermarks
-
-WATERMARK = "ingest"  # watermarks.name of this stage
+from tasks.core.store import completions, feedback, teams, users, watermarks
+from tasks.core.teams import ORG, watermark_name
 
 
 @dataclass(frozen=True)
@@ -66,14 +70,24 @@ class Decided(NamedTuple):
     suffix: str
 
 
-def read_watermark(conn: Connection) -> Watermark:
+def read_watermark(conn: Connection, team: str = ORG) -> Watermark:
     row = conn.execute(
-        sa.select(watermarks.c.completion_seq, watermarks.c.updated_at).where(watermarks.c.name == WATERMARK)
+        sa.select(watermarks.c.completion_seq, watermarks.c.updated_at).where(watermarks.c.name == watermark_name(team))
     ).first()
     return Watermark(0, None) if row is None else Watermark(int(row.completion_seq), row.updated_at)
 
 
-def _query(after_seq: int, upto_seq: int | None) -> sa.Select:
+def in_scope(team: str) -> sa.ColumnElement[bool]:
+    """SQL over `completions`: the rows `team`'s cycle trains on. A team's: its callers'. The organisation's:
+    every row but those of teams that do not share their outcomes with it (callers without a team included)."""
+    c = completions.c
+    if team != ORG:
+        return c.team == team
+    private = sa.select(teams.c.name).where(teams.c.shares_with_org == sa.false())
+    return sa.or_(c.team.is_(None), c.team.not_in(private))
+
+
+def _query(after_seq: int, upto_seq: int | None, team: str) -> sa.Select:
     c, f, u = completions, feedback, users
     stmt = (
         sa.select(
@@ -106,7 +120,7 @@ def _query(after_seq: int, upto_seq: int | None) -> sa.Select:
                 u, u.c.user_id == c.c.user_id
             )
         )
-        .where(c.c.seq > after_seq)
+        .where(c.c.seq > after_seq, in_scope(team))
         .order_by(c.c.seq)
     )
     return stmt if upto_seq is None else stmt.where(c.c.seq <= upto_seq)
@@ -148,16 +162,16 @@ def _decided(r: sa.Row, params: IngestParams) -> Decided:
 
 
 def pull_decided(
-    conn: Connection, params: IngestParams, after_seq: int, now: float, upto_seq: int | None = None
+    conn: Connection, params: IngestParams, after_seq: int, now: float, upto_seq: int | None = None, team: str = ORG
 ) -> Iterator[list[Decided]]:
-    """Chunks of decided rows with seq > after_seq, in seq order, up to the cut.
+    """Chunks of `team`'s decided rows with seq > after_seq, in seq order, up to the cut.
 
     With ``upto_seq`` (re-running a cycle whose snapshot was written but whose watermark was not
     advanced) the range is fixed and every row in it is taken: they were all decided then.
     """
     grace = params.commit_grace_s
     expected = after_seq + 1
-    result = conn.execution_options(yield_per=params.chunk_rows).execute(_query(after_seq, upto_seq))
+    result = conn.execution_options(yield_per=params.chunk_rows).execute(_query(after_seq, upto_seq, team))
     try:
         for part in result.partitions():
             chunk: list[Decided] = []
@@ -176,6 +190,7 @@ def pull_decided(
         result.close()
 
 
-def count_after(conn: Connection, seq: int) -> int:
-    """Completions logged after seq (left for later cycles)."""
-    return conn.execute(sa.select(sa.func.count()).select_from(completions).where(completions.c.seq > seq)).scalar_one()
+def count_after(conn: Connection, seq: int, team: str = ORG) -> int:
+    """`team`'s completions logged after seq (left for later cycles)."""
+    query = sa.select(sa.func.count()).select_from(completions).where(completions.c.seq > seq, in_scope(team))
+    return conn.execute(query).scalar_one()

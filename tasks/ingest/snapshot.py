@@ -13,6 +13,9 @@ Order of work, and why it is exactly-once:
 4. in one database transaction: advance the watermark to ``last seq``, record the snapshot and any
    late feedback. A second ingest racing this one fails here instead of double-counting.
 
+Each team's cycle does the same with its own rows, watermark and folder (``data/teams/TEAM/interactions``,
+``tasks/core/teams.py``); the organisation's keeps ``data/interactions``.
+
 ``run_ingest`` does all four. The cycle splits them: ``write_snapshot`` (1-3) before training and
 ``commit_snapshot`` (4) once training has finished (a trained candidate, or a guard that stopped
 it): a training run that failed, was cancelled or lost its worker leaves the watermark where it
@@ -42,6 +45,7 @@ from sqlalchemy.engine import Engine
 from tasks.core.config import IngestParams, Params
 from tasks.core.outcomes import NEVER_SHOWN, taken_chars
 from tasks.core.schema import INTERACTION_SCHEMA
+from tasks.core.teams import ORG, team_dir
 from tasks.ingest.clean import Cleaner
 from tasks.ingest.parquet import (
     INCOMING,
@@ -88,9 +92,10 @@ class IngestResult:
     dvc_md5: str | None = None  # DVC's hash of the snapshot (from its .dvc file) when versioned
 
 
-def snapshot_dir(params: Params, repo_dir: Path) -> Path:
-    """``<data_dir>/interactions`` (data_dir relative to the project repo unless absolute)."""
-    return Path(repo_dir) / params.paths.data_dir / "interactions"
+def snapshot_dir(params: Params, repo_dir: Path, team: str = ORG) -> Path:
+    """``<data_dir>/interactions``, a team's ``<data_dir>/teams/TEAM/interactions`` (data_dir relative to the project
+    repo unless absolute)."""
+    return team_dir(Path(repo_dir) / params.paths.data_dir, team) / "interactions"
 
 
 @dataclass
@@ -125,11 +130,12 @@ class PendingIngest:
     late: list[dict]  # late feedback of this cycle's rows, recorded by the commit
     shown_path: str  # the snapshot's path as the watermark records it
     now: float
+    team: str = ORG  # whose rows and watermark
 
 
-def run_ingest(engine: Engine, params: Params, repo_dir: Path, now: float) -> IngestResult:
-    """One ingest cycle: pull -> clean -> Parquet snapshot -> DVC -> watermark (see the module doc)."""
-    return commit_snapshot(engine, params, write_snapshot(engine, params, repo_dir, now))
+def run_ingest(engine: Engine, params: Params, repo_dir: Path, now: float, team: str = ORG) -> IngestResult:
+    """One ingest cycle of `team`: pull -> clean -> Parquet snapshot -> DVC -> watermark (see the module doc)."""
+    return commit_snapshot(engine, params, write_snapshot(engine, params, repo_dir, now, team))
 
 
 def commit_snapshot(engine: Engine, params: Params, pending: PendingIngest) -> IngestResult:
@@ -149,9 +155,10 @@ def commit_snapshot(engine: Engine, params: Params, pending: PendingIngest) -> I
         params.ingest,
         pending.now,
         pending.shown_path,
+        pending.team,
     )
     with engine.connect() as conn:
-        left = count_after(conn, before.last_seq)
+        left = count_after(conn, before.last_seq, pending.team)
     return replace(before, watermark=before.last_seq, late_feedback=n_late, pending=left)
 
 
@@ -166,14 +173,16 @@ class _Pulled:
     rows: int = 0  # clean rows written
 
 
-def _stream(engine: Engine, ip: IngestParams, old_seq: int, now: float, upto: int | None, incoming: Path) -> _Pulled:
-    """Step 1: pull the decided rows after `old_seq` (up to `upto`), count them by arm, clean them and stream the
-    kept ones into `incoming` (no file when none is kept)."""
+def _stream(
+    engine: Engine, ip: IngestParams, old_seq: int, now: float, upto: int | None, incoming: Path, team: str
+) -> _Pulled:
+    """Step 1: pull `team`'s decided rows after `old_seq` (up to `upto`), count them by arm, clean them and stream
+    the kept ones into `incoming` (no file when none is kept)."""
     pulled = _Pulled(Cleaner(ip), old_seq)
     writer: pq.ParquetWriter | None = None
     try:
         with engine.connect() as conn:
-            for chunk in pull_decided(conn, ip, old_seq, now, upto):
+            for chunk in pull_decided(conn, ip, old_seq, now, upto, team):
                 if not chunk:
                     continue
                 pulled.last_seq = chunk[-1].seq
@@ -211,28 +220,29 @@ def _place(incoming: Path, crashed: Path | None, path: Path, sha: str) -> None:
         fsync_replace(incoming, path)
 
 
-def write_snapshot(engine: Engine, params: Params, repo_dir: Path, now: float) -> PendingIngest:
-    """Steps 1-3: pull -> clean -> Parquet snapshot -> DVC, leaving the watermark for ``commit_snapshot``."""
+def write_snapshot(engine: Engine, params: Params, repo_dir: Path, now: float, team: str = ORG) -> PendingIngest:
+    """Steps 1-3 for `team`: pull -> clean -> Parquet snapshot -> DVC, leaving the watermark for
+    ``commit_snapshot``."""
     ip = params.ingest
     repo_dir = Path(repo_dir)
-    out_dir = snapshot_dir(params, repo_dir)
+    out_dir = snapshot_dir(params, repo_dir, team)
     with engine.connect() as conn:
-        old = read_watermark(conn)
+        old = read_watermark(conn, team)
     crashed = crashed_cycle(out_dir, old.completion_seq)
-    upto = int(SNAPSHOT_NAME.match(crashed.name).group(2)) if crashed else None
+    upto = int(SNAPSHOT_NAME.match(crashed.name)["last"]) if crashed else None  # type: ignore[index]
     if crashed:
         log.warning("finishing the cycle of %s (its watermark was not committed)", crashed)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     incoming = out_dir / INCOMING
-    pulled = _stream(engine, ip, old.completion_seq, now, upto, incoming)
+    pulled = _stream(engine, ip, old.completion_seq, now, upto, incoming, team)
     rows = pulled.rows
     last_seq = upto if upto is not None else pulled.last_seq
     first_seq = old.completion_seq + 1
 
     def result(path: Path | None, sha: str | None, dvc: str) -> PendingIngest:
         with engine.connect() as conn:
-            pending = count_after(conn, old.completion_seq)
+            pending = count_after(conn, old.completion_seq, team)
         before = IngestResult(
             path,
             sha,
@@ -249,7 +259,7 @@ def write_snapshot(engine: Engine, params: Params, repo_dir: Path, now: float) -
             dvc_md5(path) if path else None,
         )
         return PendingIngest(
-            before, old, pulled.late if path else [], display_path(path, repo_dir) if path else "", now
+            before, old, pulled.late if path else [], display_path(path, repo_dir) if path else "", now, team
         )
 
     if rows < ip.min_rows:
@@ -265,7 +275,7 @@ def write_snapshot(engine: Engine, params: Params, repo_dir: Path, now: float) -
         )
         return result(None, None, "")
 
-    path = out_dir / snapshot_name(first_seq, last_seq)
+    path = out_dir / snapshot_name(first_seq, last_seq, team)
     sha = file_sha256(incoming)
     _place(incoming, crashed, path, sha)
     return result(path, sha, version_with_dvc(repo_dir, path, params.cluster.dvc_remote))

@@ -16,6 +16,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.core.config import Params
 from tasks.core.store import open_store
+from tasks.core.teams import ORG
 from tasks.ingest.snapshot import (
     IngestResult,
     PendingIngest,
@@ -26,12 +27,12 @@ from tasks.ingest.tracking import ingest_metrics, ingest_tags
 
 
 @task(name="ingest", retries=2, retry_delay_seconds=[10, 60], cache_policy=NO_CACHE)
-def ingest_task(params: Params, repo_dir: Path, now: float | None = None) -> PendingIngest:
-    """Pull, clean, snapshot and version the log store of ``params.paths.database_url``; the watermark waits
-    for ``commit_ingest_task``. Logs to MLflow if a run is active (the numbers as metrics, the snapshot's path
-    and hashes as tags)."""
+def ingest_task(params: Params, repo_dir: Path, now: float | None = None, team: str = ORG) -> PendingIngest:
+    """Pull, clean, snapshot and version `team`'s rows of the log store at ``params.paths.database_url``; the
+    watermark waits for ``commit_ingest_task``. Logs to MLflow if a run is active (the numbers as metrics, the
+    snapshot's path and hashes as tags)."""
     with open_store(params.paths.database_url) as engine:
-        pending = write_snapshot(engine, params, Path(repo_dir), time.time() if now is None else now)
+        pending = write_snapshot(engine, params, Path(repo_dir), time.time() if now is None else now, team)
     if mlflow.active_run():
         mlflow.log_metrics(ingest_metrics(pending.result))
         mlflow.set_tags(ingest_tags(pending.result, Path(repo_dir)))

@@ -11,7 +11,8 @@ from sqlalchemy.engine import Engine
 from tasks.core.config import IngestParams
 from tasks.core.outcomes import deadline_sql
 from tasks.core.store import completions, feedback, late_feedback, snapshots, watermarks
-from tasks.ingest.pull import WATERMARK, Watermark
+from tasks.core.teams import ORG, scope_is, stored, watermark_name
+from tasks.ingest.pull import Watermark, in_scope
 from tasks.ingest.versioning import IngestError
 
 
@@ -27,20 +28,23 @@ def advance_watermark(
     params: IngestParams,
     now: float,
     shown_path: str,
+    team: str = ORG,
 ) -> int:
-    """One transaction: watermark -> last_seq (only if still `old`), the snapshot record, late feedback.
+    """One transaction: `team`'s watermark -> last_seq (only if still `old`), the snapshot record, late feedback.
 
     Returns the late feedback recorded: this cycle's rows, plus feedback that arrived since the
-    last cycle for rows of earlier snapshots.
+    last cycle for rows of earlier snapshots. A completion is in one snapshot of each scope that trains on it (its
+    team's, the organisation's); its late feedback is recorded once, with the first of them.
     """
+    name = watermark_name(team)
     with engine.begin() as conn:
         values = {"completion_seq": last_seq, "snapshot": shown_path, "snapshot_sha256": sha, "updated_at": now}
         if old.updated_at is None:
-            conn.execute(watermarks.insert().values(name=WATERMARK, **values))
+            conn.execute(watermarks.insert().values(name=name, **values))
         else:
             moved = conn.execute(
                 watermarks.update()
-                .where(watermarks.c.name == WATERMARK, watermarks.c.completion_seq == old.completion_seq)
+                .where(watermarks.c.name == name, watermarks.c.completion_seq == old.completion_seq)
                 .values(**values)
             )
             if moved.rowcount != 1:
@@ -50,18 +54,32 @@ def advance_watermark(
                 )
         conn.execute(
             snapshots.insert().values(
-                name=path.name, first_seq=first_seq, last_seq=last_seq, rows=rows, sha256=sha, created_at=now
+                name=path.name,
+                first_seq=first_seq,
+                last_seq=last_seq,
+                rows=rows,
+                sha256=sha,
+                created_at=now,
+                team=stored(team),
             )
         )
         records = [{**item, "snapshot": path.name, "recorded_at": now} for item in late]
         if old.updated_at is not None:
-            records += _late_for_earlier_snapshots(conn, old, params, now)
+            records += _late_for_earlier_snapshots(conn, old, params, now, team)
+        if records:  # those another scope's cycle has not recorded already
+            ids = [r["completion_id"] for r in records]
+            known = set(
+                conn.execute(
+                    sa.select(late_feedback.c.completion_id).where(late_feedback.c.completion_id.in_(ids))
+                ).scalars()
+            )
+            records = [r for r in records if r["completion_id"] not in known]
         if records:
             conn.execute(late_feedback.insert(), records)
     return len(records)
 
 
-def _late_for_earlier_snapshots(conn, old: Watermark, params: IngestParams, now: float) -> list[dict]:
+def _late_for_earlier_snapshots(conn, old: Watermark, params: IngestParams, now: float, team: str) -> list[dict]:
     """Feedback received after its deadline for rows already snapshotted, not recorded yet.
 
     Only feedback received since the previous cycle (less the commit grace) can be new, which
@@ -77,6 +95,8 @@ def _late_for_earlier_snapshots(conn, old: Watermark, params: IngestParams, now:
         )
         .where(
             lf.c.completion_id.is_(None),
+            scope_is(s.c.team, team),
+            in_scope(team),
             f.c.matched == sa.true(),
             c.c.abstained == sa.false(),
             c.c.cancelled_at.is_(None),
