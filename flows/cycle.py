@@ -14,6 +14,13 @@ one too, leaves an MLflow run named for its outcome (`cycle 3 · deployed · tab
 `cycle 4 · skipped: challenger under test`), so the runs list of the MLflow UI tells the loop's story.
 A cycle not skipped first deletes this host's copies of
 retired versions older than `deploy.retired_retention_hours` (tasks/deploy/model_retention.py).
+
+    tabrl cycle --team payments                   # one team's cycle (docs/how-to/teams.md)
+
+A cycle works for one team (`team`, the organisation's by default: tasks/core/teams.py): its slots, its rows past
+its watermark, its registered model and experiment, its gate on its own held-out files (tasks/sim/team_data.py)
+and its arms. A team's first adapter continues from the organisation's champion. Cycles of different teams run
+side by side.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from flows.slots import CycleRunning, arms_slot, cycle_slot
 from tasks.core import vocab
 from tasks.core.config import DEFAULT_PARAMS_FILE, Params, load_params
 from tasks.core.store import CHALLENGER
+from tasks.core.teams import ORG, check_team
 from tasks.deploy.model_cache import resolve_model_dir
 from tasks.deploy.model_retention import model_retention_task
 from tasks.deploy.registry import Lineage, Registry
@@ -42,6 +50,7 @@ from tasks.reward.task import reward_task
 from tasks.sim.acceptance import gate_regions
 from tasks.sim.corpus import read_samples
 from tasks.sim.editor import read_regions, regions_path
+from tasks.sim.team_data import held_out_dir
 from tasks.train.ppo import TrainingDiverged
 
 
@@ -71,14 +80,15 @@ def _skipped(runs: CycleRuns, log, reason: str, why: str) -> CycleReport:
 def _evaluate(
     candidate_dir: Path, lineage: Lineage, holder: ModelVersion | None, runs: CycleRuns, timing: dict[str, float]
 ) -> Comparison:
-    """The candidate against the champion on held-out FIM samples and this cycle's gate window of typing regions
-    (the window is tagged on the run); the time it took goes into `timing`."""
+    """The candidate against the champion on the team's held-out FIM samples and this cycle's gate window of its
+    typing regions (the window is tagged on the run); the time it took goes into `timing`."""
     params = runs.params
-    test = read_samples(Path(params.paths.data_dir) / "fim" / "test.parquet")[: params.evaluate.n_samples]
+    data_dir = held_out_dir(params, runs.team)
+    test = read_samples(data_dir / "fim" / "test.parquet")[: params.evaluate.n_samples]
     windows = params.evaluate.gate_windows
     window = runs.next_gate_window(windows)
     mlflow.set_tag(vocab.GATE_WINDOW, str(window))
-    regions = gate_regions(read_regions(regions_path(params.paths.data_dir, "test")), window, windows)
+    regions = gate_regions(read_regions(regions_path(data_dir, "test")), window, windows)
     mark_dir = str(resolve_model_dir(holder.uri, params)) if holder else None
     started = time.perf_counter()
     champion_dir, base_dir = str(lineage.champion_dir), str(lineage.base_dir)
@@ -109,8 +119,8 @@ def _deploy(
     numbers = comparison.decision.numbers
     version = registry.register(candidate_dir, run_id, tags=carried, gate=numbers, base=lineage.base)
     params = registry.params
-    with arms_slot():  # never while the A/B decision changes the arms
-        rollout(version, str(resolve_model_dir(version.uri, params)), params, str(lineage.base_dir))
+    with arms_slot(registry.team):  # never while the A/B decision changes the team's arms
+        rollout(version, str(resolve_model_dir(version.uri, params)), params, str(lineage.base_dir), registry.team)
     return version
 
 
@@ -120,19 +130,20 @@ def online_rl_cycle(
     overrides: list[str] | None = None,
     force: bool = False,
     repo_dir: str = ".",
+    team: str = ORG,
 ) -> CycleReport:
     params = load_params(params_file, overrides or [])
     log = get_run_logger()
-    runs = CycleRuns(params)
+    runs = CycleRuns(params, check_team(team))
     try:
-        with cycle_slot():  # one cycle at a time: a second one finds the slot held and ends now (flows/slots.py)
+        with cycle_slot(team):  # one cycle of a team at a time: a second finds the slot held and ends now
             return _cycle(params, runs, log, force, Path(repo_dir))
     except CycleRunning as err:  # only the cycle slot's own refusal: an arms wait that timed out fails the cycle
         return _skipped(runs, log, "another cycle is running", f"{err}; the next scheduled cycle tries again")
 
 
 def _cycle(params: Params, runs: CycleRuns, log, force: bool, repo_dir: Path) -> CycleReport:
-    registry = Registry(params)
+    registry = Registry(params, runs.team)
     if challenger_under_test(registry) and not force:
         why = "a challenger is still under test (the A/B decision flow promotes or rolls it back; force=True trains)"
         return _skipped(runs, log, "challenger under test", why)
@@ -142,7 +153,7 @@ def _cycle(params: Params, runs: CycleRuns, log, force: bool, repo_dir: Path) ->
     report = CycleReport("skipped", "", run_id)
     mlflow.set_tracking_uri(params.paths.mlflow_tracking_uri)  # the stages log into the active run
     with mlflow.start_run(run_id=run_id, log_system_metrics=False):  # ends FAILED if a stage raises
-        pending = ingest_task(params, repo_dir)  # the watermark moves once training has finished
+        pending = ingest_task(params, repo_dir, team=runs.team)  # the watermark moves once training has finished
         ingested = pending.result
         report.snapshot = str(ingested.snapshot) if ingested.snapshot else None
         if ingested.snapshot is None or ingested.rows < params.train.min_rows:

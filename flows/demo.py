@@ -56,6 +56,7 @@ from serving.simulate import run_simulation
 from tasks.core.config import DEFAULT_PARAMS_FILE, Params, load_params
 from tasks.core.procs import exit_on_sigterm, free_port
 from tasks.core.store import CHALLENGER, CHAMPION, open_store, read_arms
+from tasks.core.teams import ORG
 from tasks.deploy.ab import arm_stats
 from tasks.deploy.arms import serve_champion
 from tasks.deploy.model_cache import resolve_model_dir
@@ -109,7 +110,7 @@ def run_ab_test(
     # One look at the planned n: no early looks to guard against (min_samples 1), and max_samples = what each arm
     # has, so that a difference the test cannot show ends in a rollback (inconclusive) rather than "continue".
     one_look = ["deploy.min_samples=1", f"deploy.max_samples={looked_at}"]
-    decision = ab_decision(params_file, [*overrides, *one_look])
+    decision = ab_decision(params_file, [*overrides, *one_look], ORG)[ORG]
     return {
         "plan": asdict(plan),
         "requests": dict(sorted(by_arm.items())),

@@ -35,6 +35,7 @@ from tasks.core.config import DEFAULT_PARAMS_FILE, Params, load_params
 from tasks.core.outcomes import reward_per_request
 from tasks.core.procs import NotUp, exit_on_sigterm, free_port, wait_until_up
 from tasks.core.store import CHAMPION, open_store
+from tasks.core.teams import ORG
 from tasks.core.vllm import recorded_servers, restart_recorded, stop_vllm_at
 from tasks.deploy.arms import serve_champion, sync_adapters
 from tasks.deploy.model_cache import resolve_model_dir
@@ -145,7 +146,7 @@ def run_online_loop(
             by_arm = _simulate(port, traffic, per_cycle, cycle, users, requests, seed, params)
             traffic_s = time.perf_counter() - started
             time.sleep(params.ingest.feedback_timeout_s + 0.5)
-            decision = ab_decision(params_file, overrides) if ab_test and len(by_arm) > 1 else None
+            decision = ab_decision(params_file, overrides, ORG)[ORG] if ab_test and len(by_arm) > 1 else None
             started = time.perf_counter()
             report = online_rl_cycle(params_file, overrides, repo_dir=str(repo))
             if not ab_test and report.status == "deployed":

@@ -404,14 +404,14 @@ def test_ab_decision_flow_continues_then_promotes(tmp_path, mlflow_store, tiny_m
 
     serve(CHAMPION, champion.label, 5, 15)
     serve(CHALLENGER, challenger.label, 15, 5)
-    decision = ab_decision(path)
+    decision = ab_decision(path)["org"]
     assert decision.action == "continue" and "20/30" in decision.reason
     assert [a.name for a in read_arms(engine)] == [CHALLENGER, CHAMPION]
     assert [r.data.tags["tabrl.action"] for r in _decision_runs(params)] == ["continue"]
 
     serve(CHAMPION, champion.label, 5, 15)
     serve(CHALLENGER, challenger.label, 15, 5)
-    decision = ab_decision(path)
+    decision = ab_decision(path)["org"]
     assert decision.action == "promote" and decision.numbers["reward_p"] < 0.05
     assert read_arms(engine) == [Arm(CHAMPION, challenger.label, "/models/chall", "embedded", 1.0)]
     assert Registry(params).aliased(CHAMPION) == challenger
@@ -419,7 +419,7 @@ def test_ab_decision_flow_continues_then_promotes(tmp_path, mlflow_store, tiny_m
     assert records[0].data.tags["tabrl.action"] == "promote"
     assert records[0].data.metrics["ab/challenger_shown"] == 40
 
-    decision = ab_decision(path)  # nothing under test any more
+    decision = ab_decision(path)["org"]  # nothing under test any more
     assert decision.action == "continue" and "no A/B test" in decision.reason
     engine.dispose()
 

@@ -51,7 +51,7 @@ def test_a_failing_step_restores_arms_and_aliases(tmp_path, mlflow_store, tiny_m
     second = registry.register(tiny_model_dir, runs.start())
 
     @rollout_mod.task(name="check-arms")
-    def failing_check(expected, params):
+    def failing_check(expected, params, team):
         raise DeployError("injected: the new arms did not come up")
 
     monkeypatch.setattr(rollout_mod, "check_arms", failing_check)

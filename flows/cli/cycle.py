@@ -9,13 +9,35 @@ from typing import Annotated
 
 import typer
 
-from flows.cli.console import ParamsOpt, SetOpt, console, params_or_exit
-from tasks.core.config import DEFAULT_PARAMS_FILE
+from flows.cli.console import ParamsOpt, SetOpt, console, fail, params_or_exit
+from tasks.core.config import DEFAULT_PARAMS_FILE, Params
+from tasks.core.teams import ORG, check_team
+
+
+def cycle_schedules(p: Params) -> list:
+    """online-rl-cycle's schedules: the organisation's, and one per team with a code base (teams.sources) with
+    the `team` parameter; deploy.cycle_cron, else every deploy.cycle_every_minutes. Each team's cycle holds its own
+    slot, so they run side by side."""
+    from datetime import timedelta
+
+    from prefect.schedules import Cron, Interval
+
+    def every(team: str):
+        parameters = {} if team == ORG else {"team": team}
+        if p.deploy.cycle_cron:
+            return Cron(p.deploy.cycle_cron, parameters=parameters)
+        return Interval(timedelta(minutes=p.deploy.cycle_every_minutes), parameters=parameters)
+
+    return [every(team) for team in (ORG, *sorted(p.teams.sources))]
+
+
+TeamOpt = Annotated[str, typer.Option(help="The team whose cycle it is (`org`: the organisation's model).")]
 
 
 def cycle_cmd(
     force: Annotated[bool, typer.Option(help="Train even while a challenger is still under test.")] = False,
     repo: Annotated[Path, typer.Option(help="Project repo (DVC) the snapshot is versioned in.")] = Path("."),
+    team: TeamOpt = ORG,
     params: ParamsOpt = DEFAULT_PARAMS_FILE,
     set_: SetOpt = None,
 ) -> None:
@@ -25,8 +47,12 @@ def cycle_cmd(
     from flows.cycle import online_rl_cycle
 
     params_or_exit(params, set_)  # fail fast, with exit 2, on a bad config
+    try:
+        check_team(team)
+    except ValueError as err:
+        fail(f"--team: {err}", 2)
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-    report = online_rl_cycle(str(params), list(set_ or []), force=force, repo_dir=str(repo))
+    report = online_rl_cycle(str(params), list(set_ or []), force=force, repo_dir=str(repo), team=team)
     console.print(f"cycle {report.status}: {report.reason}")
     if report.version:
         console.print(f"challenger: {report.version}  (MLflow run {report.run_id})")
@@ -53,17 +79,15 @@ def schedule_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -
         )
         raise typer.Exit(2)
     args = {"params_file": str(params), "overrides": list(set_ or [])}
-    timing = (
-        {"cron": p.deploy.cycle_cron}
-        if p.deploy.cycle_cron
-        else {"interval": timedelta(minutes=p.deploy.cycle_every_minutes)}
-    )
-    cycle = online_rl_cycle.to_deployment(name="online-rl-cycle", parameters=args, **timing)
+    schedules = cycle_schedules(p)
+    cycle = online_rl_cycle.to_deployment(name="online-rl-cycle", parameters=args, schedules=schedules)
     decision = ab_decision.to_deployment(
         name="ab-decision", parameters=args, interval=timedelta(minutes=p.deploy.decision_every_minutes)
     )
+    when = p.deploy.cycle_cron or f"every {p.deploy.cycle_every_minutes} min"
     console.print(
-        f"serving deployments: online-rl-cycle ({timing}), ab-decision (every {p.deploy.decision_every_minutes} min)"
+        f"serving deployments: online-rl-cycle ({when}, for org and {len(schedules) - 1} team(s)), "
+        f"ab-decision (every {p.deploy.decision_every_minutes} min, every team's test)"
     )
     serve(cycle, decision)
 
@@ -117,11 +141,6 @@ def deploy_cmd(
     cp = p.cluster
     _ensure_pools(cp.cpu_pool, cp.gpu_pool)
     args = {"params_file": str(params.resolve()), "overrides": overrides}
-    timing = (
-        {"cron": p.deploy.cycle_cron}
-        if p.deploy.cycle_cron
-        else {"interval": timedelta(minutes=p.deploy.cycle_every_minutes)}
-    )
     by_module = {"entrypoint_type": EntrypointType.MODULE_PATH}  # workers import tabrl; no source dir to share
     # The cpu pool's flow runs run in the repo (a process worker otherwise starts each in a new temporary
     # directory, where params' relative paths, data/fim among them, name nothing); a gpu host has no such checkout.
@@ -131,9 +150,9 @@ def deploy_cmd(
             name="online-rl-cycle",
             parameters={**args, "repo_dir": str(repo.resolve())},
             work_pool_name=cp.cpu_pool,
+            schedules=cycle_schedules(p),
             **by_module,
             **in_repo,
-            **timing,
         ),
         ab_decision.to_deployment(
             name="ab-decision",

@@ -13,33 +13,55 @@ import typer
 
 from flows.cli.console import ParamsOpt, SetOpt, console, fail, params_or_exit, print_table
 from tasks.core.config import DEFAULT_PARAMS_FILE
+from tasks.core.teams import ORG, check_team
+
+TeamOpt = Annotated[str, typer.Option(help="Whose A/B test (`org`: the organisation's).")]
 
 
-def promote_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -> None:
+def promote_cmd(team: TeamOpt = ORG, params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -> None:
     """Promote the challenger: it becomes `champion` (alias) and serves 100 %; the decision is logged to MLflow."""
-    _change("promote", params, set_)
+    _change("promote", team, params, set_)
 
 
-def rollback_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -> None:
-    """Roll the challenger back: its arm is removed, the champion serves 100 %, the alias is deleted."""
-    _change("rollback", params, set_)
+def rollback_cmd(team: TeamOpt = ORG, params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -> None:
+    """Roll the challenger back: its arm is removed, the champion serves 100 %, the alias is deleted (a team whose
+    champion is the organisation's goes back to the organisation's arms)."""
+    _change("rollback", team, params, set_)
 
 
-def ab_status_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -> None:
+def ab_status_cmd(
+    team: Annotated[str | None, typer.Option(help="One team's test only (default: every team's).")] = None,
+    params: ParamsOpt = DEFAULT_PARAMS_FILE,
+    set_: SetOpt = None,
+) -> None:
     """Per-arm live numbers since the challenger went live (latency p50/p95 of the same requests), and what the
-    decision rule says now (changes nothing). Completions never shown (cancelled: the client hung up before the
-    answer; not shown: the client said so) are counted apart, in no rate: the cancel rate is a latency guardrail.
+    decision rule says now (changes nothing), for each team with arms of its own (the organisation's first).
+    Completions never shown (cancelled: the client hung up before the answer; not shown: the client said so) are
+    counted apart, in no rate: the cancel rate is a latency guardrail.
 
     Example: tabrl ab-status --set ingest.feedback_timeout_s=30"""
-    from rich.table import Table
 
-    from tasks.core.store import CHALLENGER, CHAMPION, open_store
+    from tasks.core.store import CHALLENGER, CHAMPION, open_store, read_arms
     from tasks.deploy.ab import arm_stats, decide
 
     p = params_or_exit(params, set_)
     with open_store(p.paths.database_url) as engine:
-        stats = arm_stats(engine, p)
-    table = Table(title="Live A/B numbers per arm (p50, p95: latency of the same requests)")
+        scopes = [team] if team else [ORG, *sorted({a.team for a in read_arms(engine, None)} - {ORG})]
+        by_team = {scope: arm_stats(engine, p, team=scope) for scope in scopes}
+    for scope, stats in by_team.items():
+        _ab_table(scope, stats)
+        if CHAMPION in stats and CHALLENGER in stats:
+            d = decide(stats[CHAMPION], stats[CHALLENGER], p)
+            console.print(f"rule: {d.action} ({d.reason})", highlight=False)
+        else:
+            console.print("no A/B test running", highlight=False)
+
+
+def _ab_table(team: str, stats: dict) -> None:
+    from rich.table import Table
+
+    who = "" if team == ORG else f"team {team}: "
+    table = Table(title=f"{who}Live A/B numbers per arm (p50, p95: latency of the same requests)")
     columns = ("arm", "model version", "requests", "pending", "suggest rate", "accept rate", "reward/request")
     for col in (*columns, "p50 ms", "p95 ms", "cancelled", "not shown", "cancel rate"):
         table.add_column(col, justify="right")
@@ -59,11 +81,6 @@ def ab_status_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) 
             f"{s.cancel_rate:.3f}",
         )
     print_table(table)
-    if CHAMPION in stats and CHALLENGER in stats:
-        d = decide(stats[CHAMPION], stats[CHALLENGER], p)
-        console.print(f"rule: {d.action} ({d.reason})", highlight=False)
-    else:
-        console.print("no A/B test running", highlight=False)
 
 
 def model_retention_cmd(
@@ -99,15 +116,19 @@ def model_retention_cmd(
     )
 
 
-def _change(action: str, params, set_) -> None:
+def _change(action: str, team: str, params, set_) -> None:
     from tasks.core.store import ArmError, open_store
     from tasks.deploy.errors import DeployError
     from tasks.deploy.promote import NoChallengerError, promote, rollback
 
     p = params_or_exit(params, set_)
+    try:
+        check_team(team)
+    except ValueError as err:
+        fail(f"--team: {err}", 2)
     with open_store(p.paths.database_url) as engine:
         try:
-            change = (promote if action == "promote" else rollback)(engine, p)
+            change = (promote if action == "promote" else rollback)(engine, p, None, team)
         except NoChallengerError as err:
             fail(f"{err}.", 2)
         except (DeployError, ArmError) as err:
@@ -180,7 +201,7 @@ def vllm_status_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None
 
     p = params_or_exit(params, set_)
     with open_store(p.paths.database_url) as engine:
-        arms = [a for a in read_arms(engine) if engine_class(a.backend).remote]
+        arms = [a for a in read_arms(engine, None) if engine_class(a.backend).remote]
     table = Table(title="vLLM servers of the live arms")
     for col in ("server", "model", "parent", "arms"):
         table.add_column(col)
@@ -191,7 +212,11 @@ def vllm_status_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None
             table.add_row(url, f"unreachable: {err}", "", "")
             continue
         for name, card in cards.items():
-            users = ", ".join(a.name for a in arms if a.model_uri == url and a.served_model == name)
+            users = ", ".join(
+                a.name if a.team == ORG else f"{a.team}/{a.name}"
+                for a in arms
+                if a.model_uri == url and a.served_model == name
+            )
             table.add_row(url, name, card.get("parent") or "-", users or "-")
     print_table(table)
 

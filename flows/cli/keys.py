@@ -1,5 +1,5 @@
-"""`tabrl keys add | keys opt-out` and `tabrl purge`: who may call the gateway, whose requests are logged,
-and how long the log keeps them."""
+"""`tabrl keys add | keys team | keys opt-out`, `tabrl teams` and `tabrl purge`: who may call the gateway, in which
+team, whose requests are logged, and how long the log keeps them."""
 
 from __future__ import annotations
 
@@ -11,8 +11,13 @@ import typer
 from flows.cli.console import ParamsOpt, SetOpt, console, fail, params_or_exit
 from tasks.core.config import DEFAULT_PARAMS_FILE
 from tasks.core.store import open_store
+from tasks.core.teams import ORG
 
 keys_app = typer.Typer(help="API keys and the opt-in cohort.", no_args_is_help=True)
+teams_app = typer.Typer(
+    help="Teams: each its own adapter, cycle, A/B test and gate (docs/how-to/teams.md).", no_args_is_help=True
+)
+TEAM_HELP = "The key's team (its callers get the team's arms; `org`: no team, the organisation's)."
 
 
 def _params(path: Path, overrides: list[str] | None):
@@ -29,10 +34,11 @@ REPORTS_HELP = (
 )
 
 
-@keys_app.command("add", epilog="Example: tabrl keys add alice --reports-outcomes")
+@keys_app.command("add", epilog="Example: tabrl keys add alice --team payments --reports-outcomes")
 def keys_add_cmd(
     user: Annotated[str, typer.Argument(help="User id the key maps to.")],
     reports_outcomes: Annotated[bool, typer.Option("--reports-outcomes", help=REPORTS_HELP)] = False,
+    team: Annotated[str, typer.Option(help=TEAM_HELP)] = ORG,
     params: ParamsOpt = DEFAULT_PARAMS_FILE,
     set_: SetOpt = None,
 ) -> None:
@@ -42,10 +48,119 @@ def keys_add_cmd(
     p = _params(params, set_)
     with open_store(p.paths.database_url) as engine:
         try:
-            key = add_key(engine, user, reports_outcomes)
+            key = add_key(engine, user, reports_outcomes, team)
         except ValueError as err:
             _fail(str(err))
     typer.echo(key)
+
+
+@keys_app.command("team", epilog="Example: tabrl keys team alice payments")
+def keys_team_cmd(
+    user: Annotated[str, typer.Argument(help="User id whose live keys move.")],
+    team: Annotated[str, typer.Argument(help=TEAM_HELP)],
+    params: ParamsOpt = DEFAULT_PARAMS_FILE,
+    set_: SetOpt = None,
+) -> None:
+    """Move USER's live keys to TEAM: completions served from now on are routed to and logged with it (rows already
+    logged keep the team they were served with)."""
+    from serving.auth import set_team
+
+    p = _params(params, set_)
+    with open_store(p.paths.database_url) as engine:
+        try:
+            changed = set_team(engine, user, team)
+        except ValueError as err:
+            _fail(str(err))
+    if not changed:
+        _fail(f"{user!r} has no live API key; create one with `tabrl keys add {user} --team {team}`", 1)
+    console.print(f"{user}: {changed} key(s) now in team {team}", highlight=False)
+
+
+@teams_app.command("list", epilog="Example: tabrl teams list")
+def teams_list_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -> None:
+    """Every team: its live keys, whether it is logged and shares its outcomes with the organisation's model, its
+    code base, and its arms (none: it gets the organisation's)."""
+    from rich.table import Table
+
+    from flows.cli.console import print_table
+    from serving.auth import read_teams
+    from tasks.core.store import read_arms
+
+    p = _params(params, set_)
+    with open_store(p.paths.database_url) as engine:
+        found = {t["team"]: t for t in read_teams(engine)}
+        arms = read_arms(engine, None)
+    table = Table(title="Teams (org: the organisation's model, every caller without a team)")
+    for column in ("team", "keys", "logged", "shares with org", "code base", "arms"):
+        table.add_column(column)
+    for name in sorted(set(found) | set(p.teams.sources) | {a.team for a in arms} - {ORG}):
+        t = found.get(name, {"keys": 0, "opted_out": False, "shares_with_org": True})
+        own = ", ".join(f"{a.name} {a.model_version} {a.share:.0%}" for a in arms if a.team == name)
+        table.add_row(
+            name,
+            str(t["keys"]),
+            "no (opted out)" if t["opted_out"] else "yes",
+            "yes" if t["shares_with_org"] else "no",
+            p.teams.sources.get(name, "(the organisation's)"),
+            own or "the organisation's",
+        )
+    print_table(table)
+
+
+@teams_app.command("opt-out", epilog="Example: tabrl teams opt-out payments")
+def teams_opt_out_cmd(
+    team: Annotated[str, typer.Argument(help="Team name.")],
+    undo: Annotated[bool, typer.Option("--undo", help="Log the team's requests again.")] = False,
+    params: ParamsOpt = DEFAULT_PARAMS_FILE,
+    set_: SetOpt = None,
+) -> None:
+    """Stop logging TEAM's requests (they are still served, by its arms or the organisation's); --undo logs them."""
+    _team_flag(params, set_, team, opted_out=not undo)
+    console.print(f"team {team}: {'opted in' if undo else 'opted out: served, never logged'}", highlight=False)
+
+
+@teams_app.command("private", epilog="Example: tabrl teams private payments")
+def teams_private_cmd(
+    team: Annotated[str, typer.Argument(help="Team name.")],
+    undo: Annotated[bool, typer.Option("--undo", help="Share its outcomes with the organisation again.")] = False,
+    params: ParamsOpt = DEFAULT_PARAMS_FILE,
+    set_: SetOpt = None,
+) -> None:
+    """Keep TEAM's outcomes to its own adapter: the organisation's cycles stop training on them (rows they already
+    snapshotted stay there); --undo shares them again."""
+    _team_flag(params, set_, team, shares_with_org=undo)
+    what = "shares its outcomes with the organisation's model" if undo else "trains its own adapter only"
+    console.print(f"team {team}: {what}", highlight=False)
+
+
+def _team_flag(params: Path, overrides: list[str] | None, team: str, **flags: bool) -> None:
+    from serving.auth import set_team_flags
+
+    p = _params(params, overrides)
+    with open_store(p.paths.database_url) as engine:
+        try:
+            set_team_flags(engine, team, **flags)
+        except ValueError as err:
+            _fail(str(err))
+
+
+@teams_app.command("data", epilog="Example: tabrl teams data payments")
+def teams_data_cmd(
+    team: Annotated[str, typer.Argument(help="Team name, with a code base in teams.sources.")],
+    params: ParamsOpt = DEFAULT_PARAMS_FILE,
+    set_: SetOpt = None,
+) -> None:
+    """Split TEAM's code base (teams.sources.TEAM) into train and test files and write its held-out FIM samples and
+    typing regions under paths.data_dir/teams/TEAM/ (its gate's; its first cycle writes them when missing)."""
+    from tasks.sim.corpus import CorpusError
+    from tasks.sim.team_data import data_dir_of, write_team_data
+
+    p = _params(params, set_)
+    try:
+        stats = write_team_data(p, team)
+    except (CorpusError, ValueError) as err:
+        _fail(str(err))
+    console.print(f"Wrote {data_dir_of(p, team)}/corpus and fim: {stats}", highlight=False)
 
 
 @keys_app.command("reports-outcomes", epilog="Example: tabrl keys reports-outcomes alice")

@@ -20,7 +20,7 @@ from flows.cli.data import corpus_cmd, data_cmd, ingest_cmd
 from flows.cli.deploy import ab_status_cmd, export_cmd, model_retention_cmd, promote_cmd, rollback_cmd, vllm_app
 from flows.cli.doctor import doctor_cmd
 from flows.cli.evaluate import acceptance_cmd, evaluate_cmd, headroom_cmd
-from flows.cli.keys import keys_app, purge_cmd
+from flows.cli.keys import keys_app, purge_cmd, teams_app
 from flows.cli.serve import arms_cmd, import_continue_cmd, serve_cmd, simulate_cmd
 from flows.cli.train import build_base_cmd, import_model_cmd, train_cmd
 from flows.cli.up import up_cmd
@@ -107,3 +107,4 @@ for name, command, panel, example in COMMANDS:
     app.command(name, rich_help_panel=panel, epilog=f"Example: {example}" if example else None)(command)
 app.add_typer(vllm_app, name="vllm", rich_help_panel=SERVING, epilog="Example: tabrl vllm status")
 app.add_typer(keys_app, name="keys", rich_help_panel=KEYS, epilog="Example: tabrl keys add alice")
+app.add_typer(teams_app, name="teams", rich_help_panel=KEYS, epilog="Example: tabrl teams list")

@@ -13,6 +13,7 @@ from rich.table import Table
 from flows.cli.console import ParamsOpt, SetOpt, console, fail, params_or_exit, print_table
 from tasks.core.config import DEFAULT_PARAMS_FILE
 from tasks.core.store import open_store
+from tasks.core.teams import ORG
 
 
 def _params(path: Path, overrides: list[str] | None):
@@ -86,7 +87,7 @@ def serve_cmd(
 ARM_FIELDS = {"name", "uri", "backend", "share", "version", "model", "adapter"}
 
 
-def parse_arm_spec(spec: str):
+def parse_arm_spec(spec: str, team: str = ORG):
     """`name=champion,uri=models/x,share=0.5[,backend=embedded][,version=v1][,model=NAME][,adapter=DIR]` -> Arm
     (model: the name asked of the server, e.g. a vLLM adapter's; adapter: a LoRA adapter on uri's base)."""
     from tasks.core.store import Arm
@@ -113,6 +114,7 @@ def parse_arm_spec(spec: str):
         share,
         fields.get("model"),
         fields.get("adapter"),
+        team,
     )
 
 
@@ -133,10 +135,12 @@ def arms_cmd(
             "[, adapter]}.",
         ),
     ] = None,
+    team: Annotated[str, typer.Option(help="Whose arms --arm/--json replace (`org`: the organisation's).")] = ORG,
     params: ParamsOpt = DEFAULT_PARAMS_FILE,
     set_: SetOpt = None,
 ) -> None:
-    """Show the live A/B arms, or replace them (shares must sum to 1; gateways pick the change up without restart)."""
+    """Show every team's live A/B arms, or replace one team's (shares must sum to 1; gateways pick the change up
+    without restart)."""
     from tasks.core.store import Arm, ArmError, read_arms, replace_arms
 
     p = _params(params, set_)
@@ -146,19 +150,26 @@ def arms_cmd(
             if from_json is not None:
                 if not from_json.is_file():
                     _fail(f"{from_json} not found")
-                new = [Arm(**item) for item in json.loads(from_json.read_text())]
+                new = [Arm(**{**item, "team": team}) for item in json.loads(from_json.read_text())]
             elif arm:
-                new = [parse_arm_spec(spec) for spec in arm]
+                new = [parse_arm_spec(spec, team) for spec in arm]
             if new is not None:
-                replace_arms(engine, new)
+                replace_arms(engine, new, team)
         except (ArmError, ValueError, TypeError) as err:
             _fail(str(err))
-        table = Table(title="A/B arms")
-        for col in ("name", "share", "backend", "model_version", "model_uri", "served as", "adapter"):
+        table = Table(title="A/B arms (a team without arms of its own gets the organisation's)")
+        for col in ("team", "name", "share", "backend", "model_version", "model_uri", "served as", "adapter"):
             table.add_column(col)
-        for a in read_arms(engine):
+        for a in read_arms(engine, None):
             table.add_row(
-                a.name, f"{a.share:g}", a.backend, a.model_version, a.model_uri, a.served_model or "-", a.adapter or "-"
+                a.team,
+                a.name,
+                f"{a.share:g}",
+                a.backend,
+                a.model_version,
+                a.model_uri,
+                a.served_model or "-",
+                a.adapter or "-",
             )
         print_table(table)
 

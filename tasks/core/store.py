@@ -364,6 +364,14 @@ def replace_arms(conn_or_engine: Connection | Engine, new_arms: list[Arm], team:
             conn.execute(arms.insert(), [{**asdict(a), "updated_at": now} for a in new_arms])
 
 
+def known_teams(conn_or_engine: Connection | Engine) -> list[str]:
+    """The organisation, then every team the store knows (a key's, one with arms or one opted out), by name."""
+    with _connect(conn_or_engine) as conn:
+        named = set(conn.execute(sa.select(teams.c.name)).scalars())
+        named |= set(conn.execute(sa.select(arms.c.team)).scalars())
+    return [ORG, *sorted(named - {ORG})]
+
+
 @contextmanager
 def _connect(conn_or_engine: Connection | Engine) -> Iterator[Connection]:
     if isinstance(conn_or_engine, Engine):

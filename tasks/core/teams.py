@@ -5,7 +5,7 @@ A team is a name (`check_team`). `ORG` is the organisation itself: the scope of 
 of the organisation's model (which learns from every team that shares its outcomes with it, and serves every team
 without arms of its own), and of everything a store made before teams existed. One name per scope runs through
 the code: the arms' `team`, the completions' `team` (the caller's) and `arm_team` (whose arms served it), the
-watermark, the snapshots' folder, the Prefect slots and the registered model (`registered_model`).
+watermark, the snapshots' folder, the Prefect slots, the registered model and the cycles' experiment (`scoped`).
 
 The log store writes NULL for ORG in the columns teams added to old tables (their rows predate teams), and the
 queries read NULL as ORG (`scope_is`).
@@ -48,9 +48,10 @@ def scope_is(column: sa.ColumnElement, team: str) -> sa.ColumnElement[bool]:
     return sa.or_(column.is_(None), column == ORG) if team == ORG else column == team
 
 
-def registered_model(base_name: str, team: str) -> str:
-    """The team's registered model in MLflow: the organisation's `deploy.registered_model`, or `NAME.TEAM`."""
-    return base_name if team == ORG else f"{base_name}.{team}"
+def scoped(name: str, team: str) -> str:
+    """The team's own MLflow name for the organisation's `name` (its registered model `deploy.registered_model`,
+    its cycles' experiment `deploy.experiment`): `name` itself for the organisation, `NAME.TEAM` for a team."""
+    return name if team == ORG else f"{name}.{team}"
 
 
 def watermark_name(team: str) -> str:

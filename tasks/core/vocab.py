@@ -35,6 +35,7 @@ CHALLENGER_VERSION = "tabrl.challenger_version"
 CHAMPION_VERSION = "tabrl.champion_version"
 AB_DECISION = "tabrl.ab_decision"
 AB_REASON = "tabrl.ab_reason"
+TEAM = "tabrl.team"
 
 SNAPSHOT_TAGS = (SNAPSHOT, SNAPSHOT_SHA256, SNAPSHOT_DVC_MD5)  # a cycle run's, copied onto its model version
 
@@ -67,6 +68,10 @@ TAGS: dict[str, tuple[str, str]] = {  # key -> (where it is set, what it holds)
     CHAMPION_VERSION: ("decision run", "the champion it was tested against (`none` when there was none)"),
     AB_DECISION: ("cycle run", "the applied A/B decision on the version the cycle trained (`ChangeAction`)"),
     AB_REASON: ("cycle run", "why, in words"),
+    TEAM: (
+        "cycle run, decision run, registered model",
+        "the team whose model it is (`org`: the organisation's; docs/how-to/teams.md)",
+    ),
 }
 
 RunKind = Literal["cycle", "base", "ab_decision", "loop_summary"]

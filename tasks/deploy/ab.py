@@ -1,7 +1,9 @@
 """Live A/B statistics per arm and the promote / roll back / keep collecting decision.
 
 Counting (per arm, completions served by the arm's current model version since the live arm set was
-written, i.e. since the challenger went live):
+written, i.e. since the challenger went live). Each team's test is its own: its arms, the completions its arms
+served (``completions.arm_team``) and its window, from the last change of its own arms, so one team's rollout
+never restarts another's test:
 
 * a request is a completion row; an abstained one (empty suggestion) is a request with nothing shown;
 * a shown suggestion is accepted when its feedback says so within `ingest.feedback_timeout_s` of the
@@ -58,6 +60,7 @@ from tasks.core.config import DeployParams, Params, RewardParams
 from tasks.core.outcomes import ArmCounts, OutcomeSql, outcome_conditions
 from tasks.core.store import CHALLENGER, CHAMPION, completions, feedback
 from tasks.core.store import arms as arms_table
+from tasks.core.teams import ORG, scope_is
 
 
 @dataclass(frozen=True)
@@ -165,10 +168,10 @@ def stats_from_counts(
     )
 
 
-def live_since(engine: Engine) -> float | None:
-    """When the live arm set was written (the challenger went live then); None without arms."""
+def live_since(engine: Engine, team: str = ORG) -> float | None:
+    """When `team`'s live arm set was written (its challenger went live then); None without arms."""
     with engine.connect() as conn:
-        return conn.execute(sa.select(sa.func.max(arms_table.c.updated_at))).scalar()
+        return conn.execute(sa.select(sa.func.max(arms_table.c.updated_at)).where(arms_table.c.team == team)).scalar()
 
 
 def _count(cond: sa.ColumnElement[bool]) -> sa.ColumnElement[int]:
@@ -201,24 +204,26 @@ def _counts_by_arm(joined: sa.FromClause, in_window: sa.ColumnElement[bool], o: 
 
 
 def arm_stats(
-    engine: Engine, params: Params, *, since: float | None = None, now: float | None = None
+    engine: Engine, params: Params, *, since: float | None = None, now: float | None = None, team: str = ORG
 ) -> dict[str, ArmStats]:
-    """Stats of every live arm (by arm name) over its current model version's completions since `since`
-    (default: when the live arm set was written), with the timeout rule applied as of `now`; latency
-    quantiles over the same (decided) requests. Never-shown completions are counted apart, in no rate."""
+    """Stats of every live arm of `team` (by arm name) over the completions its current model version served
+    since `since` (default: when the team's arm set was written), with the timeout rule applied as of `now`;
+    latency quantiles over the same (decided) requests. Never-shown completions are counted apart, in no rate."""
     now = time.time() if now is None else now
-    since = live_since(engine) if since is None else since
+    since = live_since(engine, team) if since is None else since
     if since is None:
         return {}
     c, f = completions, feedback
     o = outcome_conditions(c, f, params.ingest, now)
     # Feedback that arrives after `now` does not exist yet as far as this look is concerned.
     joined = c.outerjoin(f, sa.and_(f.c.completion_id == c.c.id, f.c.received_at <= now))
-    in_window = sa.and_(c.c.created_at >= since, c.c.created_at <= now)
+    in_window = sa.and_(c.c.created_at >= since, c.c.created_at <= now, scope_is(c.c.arm_team, team))
     query = _counts_by_arm(joined, in_window, o)
     counted = sa.not_(sa.or_(o.pending, o.cancelled, o.not_shown))
     with engine.connect() as conn:
-        live = conn.execute(sa.select(arms_table.c.name, arms_table.c.model_version)).all()
+        live = conn.execute(
+            sa.select(arms_table.c.name, arms_table.c.model_version).where(arms_table.c.team == team)
+        ).all()
         rows = {(r.arm, r.model_version): r for r in conn.execute(query)}
         out = {}
         for name, version in live:

@@ -38,9 +38,10 @@ def serve_champion(params: Params) -> Arm:
 
 
 def sync_adapters(params: Params) -> list[str]:
-    """Serve again, on each live arm's engine, what the arm names and the engine lost; what was loaded."""
+    """Serve again, on each live arm's engine (every team's), what the arm names and the engine lost; what was
+    loaded."""
     with open_store(params.paths.database_url) as engine:
-        arms = read_arms(engine)
+        arms = read_arms(engine, None)
     loaded = [line for arm in arms if (line := engine_for(arm.backend, params).resync(arm)) is not None]
     for line in loaded:
         log.info("loaded again: %s", line)

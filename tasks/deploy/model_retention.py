@@ -39,7 +39,7 @@ from sqlalchemy.engine import Engine
 
 from tasks.core.adapters import AdapterBaseError, is_adapter, read_base
 from tasks.core.config import Params
-from tasks.core.store import CHALLENGER, CHAMPION, open_store, read_arms
+from tasks.core.store import CHALLENGER, CHAMPION, known_teams, open_store, read_arms
 from tasks.deploy.model_cache import CANDIDATES, RUN_CACHE, local_path, model_cache_dir, version_dirs
 from tasks.deploy.registry import Registry
 from tasks.deploy.tracking import tracking_client
@@ -91,24 +91,26 @@ def _entries(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_dir() and not p.is_symlink() and not p.name.startswith("."))
 
 
-def live_dirs(engine: Engine, registry: Registry) -> dict[Path, str]:
-    """Resolved directory -> why it is live: the arms' checkpoints and adapters, the aliased versions' directories
-    and their base versions' (an adapter version's), and the recorded base of each live adapter."""
+def live_dirs(engine: Engine, params: Params) -> dict[Path, str]:
+    """Resolved directory -> why it is live: every team's arms' checkpoints and adapters, the versions its aliases
+    name and their base versions' (an adapter version's), and the recorded base of each live adapter."""
     live: dict[Path, str] = {}
-    for arm in read_arms(engine):
+    for arm in read_arms(engine, None):
         if "://" not in arm.model_uri:  # a vLLM arm's model_uri is its server's URL
             live[Path(arm.model_uri).resolve()] = f"arm {arm.name!r} serves it ({arm.model_version})"
         if arm.adapter:
             live[Path(arm.adapter).resolve()] = f"arm {arm.name!r} serves it as its adapter ({arm.model_version})"
-    for alias in (CHAMPION, CHALLENGER):
-        version = registry.aliased(alias)
-        if version is None:
-            continue
-        for d in version_dirs(version, registry.params):
-            live[d.resolve()] = f"alias {alias!r} names {version.label}"
-        base = registry.base_of(version)  # an adapter version runs on a full version of its own
-        for d in version_dirs(base, registry.params):
-            live.setdefault(d.resolve(), f"the base of {version.label}, which alias {alias!r} names")
+    for team in known_teams(engine):
+        registry = Registry(params, team)
+        for alias in (CHAMPION, CHALLENGER):
+            version = registry.aliased(alias)
+            if version is None:
+                continue
+            for d in version_dirs(version, params):
+                live[d.resolve()] = f"alias {alias!r} names {version.label}"
+            base = registry.base_of(version)  # an adapter version runs on a full version of its own
+            for d in version_dirs(base, params):
+                live.setdefault(d.resolve(), f"the base of {version.label}, which alias {alias!r} names")
     for d, why in list(live.items()):
         if is_adapter(d):
             try:
@@ -136,7 +138,7 @@ def plan_model_retention(engine: Engine, params: Params, now: float | None = Non
     now = time.time() if now is None else now
     retention_h = params.deploy.retired_retention_hours
     client = tracking_client(params)
-    live = live_dirs(engine, Registry(params))
+    live = live_dirs(engine, params)
     protected = protected_dirs(params, client)
     plan = []
     for found in local_copies(params):

@@ -15,6 +15,10 @@ vLLM server, or its adapter on the base's server) the champion's name at share 1
 longer served held is retired at once (`rollout.retire`): a rolled-back challenger's adapter is
 unloaded, and so is a promoted champion's predecessor; a full-weight server of its own is stopped.
 An adapter is promoted only over a champion on the same base (its weights' sha256).
+
+Each team promotes and rolls back its own challenger (its arms, its registered model's aliases). A team whose
+champion is still the organisation's (no champion alias of its own) goes back to the organisation's arms on a
+rollback: its arms are removed, and its callers follow the organisation's champion again.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from tasks.core.config import Params
 from tasks.core.engines import engine_class
 from tasks.core.engines.base import ServeError
 from tasks.core.store import CHALLENGER, CHAMPION, Arm, ArmError, read_arms, replace_arms
+from tasks.core.teams import ORG
 from tasks.deploy.ab import ArmStats, Decision, arm_stats, decide
 from tasks.deploy.errors import DeployError
 from tasks.deploy.registry import Registry
@@ -62,10 +67,10 @@ class DeployChange:
     record_run_id: str  # the MLflow decision record
 
 
-def promote(engine: Engine, params: Params, decision: Decision | None = None) -> DeployChange:
-    """Challenger -> champion (alias) and the only arm at share 1.0; the old champion arm is removed."""
-    live = read_arms(engine)
-    registry = Registry(params)
+def promote(engine: Engine, params: Params, decision: Decision | None = None, team: str = ORG) -> DeployChange:
+    """`team`'s challenger -> its champion (alias) and its only arm at share 1.0; the old champion arm is removed."""
+    live = read_arms(engine, team)
+    registry = Registry(params, team)
     arm, version = _challenger(live, registry, "promote")
     if arm is None or version is None:
         raise DeployError(
@@ -80,42 +85,48 @@ def promote(engine: Engine, params: Params, decision: Decision | None = None) ->
     champion_arm = next((a for a in live if a.name == CHAMPION), None)
     if champion_arm is not None:
         _check_same_base(arm, champion_arm)
-    decision = decision or _manual("promote", engine, params)
+    decision = decision or _manual("promote", engine, params, team)
     before = registry.aliased(CHAMPION)
     registry.set_alias(CHAMPION, version.version)
     registry.delete_alias(CHALLENGER)
     new_arms = [replace(arm, name=CHAMPION, share=1.0)]
     try:
-        replace_arms(engine, new_arms)
+        replace_arms(engine, new_arms, team)
     except (SQLAlchemyError, ArmError):
         if before is not None:
             registry.set_alias(CHAMPION, before.version)
+        else:
+            registry.delete_alias(CHAMPION)
         registry.set_alias(CHALLENGER, version.version)
         raise
-    record = log_decision(params, decision, champion=version, challenger=version, applied=True)
+    record = log_decision(params, decision, champion=version, challenger=version, applied=True, team=team)
     removed = [a for a in live if a.name != CHALLENGER]
-    retire(removed, new_arms, params)
+    retire(removed, params)
     return DeployChange("promote", version, version, new_arms, removed, record)
 
 
-def rollback(engine: Engine, params: Params, decision: Decision | None = None) -> DeployChange:
-    """Challenger arm removed, champion arm at share 1.0, challenger alias deleted."""
-    live = read_arms(engine)
-    registry = Registry(params)
+def rollback(engine: Engine, params: Params, decision: Decision | None = None, team: str = ORG) -> DeployChange:
+    """`team`'s challenger arm removed, its champion arm at share 1.0 (a team whose champion is the organisation's:
+    its arms removed), its challenger alias deleted."""
+    live = read_arms(engine, team)
+    registry = Registry(params, team)
     arm, version = _challenger(live, registry, "roll back")
     champion_arm = next((a for a in live if a.name == CHAMPION), None)
     if champion_arm is None:
         raise DeployError(
             f"cannot roll back: no {CHAMPION!r} arm is live to take the traffic (live arms: {[a.name for a in live]})"
         )
-    decision = decision or _manual("rollback", engine, params)
-    new_arms = [replace(champion_arm, share=1.0)]
-    replace_arms(engine, new_arms)
-    registry.delete_alias(CHALLENGER)
+    decision = decision or _manual("rollback", engine, params, team)
     champion = registry.aliased(CHAMPION)
-    record = log_decision(params, decision, champion=champion, challenger=version, applied=True)
-    removed = [a for a in live if a.name != CHAMPION]
-    retire(removed, new_arms, params)
+    follows_org = team != ORG and champion is None  # the team's champion arm is the organisation's
+    new_arms = [] if follows_org else [replace(champion_arm, share=1.0)]
+    replace_arms(engine, new_arms, team)
+    registry.delete_alias(CHALLENGER)
+    if follows_org:
+        champion = Registry(params).aliased(CHAMPION)
+    record = log_decision(params, decision, champion=champion, challenger=version, applied=True, team=team)
+    removed = live if follows_org else [a for a in live if a.name != CHAMPION]
+    retire(removed, params)
     return DeployChange("rollback", champion, version, new_arms, removed, record)
 
 
@@ -144,9 +155,9 @@ def _challenger(live: list[Arm], registry: Registry, verb: str) -> tuple[Arm | N
     return arm, version
 
 
-def _manual(action: vocab.ChangeAction, engine: Engine, params: Params) -> Decision:
+def _manual(action: vocab.ChangeAction, engine: Engine, params: Params, team: str) -> Decision:
     """A by-hand decision, recorded with the live numbers and what the rule would have said."""
-    stats = arm_stats(engine, params)
+    stats = arm_stats(engine, params, team=team)
     if CHAMPION in stats and CHALLENGER in stats:
         rule = decide(stats[CHAMPION], stats[CHALLENGER], params)
         return Decision(action, f"by hand (the rule says {rule.action}: {rule.reason})", rule.numbers)  # type: ignore[arg-type]
@@ -161,6 +172,7 @@ def log_decision(
     challenger: ModelVersion | None,
     applied: bool,
     stats: dict[str, ArmStats] | None = None,
+    team: str = ORG,
 ) -> str:
     """One run in `deploy.decisions_experiment` per decision: action, reason, `ab/*` numbers, the record
     as `decision.json`. A promote or rollback also tells the challenger's story where it is read: its
@@ -176,6 +188,7 @@ def log_decision(
         vocab.APPLIED: str(applied).lower(),
         vocab.CHALLENGER_VERSION: label,
         vocab.CHAMPION_VERSION: champion.label if champion else "none",
+        vocab.TEAM: team,
     }
     if challenger and challenger.run_id:
         tags[vocab.CYCLE_RUN_ID] = challenger.run_id
@@ -187,12 +200,13 @@ def log_decision(
         "applied": applied,
         "champion": champion.label if champion else None,
         "challenger": label,
+        "team": team,
         "stats": {k: v.as_record() for k, v in (stats or {}).items()},
     }
     client.log_text(run_id, json.dumps(record, indent=2, sort_keys=True), "decision.json")
     client.set_terminated(run_id)
     if applied and challenger and decision.action != "continue":
-        Registry(params).append_description(challenger, decision_note(decision, run_id))
+        Registry(params, team).append_description(challenger, decision_note(decision, run_id))
         if challenger.run_id:
             client.log_batch(
                 challenger.run_id,

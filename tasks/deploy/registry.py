@@ -9,6 +9,9 @@
   to it with ``MlflowClient.create_model_version(source=<run artifact uri>/model)``. The version's
   description links its run, its snapshot and the gate's numbers; the A/B decision adds its own.
 * Aliases ``champion`` (serves 100 % unless a test runs) and ``challenger`` (under A/B test).
+* Each team is one registered model of its own, ``deploy.registered_model``.TEAM (tag ``tabrl.team``), with its
+  own two aliases; its versions are adapters on a full version of the organisation's model. A team without a
+  champion of its own trains from, and is gated against, the organisation's champion (``Registry.lineage``).
 
 All of it goes through one object, :class:`Registry`, which holds one MLflow client. The cycle runs themselves
 (experiments, params, names, tags) are in ``tracking.py``; a version as a value, in ``versions.py``.
@@ -33,6 +36,7 @@ from tasks.core import vocab
 from tasks.core.adapters import AdapterBaseError, check_base, is_adapter
 from tasks.core.config import Params
 from tasks.core.store import CHAMPION
+from tasks.core.teams import ORG, scoped
 from tasks.deploy.errors import DeployError
 from tasks.deploy.model_cache import resolve_model_dir, version_dir
 from tasks.deploy.tracking import CycleRuns, get_run, tracking_client
@@ -58,12 +62,14 @@ class Lineage:
 
 
 class Registry:
-    """The registered model `deploy.registered_model`: its versions, their descriptions and tags, and the aliases
-    `champion` and `challenger`; through one MLflow client on `paths.mlflow_tracking_uri`."""
+    """The registered model `deploy.registered_model` (a team's: `deploy.registered_model`.TEAM): its versions, their
+    descriptions and tags, and the aliases `champion` and `challenger`; through one MLflow client on
+    `paths.mlflow_tracking_uri`."""
 
-    def __init__(self, params: Params) -> None:
+    def __init__(self, params: Params, team: str = ORG) -> None:
         self.params = params
-        self.name = params.deploy.registered_model
+        self.team = team
+        self.name = scoped(params.deploy.registered_model, team)
         self.client = tracking_client(params)
 
     # --- versions ----------------------------------------------------------------------------------
@@ -129,7 +135,10 @@ class Registry:
             if err.error_code != ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
                 raise
         self.client.create_registered_model(
-            self.name, description="tabrl code-completion policy (Hugging Face checkpoints)"
+            self.name,
+            tags={vocab.TEAM: self.team},
+            description="tabrl code-completion policy (Hugging Face checkpoints)"
+            + ("" if self.team == ORG else f": team {self.team}'s adapters on the organisation's base"),
         )
         return False
 
@@ -150,7 +159,10 @@ class Registry:
         return ModelVersion.of(self.client.get_model_version(name, number))
 
     def lineage(self) -> Lineage:
-        """The champion (registered from model.base_dir when there is none) and the full version it runs on."""
+        """The champion (registered from model.base_dir when there is none) and the full version it runs on. A team
+        without a champion of its own has the organisation's: its first adapter continues from it."""
+        if self.team != ORG and self.aliased(CHAMPION) is None:
+            return Registry(self.params).lineage()
         champion = self.ensure_champion(self.params.model.base_dir)
         base = self.base_of(champion)
         return Lineage(
@@ -173,11 +185,16 @@ class Registry:
         """The champion; an empty registry first gets the base model as version 1 and alias `champion`.
 
         A registered model that has versions but no champion is left alone (someone removed the alias, and
-        silently serving the base model again would undo their deployment): that is an error to fix by hand.
+        silently serving the base model again would undo their deployment): that is an error to fix by hand. A
+        team's model gets its champion by promotion only (its base is the organisation's).
         """
         found = self.aliased(CHAMPION)
         if found is not None:
             return found
+        if self.team != ORG:
+            raise DeployError(
+                f"team {self.team}'s model {self.name!r} has no champion yet: its callers get the organisation's"
+            )
         existed = self._ensure_registered_model()
         if existed and self.client.search_model_versions(f"name = '{self.name}'", max_results=1):
             raise DeployError(

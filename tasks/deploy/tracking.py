@@ -30,6 +30,7 @@ from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH, MAX_PARAM_VAL_LENGTH,
 
 from tasks.core import vocab
 from tasks.core.config import Params
+from tasks.core.teams import ORG, scoped
 from tasks.deploy.errors import DeployError
 
 KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
@@ -81,16 +82,18 @@ def _is_local_store(tracking_uri: str) -> bool:
 
 
 class CycleRuns:
-    """The cycle runs of experiment `deploy.experiment`: started, tagged, named for their outcome, ended; through
-    one MLflow client on `paths.mlflow_tracking_uri`."""
+    """The cycle runs of experiment `deploy.experiment` (a team's: `deploy.experiment`.TEAM): started, tagged, named
+    for their outcome, ended; through one MLflow client on `paths.mlflow_tracking_uri`."""
 
-    def __init__(self, params: Params) -> None:
+    def __init__(self, params: Params, team: str = ORG) -> None:
         self.params = params
+        self.team = team
+        self.experiment = scoped(params.deploy.experiment, team)  # a team's cycles count and gate on their own
         self.client = tracking_client(params)
 
     def experiment_id(self) -> str:
         """The cycles experiment's id, created on first use (see :func:`experiment_id`)."""
-        return experiment_id(self.client, self.params.deploy.experiment, self.params, CYCLES_DESCRIPTION)
+        return experiment_id(self.client, self.experiment, self.params, CYCLES_DESCRIPTION)
 
     def start(
         self,
@@ -107,7 +110,7 @@ class CycleRuns:
         logged params are the ones given (a cycle resumed under another config would no longer be
         comparable) and logs any that a crash left out.
         """
-        all_tags = {vocab.KIND: "cycle", **(tags or {})}
+        all_tags = {vocab.KIND: "cycle", vocab.TEAM: self.team, **(tags or {})}
         if snapshot_sha256 is not None:
             all_tags[vocab.SNAPSHOT_SHA256] = snapshot_sha256
         wanted = mlflow_params(self.params)
@@ -174,7 +177,7 @@ class CycleRuns:
     def gated(self, max_results: int = 10_000) -> list[Run]:
         """The cycle runs whose gate typed a window of held-out regions (their `tabrl.gate_window` tag), newest
         first; none before the experiment exists."""
-        experiment = self.client.get_experiment_by_name(self.params.deploy.experiment)
+        experiment = self.client.get_experiment_by_name(self.experiment)
         if experiment is None:
             return []
         return self.client.search_runs(

@@ -37,7 +37,7 @@ class TeamsParams(Section):
     sources: dict[str, str] = {}
     """Each team's code base, by team name (docs/how-to/teams.md): a directory, a corpus file or a FIM data set, as
     data.source takes. Split into train and test files as data.source is (data.test_fraction, data.split_salt);
-    `tabrl data --team NAME` writes its held-out FIM samples and typing regions under
+    `tabrl teams data NAME` writes its held-out FIM samples and typing regions under
     paths.data_dir/teams/NAME/, where the team's gate reads them. A team without a source is gated on the
     organisation's held-out files."""
 
