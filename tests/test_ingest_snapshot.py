@@ -257,3 +257,10 @@ def test_each_team_snapshots_its_own_rows_and_the_org_those_teams_share(tmp_path
             assert conn.execute(sa.select(late_feedback.c.completion_id)).scalars().all() == ["r004"]
             recorded = dict(conn.execute(sa.select(snapshots.c.name, snapshots.c.team)).all())
         assert recorded[alpha.snapshot.name] == "alpha" and recorded[org.snapshot.name] is None
+
+        # Decided rows younger than ingest.commit_grace_s, between other scopes' rows: gaps in a team's sequence,
+        # not inserts that may still commit; the team takes them now.
+        fresh = [completion_row(f"f{i}", 995.0, user=f"u{i}", team=["alpha", None][i % 2]) for i in range(6)]
+        add_completions(engine, fresh)
+        quick = params.model_copy(update={"ingest": params.ingest.model_copy(update={"feedback_timeout_s": 1.0})})
+        assert ids(run_ingest(engine, quick, tmp_path, 1000.0, "alpha")) == {"f0", "f2", "f4"}

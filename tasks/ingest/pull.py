@@ -21,8 +21,9 @@ time, so its sequence has no such gaps.
 
 Each team's cycle pulls its own rows (``in_scope``: the completions its callers were served) past its own
 watermark (``tasks/core/teams.py``); the organisation's pulls every row but those of teams that keep their
-outcomes to themselves (``teams.shares_with_org``). Another scope's rows are gaps in a team's sequence; they
-only stop the cut where a young row follows, which waits anyway (``commit_grace_s`` is longer than any deadline).
+outcomes to themselves (``teams.shares_with_org``). Another scope's rows leave gaps in a scope's sequence, so the
+gaps that may still fill are found in the whole sequence, once per pull (``_horizon``): the first young row whose
+predecessor is missing. The cut stops there in every scope.
 """
 
 from __future__ import annotations
@@ -169,8 +170,7 @@ def pull_decided(
     With ``upto_seq`` (re-running a cycle whose snapshot was written but whose watermark was not
     advanced) the range is fixed and every row in it is taken: they were all decided then.
     """
-    grace = params.commit_grace_s
-    expected = after_seq + 1
+    horizon = _horizon(conn, after_seq, now, params.commit_grace_s) if upto_seq is None else None
     result = conn.execution_options(yield_per=params.chunk_rows).execute(_query(after_seq, upto_seq, team))
     try:
         for part in result.partitions():
@@ -180,14 +180,25 @@ def pull_decided(
                     if deadline(r.created_at, r.reports_outcomes, params) > now:
                         yield chunk
                         return  # undecided: this and everything after wait for the next cycle
-                    if r.seq != expected and r.created_at + grace > now:
+                    if horizon is not None and r.seq >= horizon:
                         yield chunk
-                        return  # a gap that may still fill (an insert committing)
-                expected = r.seq + 1
+                        return  # behind a gap that may still fill (an insert committing)
                 chunk.append(_decided(r, params))
             yield chunk
     finally:
         result.close()
+
+
+def _horizon(conn: Connection, after_seq: int, now: float, grace: float) -> int | None:
+    """The first seq after `after_seq`, of any scope, that follows a gap and is younger than `grace`: a gap that may
+    be an insert still committing (an older gap is a rolled-back insert). None when there is no such row."""
+    row, before = completions.alias("row"), completions.alias("before")
+    query = sa.select(sa.func.min(row.c.seq)).where(
+        row.c.seq > after_seq + 1,
+        row.c.created_at > now - grace,
+        ~sa.exists().where(before.c.seq == row.c.seq - 1),
+    )
+    return conn.execute(query).scalar()
 
 
 def count_after(conn: Connection, seq: int, team: str = ORG) -> int:

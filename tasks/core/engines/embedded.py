@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import threading
 from collections.abc import Iterator
@@ -105,10 +106,11 @@ class _EmbeddedBase:
                 raise BackendError(f"cannot load model {self.model_dir}: {err}") from err
         return self._lm
 
-    def with_adapter(self, name: str, path: Path) -> LoadedModel:
-        """The model to generate with for the adapter `name` (loaded from path on first use, its base checked);
-        call with the lock held."""
+    def with_adapter(self, served: str, path: Path) -> LoadedModel:
+        """The model to generate with for the adapter served as `served` (loaded from path on first use, its base
+        checked); call with the lock held."""
         lm = self.loaded()
+        name = _peft_name(served)
         if name not in self._adapters:
             try:
                 check_base(path, self.model_dir, "serve")
@@ -133,11 +135,18 @@ class _EmbeddedBase:
             return contextlib.nullcontext(lm)
         return _disabled(self._peft, lm)
 
-    def drop_adapter(self, name: str) -> None:
+    def drop_adapter(self, served: str) -> None:
+        name = _peft_name(served)
         with self.lock:
             if self._peft is not None and name in self._adapters:
                 self._peft.delete_adapter(name)
                 del self._adapters[name]
+
+
+def _peft_name(served: str) -> str:
+    """The adapter's name inside the PEFT model: a served name (`tabrl-completion.team-v3-1f2e`, a path) may hold
+    '.', which a torch module name may not."""
+    return "a" + hashlib.sha256(served.encode()).hexdigest()[:24]
 
 
 @contextlib.contextmanager
