@@ -163,14 +163,10 @@ def record_outcome(outcome: Outcome, user_id: str | None, require_ours: bool) ->
             "completion_id",
         )
         if inserted:
-            return Recorded(
-                "recorded", key, row is not None, outcome.accepted, row and row.arm, outcome.shown, _team_of(row)
-            )
+            return _recorded("recorded", key, row, outcome.accepted, outcome.shown)
         first = conn.execute(_ANSWERS, {"ids": [key]}).one()
         status: Literal["duplicate", "conflict"] = "duplicate" if _same(first, outcome) else "conflict"
-        return Recorded(
-            status, key, row is not None, first.accepted, row and row.arm, _shown(first.shown), _team_of(row)
-        )
+        return _recorded(status, key, row, first.accepted, _shown(first.shown))
 
     return op
 
@@ -248,19 +244,20 @@ class RecordFeedback:
             if done is None:
                 row = found[op.outcome.completion_id or ""]
                 if i in recorded:
-                    done = Recorded(
-                        "recorded", row.id, True, op.outcome.accepted, row.arm, op.outcome.shown, _team_of(row)
-                    )
+                    done = _recorded("recorded", row.id, row, op.outcome.accepted, op.outcome.shown)
                 else:
                     answer = stored[row.id]
                     status: Literal["duplicate", "conflict"] = "duplicate" if _same(answer, op.outcome) else "conflict"
-                    done = Recorded(status, row.id, True, answer.accepted, row.arm, _shown(answer.shown), _team_of(row))
+                    done = _recorded(status, row.id, row, answer.accepted, _shown(answer.shown))
             out.append(done)
         return out
 
 
-def _team_of(row: sa.Row | None) -> str | None:
-    return None if row is None else loaded(row.arm_team)
+def _recorded(status, key: str, row: sa.Row | None, accepted: bool, shown: bool | None) -> Recorded:
+    """The answer for an outcome stored (or found) for `key`: with its completion's arm and team when it is ours."""
+    if row is None:
+        return Recorded(status, key, False, accepted, None, shown)
+    return Recorded(status, key, True, accepted, row.arm, shown, loaded(row.arm_team))
 
 
 def _shown(stored: bool | None) -> bool:

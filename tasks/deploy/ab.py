@@ -1,9 +1,7 @@
 """Live A/B statistics per arm and the promote / roll back / keep collecting decision.
 
-Counting (per arm, completions served by the arm's current model version since the live arm set was
-written, i.e. since the challenger went live). Each team's test is its own: its arms, the completions its arms
-served (``completions.arm_team``) and its window, from the last change of its own arms, so one team's rollout
-never restarts another's test:
+Counting (per arm, completions served by the arm's current model version since the live arm set was written,
+i.e. since the challenger went live; each team's test on what its own arms served, since their last change):
 
 * a request is a completion row; an abstained one (empty suggestion) is a request with nothing shown;
 * a shown suggestion is accepted when its feedback says so within `ingest.feedback_timeout_s` of the
@@ -220,10 +218,9 @@ def arm_stats(
     in_window = sa.and_(c.c.created_at >= since, c.c.created_at <= now, scope_is(c.c.arm_team, team))
     query = _counts_by_arm(joined, in_window, o)
     counted = sa.not_(sa.or_(o.pending, o.cancelled, o.not_shown))
+    live_arms = sa.select(arms_table.c.name, arms_table.c.model_version).where(arms_table.c.team == team)
     with engine.connect() as conn:
-        live = conn.execute(
-            sa.select(arms_table.c.name, arms_table.c.model_version).where(arms_table.c.team == team)
-        ).all()
+        live = conn.execute(live_arms).all()
         rows = {(r.arm, r.model_version): r for r in conn.execute(query)}
         out = {}
         for name, version in live:

@@ -66,17 +66,18 @@ def advance_watermark(
         records = [{**item, "snapshot": path.name, "recorded_at": now} for item in late]
         if old.updated_at is not None:
             records += _late_for_earlier_snapshots(conn, old, params, now, team)
-        if records:  # those another scope's cycle has not recorded already
-            ids = [r["completion_id"] for r in records]
-            known = set(
-                conn.execute(
-                    sa.select(late_feedback.c.completion_id).where(late_feedback.c.completion_id.in_(ids))
-                ).scalars()
-            )
-            records = [r for r in records if r["completion_id"] not in known]
+        records = _not_recorded(conn, records)  # another scope's cycle may have recorded some
         if records:
             conn.execute(late_feedback.insert(), records)
     return len(records)
+
+
+def _not_recorded(conn, records: list[dict]) -> list[dict]:
+    """The late feedback of `records` that the late_feedback table does not hold yet."""
+    ids = [r["completion_id"] for r in records]
+    query = sa.select(late_feedback.c.completion_id).where(late_feedback.c.completion_id.in_(ids))
+    known = set(conn.execute(query).scalars()) if ids else set()
+    return [r for r in records if r["completion_id"] not in known]
 
 
 def _late_for_earlier_snapshots(conn, old: Watermark, params: IngestParams, now: float, team: str) -> list[dict]:
