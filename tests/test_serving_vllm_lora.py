@@ -6,7 +6,8 @@
 4. it goes live on the same server (loaded at runtime under a new name, probed): no new server;
 5. the gateway serves both arms, sending `model=<name>`, and logs the adapter's version;
 6. the server restarts: the live adapter is loaded again from the arms table on the next request;
-7. rollback unloads it.
+7. two teams' versions go live on the same server, each served to its own team's callers only (issue 57);
+8. rollback unloads them.
 
 Slow (a 135M model, a vLLM start and a restart: minutes on 2 cores) and required in CI: it needs
 TABRL_TEST_VLLM_PYTHON (`.ci/vllm-venv.sh`), and TABRL_REQUIRE_VLLM=1 turns a missing venv into a failure.
@@ -29,6 +30,7 @@ from serving.simulate import run_simulation
 from tasks.core import vocab
 from tasks.core.adapters import is_adapter
 from tasks.core.store import CHALLENGER, CHAMPION, completions, open_store, read_arms
+from tasks.core.teams import ORG
 from tasks.core.vllm import recorded_servers, served_models, start_vllm, stop_vllm
 from tasks.deploy.arms import serve_champion, sync_adapters
 from tasks.deploy.model_cache import resolve_model_dir
@@ -45,15 +47,15 @@ pytestmark = pytest.mark.slow
 
 
 @flow
-def _rollout_flow(version, model_dir, params, base_dir):
-    return rollout(version, model_dir, params, base_dir)
+def _rollout_flow(version, model_dir, params, base_dir, team=ORG):
+    return rollout(version, model_dir, params, base_dir, team)
 
 
-def _ask(url: str, arm: str, prompt: str) -> httpx.Response:
+def _ask(url: str, arm: str, prompt: str, team: str = ORG) -> httpx.Response:
     return httpx.post(
         f"{url}/v1/completions",
         json={"prompt": prompt, "user": "u", "max_tokens": 4, "temperature": 0},
-        headers={"X-Tabrl-Arm": arm},
+        headers={"X-Tabrl-Arm": arm, "X-Tabrl-Team": team},
         timeout=120,
     )
 
@@ -154,10 +156,32 @@ def test_a_lora_version_goes_live_on_the_one_vllm_server_and_survives_a_restart(
         assert challenger.served_model in served_models(restarted.url)
         assert sync_adapters(params) == []  # nothing left to load
 
+        # Two teams' versions (the same adapter, registered for each) on the same server: no new one.
+        teams = {}
+        for team in ("alpha", "beta"):
+            mine = Registry(params, team).register(candidate, report.run_id, base=base)
+            _rollout_flow(mine, str(resolve_model_dir(mine.uri, params)), params, str(server.model_dir), team)
+            with open_store(params.paths.database_url) as engine:
+                teams[team] = {a.name: a for a in read_arms(engine, team)}[CHALLENGER]
+            assert teams[team].model_version == mine.label and teams[team].model_uri == restarted.url
+        assert [s.url for s in recorded_servers(params)] == [restarted.url]
+        loaded = served_models(restarted.url)
+        assert {challenger.served_model, teams["alpha"].served_model, teams["beta"].served_model} <= set(loaded)
+        with open_store(params.paths.database_url) as engine, serve_app(create_app(params, engine=engine)) as url:
+            for team, arm in teams.items():
+                answer = _ask(url, CHALLENGER, prompt, team)
+                assert answer.status_code == 200 and answer.json()["tabrl"]["model_version"] == arm.model_version
+            assert _ask(url, CHALLENGER, prompt).json()["tabrl"]["model_version"] == version.label  # the org's
+
         with open_store(params.paths.database_url) as engine:
             rollback(engine, params)
             assert [a.name for a in read_arms(engine)] == [CHAMPION]
-        assert challenger.served_model not in served_models(restarted.url)  # unloaded
+            for team in teams:
+                rollback(engine, params, team=team)
+                assert read_arms(engine, team) == []  # back to the organisation's arms
+        loaded = served_models(restarted.url)
+        assert challenger.served_model not in loaded  # unloaded
+        assert not {arm.served_model for arm in teams.values()} & set(loaded)
     finally:
         for running in recorded_servers(params):
             stop_vllm(running.pid)

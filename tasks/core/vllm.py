@@ -70,10 +70,18 @@ def server_command(model_dir: str | Path, port: int, params: Params, lora: bool)
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", str(model_dir)]
     if lora:
         cmd += ["--enable-lora", "--max-loras", str(s.vllm_max_loras), "--max-lora-rank", str(s.vllm_max_lora_rank)]
+        cmd += ["--max-cpu-loras", str(max_cpu_loras(params))]
     dtype = server_dtype(s)
     if dtype is not None:
         cmd += ["--dtype", dtype]
     return cmd + list(s.vllm_args)
+
+
+def max_cpu_loras(params: Params) -> int:
+    """Adapters a LoRA server keeps loaded (--max-cpu-loras): every live one, a champion and a challenger per team
+    with a code base and for the organisation, and two for a cycle's gate, at least serving.vllm_max_loras. Past
+    it, vLLM evicts the least recently used and loads an adapter again from disk on its next request."""
+    return max(params.serving.vllm_max_loras, 2 * (len(params.teams.sources) + 1) + 2)
 
 
 def server_dtype(serving: ServingParams) -> str | None:

@@ -132,8 +132,11 @@ class ServingParams(Section):
     vllm_start_timeout_s: float = Field(420.0, gt=0)
     """A new vLLM server must answer /health within this many seconds, else the rollout is undone."""
     vllm_max_loras: int = Field(4, ge=3)
-    """Adapters one vLLM server runs at once (its --max-loras): the champion's, the challenger's, the candidate the
-    gate evaluates and the lineage's characters-saved holder (so at least 3)."""
+    """Adapters one vLLM server runs in one batch (its --max-loras): the champion's, the challenger's, the candidate
+    the gate evaluates and the lineage's characters-saved holder (so at least 3). Every team's adapters are loaded on
+    the same server and kept in its CPU cache (--max-cpu-loras: 2 per team and 2 for the organisation's model,
+    from teams.sources, and at least this); a batch that asks for more adapters than this runs them in turns
+    (docs/how-to/teams.md says what it costs)."""
     vllm_max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = 16
     """Largest adapter rank a vLLM server accepts (its --max-lora-rank; buffers are preallocated for
     max_loras x this rank). train.lora_rank must not exceed it."""
