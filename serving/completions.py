@@ -74,8 +74,11 @@ async def completions(gw: Gateway, headers: Mapping[str, str], body: bytes, hang
     created = int(time.time())
     tabrl = {"arm": arm.name, "model_version": arm.model_version, "logged": caller.logged}
     answer_headers = {"X-Tabrl-Arm": arm.name}
+    record = {"completion_id": completion_id, "user": caller.user_id, "team": caller.team, "arm": arm.name}
+    record |= {"arm_team": arm.team, "model_version": arm.model_version, "shown": bool(gen.text)}
     if req.stream:
-        return Answer(200, {}, answer_headers, sse_events(completion_id, created, arm, gen, tabrl, req.include_usage))
+        events = sse_events(completion_id, created, arm, gen, tabrl, req.include_usage)
+        return Answer(200, {}, answer_headers, events, record)
     return Answer(
         200,
         {
@@ -88,6 +91,7 @@ async def completions(gw: Gateway, headers: Mapping[str, str], body: bytes, hang
             "tabrl": tabrl,
         },
         answer_headers,
+        record=record,
     )
 
 

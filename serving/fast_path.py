@@ -9,6 +9,7 @@ returns an ``Answer``.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -16,8 +17,11 @@ from fastapi import HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serving.errors import ANSWERED, ApiError, error_answer, error_body
+from serving.logs import log_request
 from serving.metrics import Metrics
 from serving.protocol import Answer, encode_json, sse_chunks
+
+CLIENT_GONE = 499  # the request log's status of a request whose client hung up before the answer (nginx's code)
 
 
 class ClientGone(Exception):
@@ -123,10 +127,12 @@ class HotRoutes:
         for name, value in scope["headers"]:
             headers.setdefault(name.decode("latin-1"), value.decode("latin-1"))  # the first of repeated headers
         hang_up = HangUp(receive)
+        started = time.perf_counter()
         try:
             body = await self._body(receive, headers.get("content-length"))
             answer = await handler(headers, body, hang_up)
         except ClientGone:
+            log_request(scope["path"], CLIENT_GONE, time.perf_counter() - started, {})
             return
         except ANSWERED as err:
             answer = error_answer(err, f"POST {scope['path']}")
@@ -140,11 +146,12 @@ class HotRoutes:
             for chunk in sse_chunks(answer.events):
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
-            return
-        content = encode_json(answer.body)
-        start = [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode()), *extra]
-        await send({"type": "http.response.start", "status": answer.status, "headers": start})
-        await send({"type": "http.response.body", "body": content})
+        else:
+            content = encode_json(answer.body)
+            start = [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode()), *extra]
+            await send({"type": "http.response.start", "status": answer.status, "headers": start})
+            await send({"type": "http.response.body", "body": content})
+        log_request(scope["path"], answer.status, time.perf_counter() - started, answer.record)  # once it is sent
 
     async def _body(self, receive, content_length: str | None) -> bytes:
         check_declared_size(content_length, self.max_body_bytes)

@@ -61,7 +61,10 @@ async def feedback(gw: Gateway, headers: Mapping[str, str], body: bytes, _hang_u
     req = FeedbackRequest.model_validate_json(body)
     caller = await gw.caller_of(headers, None)
     outcome = Outcome(bool(req.accepted), "api", req.completion_id, accepted_chars=req.accepted_chars, shown=req.shown)
-    return Answer(200, await record(gw, caller, outcome, require_ours=True))
+    answer = await record(gw, caller, outcome, require_ours=True)
+    said = {"completion_id": req.completion_id, "user": caller.user_id, "team": caller.team}
+    stored = "duplicate" if answer.get("duplicate") else "recorded" if answer["logged"] else "not logged"
+    return Answer(200, answer, record=said | {"outcome": stored})
 
 
 async def json_object(gw: Gateway, request: Request) -> dict:
@@ -74,8 +77,6 @@ async def json_object(gw: Gateway, request: Request) -> dict:
     return body
 
 
-# These two routes parse their bodies by hand (lenient, size-checked first); the schemas are for the docs
-# and the fuzzer.
 # These two routes parse their bodies by hand (lenient, size-checked first); the schemas are for the docs
 # and the fuzzer.
 async def rlinf_submit(gw: Gateway, request: Request):

@@ -42,6 +42,7 @@ from serving.errors import install_error_handlers
 from serving.fast_path import BodyLimit, HotRoutes, fastapi_route
 from serving.feedback import continue_events, rlinf_submit
 from serving.feedback import feedback as record_feedback
+from serving.logs import configure as configure_logs
 from serving.metrics import MULTIPROC_ENV, multiprocess_dir
 from serving.protocol import CompletionRequest, ContinueData, FeedbackRequest
 from serving.state import Gateway
@@ -148,8 +149,8 @@ def params_from_env() -> Params:
 
 def app_from_env() -> HotRoutes:
     """uvicorn's app factory in each gateway process of `tabrl serve`."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     params = params_from_env()
+    configure_logs(params.serving.log_format)
     if params.serving.seed is None:  # torch's default seed is the same in every fresh process: draw one
         log.info("embedded arms sample with seed %d (set serving.seed to fix it)", torch.seed())
     return create_app(params)

@@ -78,6 +78,7 @@ class Answer:
     body: dict
     headers: dict[str, str] = field(default_factory=dict)
     events: tuple[dict, ...] = ()  # when given: streamed as SSE `data:` lines, then `data: [DONE]`
+    record: dict = field(default_factory=dict)  # what the request log says of it (serving/logs.py): ids, no texts
 
 
 def encode_json(body: Any) -> bytes:

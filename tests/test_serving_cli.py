@@ -122,6 +122,23 @@ def test_serve_and_simulate_over_http(served, tmp_path, typing_regions):
     )
     assert again.exit_code == 0, again.output
     assert sorted(json.loads((tmp_path / "sim2.json").read_text())) == ["challenger", "champion"]
+
+    # The gateway's log (serving.log_format: json): one JSON object per line, one per request on the hot routes,
+    # with the ids and the latency, never a prompt or a completion.
+    lines = [json.loads(line) for line in (tmp_path / "serve.log").read_text().splitlines() if line.startswith("{")]
+    served = [r for r in lines if r.get("name") == "tabrl.requests" and r["path"] == "/v1/completions"]
+    with engine.connect() as conn:
+        logged = dict(conn.execute(sa.select(completions.c.id, completions.c.model_version)).all())
+    answered = [r for r in served if r["status"] == 200]
+    assert answered and {r["completion_id"] for r in answered} <= set(logged)
+    for r in answered:
+        assert r["model_version"] == logged[r["completion_id"]] and r["team"] == "org" and r["latency_ms"] > 0
+        assert {"user", "arm", "arm_team", "level", "asctime", "shown"} <= set(r) and "prompt" not in r
+    assert {r["arm"] for r in answered} == {"champion", "challenger"}
+    outcomes = [r for r in lines if r.get("name") == "tabrl.requests" and r["path"] == "/v1/feedback"]
+    with engine.connect() as conn:
+        stored = set(conn.execute(sa.select(feedback.c.completion_id)).scalars())
+    assert {r["completion_id"] for r in outcomes if r["outcome"] == "recorded"} == stored
     engine.dispose()
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Annotated
 
@@ -52,6 +51,7 @@ def serve_cmd(
 ) -> None:
     """Run the gateway (uvicorn): completions, feedback, A/B arms, a durable log."""
     from serving.gateway import serve
+    from serving.logs import configure as configure_logs
     from tasks.core.generate import describe_rule, show_rule
     from tasks.core.store import Arm, read_arms, replace_arms
 
@@ -80,7 +80,7 @@ def serve_cmd(
             + describe_rule(show_rule(p.serving, explore=True), "serving.explore_min_logprob"),
             highlight=False,
         )
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logs(p.serving.log_format)
     serve(p, host or p.serving.host, port or p.serving.port, workers)
 
 

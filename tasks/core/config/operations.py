@@ -155,6 +155,9 @@ class ServingParams(Section):
     """How a vLLM arm serves an adapter version: `lora`, loaded at runtime into its base's one server (no new
     process; the default); `merged`, merged into a full checkpoint and served by a server of its own
     (blue/green), for hardware where LoRA kernels are slow (vLLM's CPU build)."""
+    log_format: Literal["json", "text"] = "json"
+    """The gateway's log lines (serving/logs.py): one JSON object per line, a request log among them (`json`, for log
+    shippers and `jq`), or plain text."""
     rate_limit_per_key_per_minute: int = Field(600, ge=1)
     """Requests per API key per minute before 429 (besides the per-user limit; a user may hold several keys)."""
     max_body_bytes: int = Field(1_048_576, ge=1024)
