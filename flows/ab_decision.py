@@ -81,7 +81,7 @@ def ab_decision(
         print(f"loaded again: {line}")
     decisions = {}
     for scope in teams_with_arms(params) if team is None else [team]:
-        with arms_slot(scope):  # never while a cycle rolls out its challenger: one waits for the other
+        with arms_slot(params.paths.database_url, scope):  # never while a cycle rolls out its challenger
             decisions[scope] = _decide(params, scope)
     return decisions
 

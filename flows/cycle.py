@@ -119,7 +119,7 @@ def _deploy(
     numbers = comparison.decision.numbers
     version = registry.register(candidate_dir, run_id, tags=carried, gate=numbers, base=lineage.base)
     params = registry.params
-    with arms_slot(registry.team):  # never while the A/B decision changes the team's arms
+    with arms_slot(params.paths.database_url, registry.team):  # never while the A/B decision changes the arms
         rollout(version, str(resolve_model_dir(version.uri, params)), params, str(lineage.base_dir), registry.team)
     return version
 
@@ -136,7 +136,7 @@ def online_rl_cycle(
     log = get_run_logger()
     runs = CycleRuns(params, check_team(team))
     try:
-        with cycle_slot(team):  # one cycle of a team at a time: a second finds the slot held and ends now
+        with cycle_slot(params.paths.database_url, team):  # one cycle of a team at a time: a second ends now
             return _cycle(params, runs, log, force, Path(repo_dir))
     except CycleRunning as err:  # only the cycle slot's own refusal: an arms wait that timed out fails the cycle
         return _skipped(runs, log, "another cycle is running", f"{err}; the next scheduled cycle tries again")

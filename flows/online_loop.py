@@ -49,10 +49,14 @@ DEMO_OVERRIDES = [
 ]
 
 
-def start_gateway(params_file: str, overrides: list[str], port: int, log_path: Path) -> subprocess.Popen:
-    """`tabrl serve` in its own process (as in production), returning once /healthz answers."""
+def start_gateway(
+    params_file: str, overrides: list[str], port: int, log_path: Path, auth: bool = False
+) -> subprocess.Popen:
+    """`tabrl serve` in its own process (as in production), returning once /healthz answers; without auth (the demo's
+    users are named by the `user` field) unless `auth`."""
     sets = [x for o in overrides for x in ("--set", o)]
-    cmd = [sys.executable, "-m", "flows.cli", "serve", "--no-auth", "--port", str(port), "--params", params_file, *sets]
+    cmd = [sys.executable, "-m", "flows.cli", "serve", *([] if auth else ["--no-auth"]), "--port", str(port)]
+    cmd += ["--params", params_file, *sets]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     with contextlib.ExitStack() as stopped_unless_up:  # a failure or a SIGTERM while waiting stops it too

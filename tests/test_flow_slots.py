@@ -125,7 +125,7 @@ def test_an_ab_decision_waits_while_another_run_holds_the_arms(tmp_path, prefect
     params = tiny_params(tmp_path, deploy={"cycle_every_minutes": 600, "decision_every_minutes": 600})
     params_file = tmp_path / "params.yaml"
     params_file.write_text(yaml.safe_dump(params.model_dump(mode="json")))
-    hold = "import json, time\nfrom flows.slots import arms_slot\nwith arms_slot():\n"
+    hold = f"import json, time\nfrom flows.slots import arms_slot\nwith arms_slot({params.paths.database_url!r}):\n"
     hold += "    print(json.dumps({'held': time.time()}), flush=True)\n    time.sleep(30)\n"
     hold += "print(json.dumps({'released': time.time()}), flush=True)\n"
     proc, log = _runner(tmp_path, params_file, env, tmp_path / "runner.log")

@@ -12,6 +12,7 @@ stamped ``cancelled_at`` (never shown: ``tasks/core/outcomes.py``).
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -154,6 +155,14 @@ snapshots = sa.Table(
     sa.Column("team", sa.String(32), nullable=True),  # schema 4: whose cycle took it (NULL: the organisation's)
 )
 
+store_info = sa.Table(
+    "store_info",
+    metadata,
+    sa.Column("key", sa.String(32), primary_key=True),
+    sa.Column("value", sa.Text, nullable=False),
+)
+"""Facts about the store itself: `id`, drawn once when the store is made (`store_id`)."""
+
 late_feedback = sa.Table(
     "late_feedback",
     metadata,
@@ -256,6 +265,15 @@ def init_schema(engine: Engine) -> None:
             _add_columns(conn, [pair for pairs in MIGRATIONS.values() for pair in pairs])
             conn.execute(schema_version.insert().values(version=SCHEMA_VERSION, applied_at=time.time()))
         _key_arms_by_team(conn)
+        if conn.execute(sa.select(store_info.c.value).where(store_info.c.key == "id")).first() is None:
+            conn.execute(store_info.insert().values(key="id", value=uuid.uuid4().hex))
+
+
+def store_id(conn_or_engine: Connection | Engine) -> str:
+    """This store's id, drawn when it was made: what names it to services that several stores share (the Prefect
+    slots of its cycles: two demos on one machine share Prefect's ephemeral database, not a log store)."""
+    with _connect(conn_or_engine) as conn:
+        return str(conn.execute(sa.select(store_info.c.value).where(store_info.c.key == "id")).scalar_one())
 
 
 def _key_arms_by_team(conn: Connection) -> None:
