@@ -2,4 +2,4 @@
 
 from flows.cli.main import app
 
-app()
+app(prog_name="tabrl")  # its name in help and in shell completion's variables, as the console script's

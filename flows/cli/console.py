@@ -11,8 +11,9 @@ a narrow terminal. Tables here are a few short columns, so they fit 80 columns a
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Literal, NoReturn
 
 import typer
 from rich.console import Console
@@ -39,6 +40,17 @@ CorpusOpt = Annotated[Path, typer.Option(help="Corpus table written by `tabrl co
 RegionsOpt = Annotated[
     Path, typer.Option("--regions", help="Held-out regions simulated users type (the `fim` stage writes them).")
 ]
+
+
+OutputOpt = Annotated[
+    Literal["table", "json"],
+    typer.Option("--output", "-o", help="`table` for a person, `json` for a script (one document on stdout)."),
+]
+
+
+def print_json(document: object) -> None:
+    """One JSON document on stdout, as plain text (no colours, no wrapping): what `--output json` prints."""
+    typer.echo(json.dumps(document, indent=2, sort_keys=True))
 
 
 def fail(message: str, code: int = 1) -> NoReturn:

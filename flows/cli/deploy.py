@@ -6,12 +6,13 @@ Registered in flows/cli/main.py."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from flows.cli.console import ParamsOpt, SetOpt, console, fail, params_or_exit, print_table
+from flows.cli.console import OutputOpt, ParamsOpt, SetOpt, console, fail, params_or_exit, print_json, print_table
 from tasks.core.config import DEFAULT_PARAMS_FILE
 from tasks.core.teams import ORG, check_team
 
@@ -31,6 +32,7 @@ def rollback_cmd(team: TeamOpt = ORG, params: ParamsOpt = DEFAULT_PARAMS_FILE, s
 
 def ab_status_cmd(
     team: Annotated[str | None, typer.Option(help="One team's test only (default: every team's).")] = None,
+    output: OutputOpt = "table",
     params: ParamsOpt = DEFAULT_PARAMS_FILE,
     set_: SetOpt = None,
 ) -> None:
@@ -48,13 +50,25 @@ def ab_status_cmd(
     with open_store(p.paths.database_url) as engine:
         scopes = [team] if team else [ORG, *sorted({a.team for a in read_arms(engine, None)} - {ORG})]
         by_team = {scope: arm_stats(engine, p, team=scope) for scope in scopes}
+    rules = {
+        scope: decide(stats[CHAMPION], stats[CHALLENGER], p) if CHAMPION in stats and CHALLENGER in stats else None
+        for scope, stats in by_team.items()
+    }
+    if output == "json":  # {team: {"arms": {arm: every number}, "rule": {action, reason, numbers} or null}}
+        print_json(
+            {
+                scope: {
+                    "arms": {name: s.as_record() for name, s in stats.items()},
+                    "rule": asdict(rules[scope]) if rules[scope] else None,  # type: ignore[arg-type]
+                }
+                for scope, stats in by_team.items()
+            }
+        )
+        return
     for scope, stats in by_team.items():
         _ab_table(scope, stats)
-        if CHAMPION in stats and CHALLENGER in stats:
-            d = decide(stats[CHAMPION], stats[CHALLENGER], p)
-            console.print(f"rule: {d.action} ({d.reason})", highlight=False)
-        else:
-            console.print("no A/B test running", highlight=False)
+        rule = rules[scope]
+        console.print(f"rule: {rule.action} ({rule.reason})" if rule else "no A/B test running", highlight=False)
 
 
 def _ab_table(team: str, stats: dict) -> None:
@@ -189,7 +203,7 @@ def vllm_sync_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) 
 
 
 @vllm_app.command("status")
-def vllm_status_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -> None:
+def vllm_status_cmd(output: OutputOpt = "table", params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -> None:
     """The vLLM servers the arms use and what each serves now (base model and loaded adapters).
 
     Example: tabrl vllm status"""
@@ -202,22 +216,29 @@ def vllm_status_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None
     p = params_or_exit(params, set_)
     with open_store(p.paths.database_url) as engine:
         arms = [a for a in read_arms(engine, None) if engine_class(a.backend).remote]
-    table = Table(title="vLLM servers of the live arms")
-    for col in ("server", "model", "parent", "arms"):
-        table.add_column(col)
+    rows = []  # one per model a server serves (its base, its adapters), or one per server that did not answer
     for url in sorted({a.model_uri for a in arms}):
         try:
             cards = served_models(url)
         except VllmError as err:
-            table.add_row(url, f"unreachable: {err}", "", "")
+            rows.append({"server": url, "model": None, "parent": None, "arms": [], "error": str(err)})
             continue
         for name, card in cards.items():
-            users = ", ".join(
+            users = [
                 a.name if a.team == ORG else f"{a.team}/{a.name}"
                 for a in arms
                 if a.model_uri == url and a.served_model == name
-            )
-            table.add_row(url, name, card.get("parent") or "-", users or "-")
+            ]
+            rows.append({"server": url, "model": name, "parent": card.get("parent"), "arms": users, "error": None})
+    if output == "json":
+        print_json(rows)
+        return
+    table = Table(title="vLLM servers of the live arms")
+    for col in ("server", "model", "parent", "arms"):
+        table.add_column(col)
+    for row in rows:
+        model = row["model"] if row["error"] is None else f"unreachable: {row['error']}"
+        table.add_row(row["server"], model, row["parent"] or "-", ", ".join(row["arms"]) or "-")
     print_table(table)
 
 

@@ -40,7 +40,8 @@ DATA, CYCLE, SERVING, DEPLOYMENT, KEYS, MACHINE = (
     "This machine",
 )
 
-app = typer.Typer(help=HELP, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+# add_completion: `tabrl --install-completion` (bash, zsh, fish, PowerShell; click's completion through Typer)
+app = typer.Typer(help=HELP, no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False)
 
 
 def _print_version(value: bool) -> None:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from flows.cli.console import ParamsOpt, SetOpt, console, fail, params_or_exit, print_table
+from flows.cli.console import OutputOpt, ParamsOpt, SetOpt, console, fail, params_or_exit, print_json, print_table
 from tasks.core.config import DEFAULT_PARAMS_FILE
 from tasks.core.store import open_store
 from tasks.core.teams import ORG
@@ -136,6 +137,7 @@ def arms_cmd(
         ),
     ] = None,
     team: Annotated[str, typer.Option(help="Whose arms --arm/--json replace (`org`: the organisation's).")] = ORG,
+    output: OutputOpt = "table",
     params: ParamsOpt = DEFAULT_PARAMS_FILE,
     set_: SetOpt = None,
 ) -> None:
@@ -157,6 +159,9 @@ def arms_cmd(
                 replace_arms(engine, new, team)
         except (ArmError, ValueError, TypeError) as err:
             _fail(str(err))
+        if output == "json":  # the fields `--json FILE` reads, and the team
+            print_json([asdict(a) for a in read_arms(engine, None)])
+            return
         table = Table(title="A/B arms (a team without arms of its own gets the organisation's)")
         for col in ("team", "name", "share", "backend", "model_version", "model_uri", "served as", "adapter"):
             table.add_column(col)
