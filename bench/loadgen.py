@@ -182,16 +182,29 @@ def wrk_pairs(url: str, body: str, headers: dict[str, str], seconds: float, conc
 
 
 _WRK_BODIES = """
-local bodies = {}
-for line in io.lines(BODIES) do table.insert(bodies, line) end
+local bodies, heads = {}, {}
+for line in io.lines(BODIES) do
+  -- a line is a JSON body, or TEAM<tab>body: that request carries X-Tabrl-Team (the -H headers too)
+  local team, body = line:match("^([^\t]*)\t(.*)$")
+  if team == nil then body = line end
+  table.insert(bodies, body)
+  table.insert(heads, team)
+end
 local threads = {}
 function setup(thread) thread:set("id", #threads); table.insert(threads, thread) end
 local cursor = nil
+local function headers_of(team)
+  if team == nil then return nil end
+  local h = {}
+  for k, v in pairs(wrk.headers) do h[k] = v end
+  h["X-Tabrl-Team"] = team
+  return h
+end
 function request()
   -- each thread walks the bodies in order from its own start: successive requests of typing sessions
   if cursor == nil then cursor = (id or 0) * math.floor(#bodies / THREADS) end
   cursor = cursor % #bodies + 1
-  return wrk.format("POST", PATH, nil, bodies[cursor])
+  return wrk.format("POST", PATH, headers_of(heads[cursor]), bodies[cursor])
 end
 function response(status, headers, body)
   if status == 200 then ok_c = ok_c + 1 else bad = bad + 1 end
@@ -199,15 +212,24 @@ end
 """
 
 
-def wrk_bodies(url: str, bodies: list[str], headers: dict[str, str], seconds: float, concurrency: int) -> Load:
+def wrk_bodies(
+    url: str,
+    bodies: list[str],
+    headers: dict[str, str],
+    seconds: float,
+    concurrency: int,
+    teams: list[str] | None = None,
+) -> Load:
     """POSTs of the given bodies (one JSON document each, no newlines) in order for `seconds` over `concurrency`
     connections: each wrk thread walks the list from its own start, so typing-session requests keep their order
-    (their prompts share a start, which a prefix cache reuses)."""
+    (their prompts share a start, which a prefix cache reuses). teams: each body's `X-Tabrl-Team` (a gateway
+    without auth routes the request among that team's arms)."""
     threads = max(1, min(concurrency, 2))
     base, _, path = url.partition("://")[2].partition("/")
+    lines = bodies if teams is None else [f"{team}\t{body}" for team, body in zip(teams, bodies, strict=True)]
     with tempfile.TemporaryDirectory(prefix="tabrl-bodies-") as tmp:
         listing = Path(tmp) / "bodies.jsonl"
-        listing.write_text("\n".join(bodies) + "\n")
+        listing.write_text("\n".join(lines) + "\n")
         head = f"BODIES = {_lua_string(str(listing))}\nPATH = {_lua_string('/' + path)}\nTHREADS = {threads}\n"
         r = _wrk(f"http://{base}/", head + _WRK_BODIES + _WRK_REPORT, headers, seconds, concurrency, threads)
     return Load(

@@ -32,6 +32,14 @@ from tasks.core.teams import stored
 async def completions(gw: Gateway, headers: Mapping[str, str], body: bytes, hang_up: HangUp) -> Answer:
     started = time.perf_counter()
     req = CompletionRequest.model_validate_json(body)
+    refused = req.unsupported()
+    if refused:
+        raise ApiError(
+            400,
+            f"not served by this gateway: {', '.join(refused)} (leave them out or at OpenAI's defaults; "
+            "docs/how-to/continue.md lists every parameter)",
+            refused[0],
+        )
     caller = await gw.caller_of(headers, req.user)
     explore = gw.s.explore_fraction > 0 and gw.explore_draws.random() < gw.s.explore_fraction
     inputs = normalise_request(req, gw.s, explore)

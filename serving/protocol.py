@@ -4,6 +4,7 @@ what a hot route answers before any framework renders it (JSON or server-sent ev
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,8 +20,23 @@ class StreamOptions(BaseModel):
     include_usage: bool = False  # a last chunk with `usage` and no choices, as OpenAI's
 
 
+# OpenAI's completion parameters the gateway takes but does not serve, each with its neutral value (what OpenAI
+# does when it is left out). Sent at that value, a parameter is accepted (clients send their defaults); at any other,
+# the request is refused with 400 naming it, since the suggestion would not be what the client asked for
+# (docs/how-to/continue.md, "OpenAI parameters").
+NEUTRAL: dict[str, Callable[[Any], bool]] = {
+    "echo": lambda v: v in (None, False),  # the prompt is never echoed
+    "best_of": lambda v: v in (None, 1),  # one sample: the one whose log-probs are logged and trained on
+    "logprobs": lambda v: v is None,  # the behaviour log-probs are logged, not returned
+    "presence_penalty": lambda v: v in (None, 0),  # the policy's own distribution is what is learnt
+    "frequency_penalty": lambda v: v in (None, 0),
+    "logit_bias": lambda v: not v,
+    "seed": lambda v: v is None,  # suggestions are sampled at serving.temperature with the gateway's seed
+}
+
+
 class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # OpenAI clients send more fields (presence_penalty, echo, ...)
+    model_config = ConfigDict(extra="allow")  # OpenAI clients send more fields (their defaults): see NEUTRAL
 
     model: str | None = None
     prompt: str | list[str]
@@ -33,6 +49,11 @@ class CompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=128)
     n: int = Field(1, ge=1, le=1)
+
+    def unsupported(self) -> list[str]:
+        """The parameters of NEUTRAL this request sets to another value than their neutral one, by name."""
+        extra = self.model_extra or {}
+        return sorted(name for name, neutral in NEUTRAL.items() if name in extra and not neutral(extra[name]))
 
     @property
     def include_usage(self) -> bool:

@@ -11,10 +11,20 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from serving.state import Gateway
+from tasks.core.store import arms as arms_table
 
 
 async def models(gw: Gateway, request: Request):
+    """OpenAI's model list: a card per live arm (every team's), `created` when the arm went live; tabrl's own
+    fields after OpenAI's."""
     arms = await gw.router.arms()
+
+    def live_since() -> dict[tuple[str, str], float]:
+        with gw.engine.connect() as conn:
+            query = sa.select(arms_table.c.team, arms_table.c.name, arms_table.c.updated_at)
+            return {(r.team, r.name): r.updated_at for r in conn.execute(query)}
+
+    since = await asyncio.to_thread(live_since)
     return gw.ok(
         request,
         {
@@ -23,6 +33,7 @@ async def models(gw: Gateway, request: Request):
                 {
                     "id": a.model_version,
                     "object": "model",
+                    "created": int(since.get((a.team, a.name), 0)),
                     "owned_by": "tabrl",
                     "arm": a.name,
                     "team": a.team,

@@ -149,6 +149,51 @@ def test_the_official_openai_client_gets_full_usage_streamed_or_not(gw):
     assert all(c.choices for c in without)  # no usage chunk unless asked for
 
 
+# What Continue's vllm/openai provider posted for an autocomplete (STACK-NOTES.md: the FIM prompt built by Continue,
+# streamed, its stop list), with the neutral values a client may add.
+CONTINUE_BODY = {
+    "model": "qwen2.5-coder-tabrl",
+    "prompt": FIM,
+    "max_tokens": 8,
+    "temperature": 0.01,
+    "stop": ["<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|file_sep|>"],
+    "stream": True,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "echo": False,
+}
+
+
+def test_parameters_that_would_change_the_answer_are_refused_naming_them(gw):
+    """Issue 58, item 1: echo, best_of, logprobs, penalties, logit_bias and seed are not served: at OpenAI's neutral
+    value they pass (a recorded Continue body, the openai client's defaults), at any other the answer is 400 naming
+    them, and nothing is logged."""
+    from openai import BadRequestError, OpenAI
+
+    before = len(gw.rows(completions))
+    continued = gw.post("/v1/completions", CONTINUE_BODY)
+    assert continued.status_code == 200 and continued.text.startswith("data: "), continued.text
+    client = OpenAI(base_url=gw.url + "/v1", api_key=gw.key, max_retries=0)
+    assert client.completions.create(model="tiny/1", prompt=FIM, max_tokens=4).choices
+    for extra, named in (
+        ({"echo": True}, "echo"),
+        ({"best_of": 2}, "best_of"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"presence_penalty": 0.5, "seed": 7}, "presence_penalty, seed"),
+        ({"logit_bias": {"50": 100}}, "logit_bias"),
+    ):
+        refused = gw.post("/v1/completions", {"prompt": FIM, **extra})
+        assert refused.status_code == 400 and named in refused.json()["error"]["message"], refused.text
+    try:
+        client.completions.create(model="tiny/1", prompt=FIM, max_tokens=4, echo=True)
+        raise AssertionError("echo=True was served")
+    except BadRequestError as err:
+        assert "echo" in str(err)
+    assert len(gw.rows(completions)) == before + 2  # the two served, none of the refused
+    cards = client.models.list().data
+    assert [c.id for c in cards] == ["tiny/1"] and cards[0].owned_by == "tabrl" and cards[0].created > 1.7e9
+
+
 def test_feedback_is_idempotent_first_answer_wins(gw):
     cid = _complete(gw)["id"]
     first = gw.post("/v1/feedback", {"completion_id": cid, "accepted": True, "accepted_chars": 3})
