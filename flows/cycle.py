@@ -46,6 +46,7 @@ from tasks.deploy.tracking import CycleRuns
 from tasks.deploy.versions import ModelVersion
 from tasks.evaluate.evaluate import Comparison, compare_task
 from tasks.ingest.task import commit_ingest_task, ingest_task
+from tasks.ingest.versioning import ensure_repo
 from tasks.reward.task import reward_task
 from tasks.sim.acceptance import gate_regions
 from tasks.sim.corpus import read_samples
@@ -129,15 +130,18 @@ def online_rl_cycle(
     params_file: str = str(DEFAULT_PARAMS_FILE),
     overrides: list[str] | None = None,
     force: bool = False,
-    repo_dir: str = ".",
+    repo_dir: str | None = None,
     team: str = ORG,
 ) -> CycleReport:
+    """One cycle of `team`; its snapshot is versioned in `repo_dir` (a git + DVC repo), by default
+    paths.snapshots_repo (made on first use), never the project's checkout."""
     params = load_params(params_file, overrides or [])
     log = get_run_logger()
     runs = CycleRuns(params, check_team(team))
     try:
         with cycle_slot(params.paths.database_url, team):  # one cycle of a team at a time: a second ends now
-            return _cycle(params, runs, log, force, Path(repo_dir))
+            repo = Path(repo_dir) if repo_dir else ensure_repo(Path(params.paths.snapshots_repo))
+            return _cycle(params, runs, log, force, repo)
     except CycleRunning as err:  # only the cycle slot's own refusal: an arms wait that timed out fails the cycle
         return _skipped(runs, log, "another cycle is running", f"{err}; the next scheduled cycle tries again")
 

@@ -40,6 +40,7 @@ from tasks.core.vllm import recorded_servers, restart_recorded, stop_vllm_at
 from tasks.deploy.arms import serve_champion, sync_adapters
 from tasks.deploy.model_cache import resolve_model_dir
 from tasks.deploy.registry import Registry
+from tasks.ingest.versioning import ensure_repo
 from tasks.sim.editor import read_regions, regions_path
 from tasks.sim.sessions import merge_typing
 from tasks.sim.users import make_users
@@ -237,17 +238,9 @@ def _serving_eval(report, promoted: bool) -> dict:
 
 def snapshot_repo(path: Path) -> Path:
     """A git + DVC repo of its own for the loop's snapshots (the project's git history is left alone)."""
-    path.mkdir(parents=True)
-    for cmd in (
-        ["git", "init", "-q"],
-        ["git", "config", "user.name", "tabrl"],
-        ["git", "config", "user.email", "tabrl@localhost"],
-        [sys.executable, "-m", "dvc", "init", "-q"],
-        [sys.executable, "-m", "dvc", "config", "core.analytics", "false"],
-        ["git", "commit", "-qm", "tabrl interaction snapshots"],
-    ):
-        subprocess.run(cmd, cwd=path, check=True)
-    return path
+    if path.exists():
+        raise FileExistsError(f"{path} exists: a loop's snapshot repo starts empty")
+    return ensure_repo(path)
 
 
 def _promote_now(params: Params) -> None:

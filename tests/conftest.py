@@ -68,6 +68,7 @@ def tiny_params(tmp: Path | None = None, **sections) -> Params:
             "state_dir": str(tmp / "state"),
             "data_dir": str(tmp / "data"),
             "models_dir": str(tmp / "models"),
+            "snapshots_repo": str(tmp / "snapshots"),
         }
     for name, values in sections.items():
         tree.setdefault(name, {}).update(values)

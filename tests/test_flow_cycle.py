@@ -67,7 +67,8 @@ def _dvc_repo(path):
 def write_cycle_inputs(tmp_path, repo, fim_samples, typing_regions, n_samples: int = 16, **sections):
     """(params, params file) of a cycle test, snapshots inside the DVC repo, with its held-out FIM samples and
     typing regions written where the cycle reads them."""
-    sections = {**sections, "paths": {"data_dir": str(repo / "data"), **sections.get("paths", {})}}
+    paths = {"data_dir": str(repo / "data"), "snapshots_repo": str(repo)}
+    sections = {**sections, "paths": {**paths, **sections.get("paths", {})}}
     params = tiny_params(tmp_path, **sections)
     params_file = tmp_path / "params.yaml"
     params_file.write_text(yaml.safe_dump(params.model_dump(mode="json")))

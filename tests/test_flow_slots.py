@@ -28,7 +28,7 @@ from tests.test_flow_cycle import (
 
 
 def _runner(repo, params_file, env, log_path):
-    """`tabrl schedule` serving both deployments from the project repo (a cycle's repo_dir is `.`)."""
+    """`tabrl schedule` serving both deployments from the project repo (its snapshots repo: write_cycle_inputs')."""
     log = open(log_path, "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "flows.cli", "schedule", "--params", str(params_file)],

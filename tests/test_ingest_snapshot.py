@@ -264,3 +264,46 @@ def test_each_team_snapshots_its_own_rows_and_the_org_those_teams_share(tmp_path
         add_completions(engine, fresh)
         quick = params.model_copy(update={"ingest": params.ingest.model_copy(update={"feedback_timeout_s": 1.0})})
         assert ids(run_ingest(engine, quick, tmp_path, 1000.0, "alpha")) == {"f0", "f2", "f4"}
+
+
+def test_a_cycle_versions_its_snapshot_in_the_snapshots_repo_and_leaves_the_checkout_clean(
+    tmp_path, monkeypatch, prefect_harness, mlflow_store, tiny_model_dir
+):
+    """Issue 58, item 5: snapshots are versioned in a data repository of their own (paths.snapshots_repo, made on
+    first use), not committed on the project's working branch: after `tabrl ingest` and a cycle run from a checkout,
+    its `git status` is clean and its history has no new commit."""
+    from flows.cli.main import app
+    from flows.cycle import online_rl_cycle
+
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    for cmd in (["git", "init", "-q"], ["git", "config", "user.name", "t"], ["git", "config", "user.email", "t@x"]):
+        subprocess.run(cmd, cwd=checkout, check=True)
+    (checkout / ".gitignore").write_text("state/\n")  # as the project's: local state is not the project's
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=checkout, check=True)
+    subprocess.run(["git", "add", "-A"], cwd=checkout, check=True)
+    subprocess.run(["git", "commit", "-qm", "the project"], cwd=checkout, check=True)
+    monkeypatch.chdir(checkout)
+    paths = {"data_dir": "data", "snapshots_repo": "state/snapshots"}
+    params = tiny_params(tmp_path, paths=paths, model={"base_dir": str(tiny_model_dir)})
+    params = params.model_copy(update={"train": params.train.model_copy(update={"min_rows": 10**6})})
+    params_file = tmp_path / "params.yaml"
+    params_file.write_text(yaml.safe_dump(params.model_dump(mode="json")))
+    with Store(params.paths.database_url) as opened:
+        add_completions(opened.engine, _rows(10, 0, 100.0))
+        result = CliRunner().invoke(app, ["ingest", "--params", str(params_file)])
+        assert result.exit_code == 0 and "committed" in result.output, result.output
+        add_completions(opened.engine, _rows(10, 10, 100.0))
+    report = online_rl_cycle(str(params_file), [])  # ingests and versions, then too few rows to train on
+    assert report.status == "skipped" and "too few rows" in report.reason
+    snapshots = checkout / "state" / "snapshots"
+    versioned = sorted(p.name for p in (snapshots / "data" / "interactions").glob("*.parquet.dvc"))
+    assert versioned == ["interactions-000000000001-000000000010.parquet.dvc"] + [
+        "interactions-000000000011-000000000020.parquet.dvc"
+    ]
+    log = subprocess.run(["git", "log", "--format=%s"], cwd=snapshots, capture_output=True, text=True, check=True)
+    assert log.stdout.count("ingest: snapshot") == 2
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=checkout, capture_output=True, text=True)
+    assert status.stdout == ""
+    history = subprocess.run(["git", "log", "--format=%s"], cwd=checkout, capture_output=True, text=True)
+    assert history.stdout.split("\n")[0] == "the project"

@@ -86,6 +86,7 @@ def write_params(out: Path, repo: Path, db_url: str, redis_port: int, cycle_ever
             "models_dir": str(out / "state" / "models"),
             "database_url": db_url,
             "mlflow_tracking_uri": f"sqlite:///{out / 'state' / 'mlflow.db'}",
+            "snapshots_repo": str(repo),  # the soak's own repo: the reconciliation reads its snapshots there
         },
         "serving": {"port": free_port(), "redis_url": f"redis://127.0.0.1:{redis_port}/0"},
         "deploy": {

@@ -36,7 +36,10 @@ TeamOpt = Annotated[str, typer.Option(help="The team whose cycle it is (`org`: t
 
 def cycle_cmd(
     force: Annotated[bool, typer.Option(help="Train even while a challenger is still under test.")] = False,
-    repo: Annotated[Path, typer.Option(help="Project repo (DVC) the snapshot is versioned in.")] = Path("."),
+    repo: Annotated[
+        Path | None,
+        typer.Option(help="The git + DVC repo the snapshot is versioned in (default: paths.snapshots_repo)."),
+    ] = None,
     team: TeamOpt = ORG,
     params: ParamsOpt = DEFAULT_PARAMS_FILE,
     set_: SetOpt = None,
@@ -52,7 +55,7 @@ def cycle_cmd(
     except ValueError as err:
         fail(f"--team: {err}", 2)
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-    report = online_rl_cycle(str(params), list(set_ or []), force=force, repo_dir=str(repo), team=team)
+    report = online_rl_cycle(str(params), list(set_ or []), force=force, repo_dir=repo and str(repo), team=team)
     console.print(f"cycle {report.status}: {report.reason}")
     if report.version:
         console.print(f"challenger: {report.version}  (MLflow run {report.run_id})")
@@ -92,7 +95,13 @@ def schedule_cmd(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) -
     serve(cycle, decision)
 
 
-RepoOpt = Annotated[Path, typer.Option(help="Project repo (DVC) on the cpu hosts; recorded as an absolute path.")]
+RepoOpt = Annotated[
+    Path,
+    typer.Option(
+        help="The project's checkout on the cpu hosts, where their flow runs run (paths relative to it); recorded "
+        "as an absolute path."
+    ),
+]
 
 
 def _ensure_pools(*pools: str) -> None:
@@ -146,9 +155,9 @@ def deploy_cmd(
     # directory, where params' relative paths, data/fim among them, name nothing); a gpu host has no such checkout.
     in_repo = {"job_variables": {"working_dir": str(repo.resolve())}}
     deployments = [
-        online_rl_cycle.to_deployment(
+        online_rl_cycle.to_deployment(  # snapshots in paths.snapshots_repo, relative to the repo (working_dir)
             name="online-rl-cycle",
-            parameters={**args, "repo_dir": str(repo.resolve())},
+            parameters=args,
             work_pool_name=cp.cpu_pool,
             schedules=cycle_schedules(p),
             **by_module,

@@ -15,8 +15,12 @@ from tasks.core.config import DEFAULT_PARAMS_FILE
 
 def ingest_cmd(
     repo: Annotated[
-        Path, typer.Option(help="Project repo: snapshots go under its data dir; DVC-versioned if it is a DVC repo.")
-    ] = Path("."),
+        Path | None,
+        typer.Option(
+            help="The repo snapshots go in, under its data dir; DVC-versioned if it is a DVC repo "
+            "(default: paths.snapshots_repo, a git + DVC repo made on first use)."
+        ),
+    ] = None,
     now: Annotated[float | None, typer.Option(help="Decide outcomes as of this unix time (default: now).")] = None,
     params: ParamsOpt = DEFAULT_PARAMS_FILE,
     set_: SetOpt = None,
@@ -24,11 +28,13 @@ def ingest_cmd(
     """Pull the log store since the watermark, clean, write a DVC-versioned Parquet snapshot, advance the watermark."""
     from tasks.core.store import open_store
     from tasks.ingest.snapshot import IngestError, run_ingest
+    from tasks.ingest.versioning import ensure_repo
 
     p = params_or_exit(params, set_)
     with open_store(p.paths.database_url) as engine:
         try:
-            result = run_ingest(engine, p, repo, time.time() if now is None else now)
+            snapshots = repo if repo is not None else ensure_repo(Path(p.paths.snapshots_repo))
+            result = run_ingest(engine, p, snapshots, time.time() if now is None else now)
         except (IngestError, ValueError) as err:
             fail(str(err), 2)
     table = Table(title=f"Cleaning report (completions seq {result.first_seq}..{result.last_seq})")

@@ -26,6 +26,24 @@ def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return proc
 
 
+def ensure_repo(path: Path) -> Path:
+    """The git + DVC repository at `path`, made when missing (git init with an identity of its own, dvc init,
+    analytics off, one commit): where snapshots are versioned, not the project's checkout."""
+    if (path / ".dvc").is_dir() and (path / ".git").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    for cmd in (
+        ["git", "init", "-q"],
+        ["git", "config", "user.name", "tabrl"],
+        ["git", "config", "user.email", "tabrl@localhost"],
+        [sys.executable, "-m", "dvc", "init", "-q"],
+        [sys.executable, "-m", "dvc", "config", "core.analytics", "false"],
+        ["git", "commit", "-qm", "tabrl interaction snapshots"],
+    ):
+        _run(cmd, path)
+    return path
+
+
 def version_with_dvc(repo_dir: Path, path: Path, remote: str | None = None) -> str:
     """``dvc add`` the snapshot, ``dvc push`` it to `remote` (when given) and commit its .dvc file (only
     those paths); skip with a warning outside DVC."""

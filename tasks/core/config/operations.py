@@ -273,13 +273,18 @@ class ClusterParams(Section):
     train_poll_s: float = Field(5.0, gt=0)
     """Seconds between the cycle's looks at the training run's state."""
     dvc_remote: str | None = None
-    """DVC remote (a name from `dvc remote add` in the project repo) every snapshot is pushed to after
-    `dvc add`; null: snapshots stay in the local DVC cache (one machine)."""
+    """DVC remote (a name from `dvc remote add` in the snapshots repo, paths.snapshots_repo) every snapshot is pushed
+    to after `dvc add`; null: snapshots stay in the local DVC cache (one machine)."""
 
 
 class PathsParams(Section):
     data_dir: str = "data"
-    """Corpus, FIM samples and interaction snapshots."""
+    """Corpus and FIM samples (the held-out files the gates read); interaction snapshots go under it in the snapshots
+    repo."""
+    snapshots_repo: str = "state/snapshots"
+    """The git + DVC repository the cycles' interaction snapshots are versioned in (`dvc add`, a commit of the
+    `.dvc` file), made on first use: a data repository of its own, so the project's working branch gets no commit per
+    cycle. Snapshots land in its `<data_dir>/interactions` (a team's in `<data_dir>/teams/TEAM/interactions`)."""
     models_dir: str = "models"
     """Checkpoints (base and trained)."""
     state_dir: str = "state"
