@@ -21,7 +21,10 @@ neither the registry nor the ingest watermark.
 
 from __future__ import annotations
 
+import socket
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlflow
@@ -56,8 +59,26 @@ def train_step(rewarded: Path, lineage: Lineage, params: Params, run_id: str) ->
         return train_on_pool(rewarded, lineage.champion.uri, params, run_id, base.uri if base else None)
     trained_dir = candidate_dir(params, run_id)
     adapter_base = str(lineage.base_dir) if base else None
-    result = train_task(str(rewarded), str(lineage.champion_dir), str(trained_dir), params, None, adapter_base)
+    with system_metrics(run_id, params):
+        result = train_task(str(rewarded), str(lineage.champion_dir), str(trained_dir), params, None, adapter_base)
     return result, trained_dir
+
+
+@contextmanager
+def system_metrics(run_id: str, params: Params) -> Iterator[None]:
+    """MLflow's system metrics (CPU, memory, disk, network; GPU where pynvml finds one) of this host into the cycle's
+    run while it trains, as `system/<host>/...`: the training host's, apart from any other host's. Sampled every
+    MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL seconds (MLflow's default 10)."""
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(
+        run_id, node_id=socket.gethostname(), tracking_uri=params.paths.mlflow_tracking_uri, resume_logging=True
+    )
+    monitor.start()
+    try:
+        yield
+    finally:
+        monitor.finish()
 
 
 def train_on_pool(
@@ -119,7 +140,10 @@ def train_from_references(
         )
         candidate = Path(tmp) / "candidate"
         try:
-            result = train_task(snapshot, str(from_dir), str(candidate), here, mlflow_run_id=run_id, base_dir=base_dir)
+            with system_metrics(run_id, here):
+                result = train_task(
+                    snapshot, str(from_dir), str(candidate), here, mlflow_run_id=run_id, base_dir=base_dir
+                )
         except TrainingDiverged as err:
             runs.tag(run_id, {vocab.TRAIN_OUTCOME: "diverged", vocab.TRAIN_REASON: str(err)[:5000]})
             return None

@@ -166,3 +166,50 @@ def test_a_version_description_links_its_run_snapshot_and_gate(tmp_path, mlflow_
     registry.append_description(cand, "A/B decision: **promoted**.")
     after = client.get_model_version(cand.name, str(cand.version)).description
     assert after.startswith(mv.description) and after.endswith("\n\nA/B decision: **promoted**.")
+
+
+def test_mlflow_loads_the_champion_and_an_adapter_version_in_a_fresh_process_and_completes(
+    tmp_path, mlflow_store, tiny_model_dir, tiny_adapter_dir, fim_samples
+):
+    """Issue 58, item 3: a registered version is an MLflow pyfunc model (tasks/deploy/mlflow_model.py): MLflow's own
+    `mlflow.pyfunc.load_model("models:/NAME@alias")`, in a process of its own, loads the full champion and the
+    adapter challenger (on its recorded base) and completes a prompt; the adapter completes as tabrl does."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tasks.core.generate import load_model
+
+    params = tiny_params(tmp_path)
+    registry, runs = Registry(params), CycleRuns(params)
+    base = registry.ensure_champion(tiny_model_dir)
+    adapter = registry.register(tiny_adapter_dir, runs.start(), base=base)
+    registry.set_alias(CHALLENGER, adapter.version)
+    template = load_model(tiny_model_dir).template  # the prompts the adapter was trained to answer otherwise
+    prompts = [template.render(s["prefix"][-300:], s["suffix"][:60]) for s in fim_samples[:16]]
+    script = (  # MLflow's load and tabrl's own, in one process (greedy on a near-uniform tiny model: same threads)
+        "import json, sys, mlflow\n"
+        "from tasks.core.generate import generate, load_model\n"
+        "prompts, dirs, out = json.loads(sys.argv[1]), json.loads(sys.argv[2]), {}\n"
+        "for alias in ('champion', 'challenger'):\n"
+        f"    model = mlflow.pyfunc.load_model('models:/{registry.name}@' + alias)\n"
+        "    lm = load_model(dirs[alias])\n"
+        "    out[alias] = (model.predict(prompts, params={'max_tokens': 32}),\n"
+        "                  [g.text for g in generate(lm.model, lm.tokenizer, lm.template, prompts, 32)])\n"
+        "print(json.dumps(out))\n"
+    )
+    dirs = {"champion": str(tiny_model_dir), "challenger": str(tiny_adapter_dir)}
+    done = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(prompts), json.dumps(dirs)],
+        env={**os.environ, "MLFLOW_TRACKING_URI": mlflow_store},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    for alias, (loaded, expected) in got.items():
+        assert loaded == expected, (alias, loaded, expected)
+    assert got["champion"][0] != got["challenger"][0], "the adapter answers otherwise than its base"

@@ -106,6 +106,7 @@ def test_cycle_registers_and_rolls_out_a_challenger(
 ):
     repo = _dvc_repo(tmp_path / "repo")
     monkeypatch.chdir(repo)
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")  # the training's system metrics, each second
     sections = {
         "simulator": EVERY_ANSWER_TAKEN,
         "serving": {"auth": False, "temperature": 1.0, "max_tokens": 1},
@@ -137,6 +138,9 @@ def test_cycle_registers_and_rolls_out_a_challenger(
     for key in ("ingest/rows", "eval/reward_per_request", "eval/champion/reward_per_request", "train/loss"):
         assert key in run.data.metrics, key
     assert run.data.params["train.lr"] == "0.01" and run.data.tags["tabrl.cycle_status"] == report.status
+    assert any(k.startswith("system/") and k.endswith("/cpu_utilization_percentage") for k in run.data.metrics)
+    (trained_on,) = run.inputs.dataset_inputs  # the snapshot, as the run's dataset (the MLflow UI's Datasets)
+    assert trained_on.dataset.name.endswith(snapshot.name) and trained_on.tags[0].value == "training"
     assert report.status == "deployed", report.reason
     version = registry.aliased(CHALLENGER)
     assert version is not None and version.label == report.version and version.version == champion.version + 1

@@ -6,7 +6,8 @@
   is not that version's weights is refused.
   MLflow 3.17's ``register_model('runs:/..')`` refuses plain folders (it wants an MLmodel file), so the
   folder is logged once as its cycle run's ``model`` artifact and the version is created by reference
-  to it with ``MlflowClient.create_model_version(source=<run artifact uri>/model)``. The version's
+  to it with ``MlflowClient.create_model_version(source=<run artifact uri>/model)``. An ``MLmodel`` file beside
+  the checkpoint makes it an MLflow pyfunc model too (``mlflow.pyfunc.load_model``: ``mlflow_model.py``). The version's
   description links its run, its snapshot and the gate's numbers; the A/B decision adds its own.
 * Aliases ``champion`` (serves 100 % unless a test runs) and ``challenger`` (under A/B test).
 * Each team is one registered model of its own, ``deploy.registered_model``.TEAM (tag ``tabrl.team``), with its
@@ -38,6 +39,7 @@ from tasks.core.config import Params
 from tasks.core.store import CHAMPION
 from tasks.core.teams import ORG, scoped
 from tasks.deploy.errors import DeployError
+from tasks.deploy.mlflow_model import log_mlmodel
 from tasks.deploy.model_cache import resolve_model_dir, version_dir
 from tasks.deploy.tracking import CycleRuns, get_run, tracking_client
 from tasks.deploy.versions import ModelVersion, version_named
@@ -98,6 +100,7 @@ class Registry:
             )
         run = get_run(self.client, run_id)
         self.client.log_artifacts(run_id, str(model_dir), MODEL_ARTIFACT)
+        log_mlmodel(self.client, run_id, MODEL_ARTIFACT)  # the folder is an MLflow pyfunc model too (mlflow_model.py)
         self._ensure_registered_model()
         version_tags = {vocab.CYCLE_RUN_ID: run_id, **adapter_tags, **(tags or {})}
         for key in vocab.SNAPSHOT_TAGS:

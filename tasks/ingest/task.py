@@ -23,7 +23,7 @@ from tasks.ingest.snapshot import (
     commit_snapshot,
     write_snapshot,
 )
-from tasks.ingest.tracking import ingest_metrics, ingest_tags
+from tasks.ingest.tracking import ingest_metrics, ingest_tags, snapshot_dataset
 
 
 @task(name="ingest", retries=2, retry_delay_seconds=[10, 60], cache_policy=NO_CACHE)
@@ -36,6 +36,9 @@ def ingest_task(params: Params, repo_dir: Path, now: float | None = None, team: 
     if mlflow.active_run():
         mlflow.log_metrics(ingest_metrics(pending.result))
         mlflow.set_tags(ingest_tags(pending.result, Path(repo_dir)))
+        dataset = snapshot_dataset(pending.result, Path(repo_dir))
+        if dataset is not None:
+            mlflow.log_input(dataset, context="training")
     return pending
 
 

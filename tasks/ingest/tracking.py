@@ -1,4 +1,5 @@
-"""An ingest cycle as MLflow sees it: the snapshot's tags and the cycle's namespaced metrics."""
+"""An ingest cycle as MLflow sees it: the snapshot's tags, the snapshot as the run's dataset input, and the cycle's
+namespaced metrics."""
 
 from __future__ import annotations
 
@@ -29,3 +30,21 @@ def ingest_metrics(result: IngestResult) -> dict[str, float]:
     }
     metrics.update({f"ingest/clean/{key}": value for key, value in result.report.items()})
     return {key: float(value) for key, value in metrics.items()}
+
+
+def snapshot_dataset(result: IngestResult, repo_dir: Path):
+    """The snapshot as an MLflow dataset (`mlflow.log_input(..., context="training")`: the runs view's Datasets
+    column and the run page's inputs): its path as the source, its DVC md5 (else its sha256) as the digest, and
+    the interaction schema's columns; only metadata, the file is not read. None without a snapshot."""
+    if result.snapshot is None or result.sha256 is None:
+        return None
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.types import ColSpec, Schema
+
+    from tasks.core.schema import INTERACTION_SCHEMA
+
+    columns = Schema([ColSpec("string", name) for name in INTERACTION_SCHEMA.names])
+    source = resolve_dataset_source(str(result.snapshot.resolve()))
+    name = display_path(result.snapshot, repo_dir)
+    return MetaDataset(source, name=name, digest=(result.dvc_md5 or result.sha256)[:32], schema=columns)
