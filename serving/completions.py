@@ -31,15 +31,7 @@ from tasks.core.teams import stored
 
 async def completions(gw: Gateway, headers: Mapping[str, str], body: bytes, hang_up: HangUp) -> Answer:
     started = time.perf_counter()
-    req = CompletionRequest.model_validate_json(body)
-    refused = req.unsupported()
-    if refused:
-        raise ApiError(
-            400,
-            f"not served by this gateway: {', '.join(refused)} (leave them out or at OpenAI's defaults; "
-            "docs/how-to/continue.md lists every parameter)",
-            refused[0],
-        )
+    req = _served_request(body)
     caller = await gw.caller_of(headers, req.user)
     explore = gw.s.explore_fraction > 0 and gw.explore_draws.random() < gw.s.explore_fraction
     inputs = normalise_request(req, gw.s, explore)
@@ -79,6 +71,25 @@ async def completions(gw: Gateway, headers: Mapping[str, str], body: bytes, hang
     gw.metrics.served(arm, bool(gen.text), time.perf_counter() - started)
     if explore:
         gw.metrics.explored.labels(arm.name, arm.team).inc()
+    return _answer(req, completion_id, caller, arm, gen)
+
+
+def _served_request(body: bytes) -> CompletionRequest:
+    """The request, or 400 naming the OpenAI parameters it sets that this gateway does not serve (protocol.NEUTRAL)."""
+    req = CompletionRequest.model_validate_json(body)
+    refused = req.unsupported()
+    if refused:
+        raise ApiError(
+            400,
+            f"not served by this gateway: {', '.join(refused)} (leave them out or at OpenAI's defaults; "
+            "docs/how-to/continue.md lists every parameter)",
+            refused[0],
+        )
+    return req
+
+
+def _answer(req: CompletionRequest, completion_id: str, caller: Caller, arm: Arm, gen: Generation) -> Answer:
+    """OpenAI's answer (JSON, or server-sent events) and what the request log says of it."""
     created = int(time.time())
     tabrl = {"arm": arm.name, "model_version": arm.model_version, "logged": caller.logged}
     answer_headers = {"X-Tabrl-Arm": arm.name}
