@@ -307,3 +307,15 @@ def test_a_cycle_versions_its_snapshot_in_the_snapshots_repo_and_leaves_the_chec
     assert status.stdout == ""
     history = subprocess.run(["git", "log", "--format=%s"], cwd=checkout, capture_output=True, text=True)
     assert history.stdout.split("\n")[0] == "the project"
+
+
+def test_a_backlog_drains_in_snapshots_of_at_most_max_rows(tmp_path):
+    """ingest.max_rows: a cycle takes the oldest decided rows up to the cap and moves the watermark there; the
+    next cycles take the rest, each row once (a backlog never makes one training outgrow its timeout)."""
+    params = tiny_params(tmp_path, ingest={"max_rows": 8})
+    with store("sqlite", tmp_path) as engine:
+        add_completions(engine, _rows(20, 0, 100.0))
+        done = [run_ingest(engine, params, tmp_path, 200.0) for _ in range(3)]
+        assert [(r.first_seq, r.last_seq, r.pending) for r in done] == [(1, 8, 12), (9, 16, 4), (17, 20, 0)]
+        taken = [pq.read_table(r.snapshot).column("completion_id").to_pylist() for r in done]
+        assert [c for part in taken for c in part] == [f"r{i:03d}" for i in range(20)]

@@ -96,6 +96,8 @@ def write_params(out: Path, repo: Path, db_url: str, redis_port: int, cycle_ever
         },
         # a training run lost with its worker is cancelled this long after the cycle started it
         "cluster": {"train_timeout_s": 300},
+        # a snapshot a loaded 2-core machine trains well within that timeout, whatever the backlog (ingest.max_rows)
+        "ingest": {"max_rows": 2000},
     }
     path = out / "params.yaml"
     path.write_text(yaml.safe_dump(params))

@@ -165,13 +165,14 @@ def _decided(r: sa.Row, params: IngestParams) -> Decided:
 def pull_decided(
     conn: Connection, params: IngestParams, after_seq: int, now: float, upto_seq: int | None = None, team: str = ORG
 ) -> Iterator[list[Decided]]:
-    """Chunks of `team`'s decided rows with seq > after_seq, in seq order, up to the cut.
+    """Chunks of `team`'s decided rows with seq > after_seq, in seq order, up to the cut (at most ingest.max_rows).
 
     With ``upto_seq`` (re-running a cycle whose snapshot was written but whose watermark was not
     advanced) the range is fixed and every row in it is taken: they were all decided then.
     """
     horizon = _horizon(conn, after_seq, now, params.commit_grace_s) if upto_seq is None else None
     result = conn.execution_options(yield_per=params.chunk_rows).execute(_query(after_seq, upto_seq, team))
+    taken = 0
     try:
         for part in result.partitions():
             chunk: list[Decided] = []
@@ -183,7 +184,11 @@ def pull_decided(
                     if horizon is not None and r.seq >= horizon:
                         yield chunk
                         return  # behind a gap that may still fill (an insert committing)
+                    if params.max_rows is not None and taken == params.max_rows:
+                        yield chunk
+                        return  # a full snapshot: the rest is the next cycle's
                 chunk.append(_decided(r, params))
+                taken += 1
             yield chunk
     finally:
         result.close()

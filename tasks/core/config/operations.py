@@ -216,6 +216,11 @@ class IngestParams(Section):
     """Rows with longer completions are dropped."""
     min_rows: int = Field(1, ge=1)
     """A snapshot is written only with at least this many clean rows."""
+    max_rows: int | None = Field(20_000, ge=1)
+    """Most decided rows one cycle's snapshot takes, the oldest first; the rest wait for the next cycles. A backlog
+    (a paused schedule, a challenger under test for hours, trainings lost) then drains one bounded snapshot per
+    cycle, instead of making each cycle's training longer than the last until it outlasts cluster.train_timeout_s
+    and none finishes (the soak of 2026-12-06 saw that spiral: docs/results.md). null: every decided row."""
     commit_grace_s: float = Field(60.0, ge=0)
     """A gap in completion sequence numbers followed by a row younger than this may be an insert still
     committing (PostgreSQL hands out numbers before commit); the cycle stops before such a gap."""
