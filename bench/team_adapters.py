@@ -8,9 +8,8 @@ Per backend (`embedded`: the adapters in one PEFT model per base in the gateway 
 the base), as the product runs it: the base is registered and served as the organisation's champion; then teams are
 added one by one, each with its first version (a random rank-`train.lora_rank` adapter on all linear layers,
 registered in its team's model, rolled out and promoted by `rollout()` and `promote()` inside a Prefect flow), until
-1, 4, 16 teams (--counts) have an adapter of their own. At each count the gateway (its own process, no auth)
-takes typing-session requests from held-out regions spread round-robin over the teams (`X-Tabrl-Team`) for
---seconds (wrk, after a warm-up of up to 5 s that is not counted): requests/s, p50, p99, and resident memory (the
+1, 4, 16 teams (--counts) have an adapter of their own. At each count the gateway (`tabrl serve`, no auth) takes
+typing-session requests from held-out regions spread round-robin over the teams (`X-Tabrl-Team`) for --seconds (wrk, after a warm-up of up to 5 s that is not counted): requests/s, p50, p99, and resident memory (the
 gateway's process tree, and the vLLM server's). The time for a new team's first version to go live: registered ->
 serving, the first team's and the last one's. vLLM's server keeps `--max-loras serving.vllm_max_loras` adapters in
 a batch and `--max-cpu-loras` loaded (sized from teams.sources: none here, so 4 by default); at 16 teams the
@@ -36,6 +35,7 @@ from bench import CPU_OVERLAY
 from bench.adapters import random_adapter, tree_rss, typing_bodies
 from bench.loadgen import wrk_bodies
 from flows.cli.console import console, print_table
+from flows.online_loop import start_gateway
 from tasks.core.config import Params, load_params
 from tasks.core.procs import free_port
 from tasks.core.store import open_store
@@ -46,7 +46,6 @@ from tasks.deploy.promote import promote
 from tasks.deploy.registry import Registry
 from tasks.deploy.rollout import rollout
 from tasks.deploy.tracking import CycleRuns
-from tests.support.harness import start_process, stop_process
 
 
 @flow(name="bench-team-version")
@@ -60,7 +59,7 @@ def _go_live(version, params: Params, base_dir: str, team: str) -> float:
     return time.perf_counter() - started
 
 
-def backend_params(args, backend: str, state: Path) -> Params:
+def backend_sets(args, backend: str, state: Path) -> list[str]:
     sets = [
         f"model.base_dir={args.model.resolve()}",
         "train.adapter=lora",
@@ -74,13 +73,15 @@ def backend_params(args, backend: str, state: Path) -> Params:
     ]
     if backend == "vllm":
         sets += [f"serving.vllm_python={args.vllm_python}", f"@{CPU_OVERLAY}"]
-    return load_params(args.params, [*sets, *args.set])
+    limits = ["serving.rate_limit_per_minute=100000000", "serving.rate_limit_per_key_per_minute=100000000"]
+    return [*sets, *limits, *args.set]
 
 
 def run_backend(args, backend: str) -> dict:
     """The counts of one backend, adding teams as it goes; per count the load and memory, and go-live times."""
     state = Path(tempfile.mkdtemp(prefix=f"tabrl-bench-teams-{backend}-"))
-    params = backend_params(args, backend, state)
+    sets = backend_sets(args, backend, state)
+    params = load_params(args.params, sets)
     os.environ["MLFLOW_TRACKING_URI"] = params.paths.mlflow_tracking_uri
     out: dict = {"counts": {}, "go_live_s": []}
     gateway = None
@@ -100,9 +101,10 @@ def run_backend(args, backend: str) -> dict:
                 out["go_live_s"].append({"team": team, "in_flow_s": inside, "total_s": time.perf_counter() - started})
                 teams.append(team)
             if gateway is None:
-                gateway = _gateway(params)
+                port = free_port()
+                gateway = start_gateway(args.params, sets, port, state / "gateway.log")  # the real `tabrl serve`
             spread = [teams[i % len(teams)] for i in range(len(bodies))]
-            url = f"http://127.0.0.1:{gateway.port}/v1/completions"  # type: ignore[attr-defined]
+            url = f"http://127.0.0.1:{port}/v1/completions"
             wrk_bodies(url, bodies, {}, min(5.0, args.seconds / 3), args.concurrency, spread)  # warm-up, not counted:
             # each new team's adapter loads on its first requests (the go-live time has its probe, not this load)
             load = wrk_bodies(url, bodies, {}, args.seconds, args.concurrency, spread)
@@ -110,27 +112,11 @@ def run_backend(args, backend: str) -> dict:
             console.print(f"{backend}, {count} team adapter(s): {out['counts'][count]}", highlight=False)
     finally:
         if gateway is not None:
-            stop_process(gateway)
+            gateway.terminate()
+            gateway.wait(timeout=60)
         for server in recorded_servers(params):
             stop_vllm(server.pid)
     return out
-
-
-def _gateway(params: Params):
-    port = free_port()
-    proc = start_process(
-        "gateway",
-        port,
-        "--db",
-        params.paths.database_url,
-        "--no-auth",
-        "--set",
-        "serving.rate_limit_per_minute=100000000",
-        module="tests.support.harness",
-        timeout_s=120,
-    )
-    proc.port = port  # type: ignore[attr-defined]
-    return proc
 
 
 def _rss_mb(gateway, params: Params) -> dict[str, float]:
