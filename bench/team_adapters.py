@@ -9,12 +9,13 @@ the base), as the product runs it: the base is registered and served as the orga
 added one by one, each with its first version (a random rank-`train.lora_rank` adapter on all linear layers,
 registered in its team's model, rolled out and promoted by `rollout()` and `promote()` inside a Prefect flow), until
 1, 4, 16 teams (--counts) have an adapter of their own. At each count the gateway (`tabrl serve`, no auth) takes
-typing-session requests from held-out regions spread round-robin over the teams (`X-Tabrl-Team`) for --seconds (wrk, after a warm-up of up to 5 s that is not counted): requests/s, p50, p99, and resident memory (the
-gateway's process tree, and the vLLM server's). The time for a new team's first version to go live: registered ->
-serving, the first team's and the last one's. vLLM's server keeps `--max-loras serving.vllm_max_loras` adapters in
-a batch and `--max-cpu-loras` loaded (sized from teams.sources: none here, so 4 by default); at 16 teams the
-adapters are past those slots and vLLM loads one again from disk when a request needs it: the table shows what
-that costs. `--set serving.vllm_max_loras=16` sizes the server for all of them.
+typing-session requests from held-out regions spread round-robin over the teams (`X-Tabrl-Team`) for --seconds (wrk,
+after a warm-up of up to 5 s that is not counted): requests/s, p50, p99, and resident memory (the gateway's process
+tree, and the vLLM server's). The time for a new team's first version to go live: registered -> serving, the first
+team's and the last one's. vLLM's server keeps `--max-loras serving.vllm_max_loras` adapters in a batch and
+`--max-cpu-loras` loaded (sized from teams.sources: none here, so 4 by default); at 16 teams the adapters are past
+those slots and vLLM loads one again from disk when a request needs it: the table shows what that costs. `--set
+serving.vllm_max_loras=16` sizes the server for all of them.
 
 Prints a table and writes bench/out/team_adapters.json. The load generator shares the cores with the servers:
 compare within a backend.
