@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 from importlib.metadata import version as installed_version
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from flows.cli.console import ParamsOpt, SetOpt, console, params_or_exit
+from flows.cli.console import ParamsOpt, SetOpt, console, fail, params_or_exit
 from flows.cli.cycle import cycle_cmd, deploy_cmd, schedule_cmd
 from flows.cli.data import corpus_cmd, data_cmd, ingest_cmd
 from flows.cli.deploy import ab_status_cmd, export_cmd, model_retention_cmd, promote_cmd, rollback_cmd, vllm_app
@@ -65,6 +66,23 @@ def show_params(params: ParamsOpt = DEFAULT_PARAMS_FILE, set_: SetOpt = None) ->
     resolved = params_or_exit(params, set_)
     for key, value in resolved.flat().items():
         console.print(f"{key} = {json.dumps(value)}", highlight=False)
+
+
+@app.command("init", rich_help_panel=DATA, epilog="Example: tabrl init my-service && cd my-service && tabrl params")
+def init_cmd(
+    directory: Annotated[Path, typer.Argument(help="Directory for params.yaml (made when missing).")] = Path("."),
+) -> None:
+    """Write DIRECTORY/params.yaml with the installed tabrl's defaults, each key with its one-line description: what
+    every command reads, outside a checkout of the project. An existing params.yaml is never overwritten."""
+    from tasks.core.config import Params
+    from tasks.core.config.render import params_yaml
+
+    target = directory / DEFAULT_PARAMS_FILE.name
+    if target.exists():
+        fail(f"{target} exists; edit it, or init another directory (nothing is overwritten)", 1)
+    directory.mkdir(parents=True, exist_ok=True)
+    target.write_text(params_yaml(Params(), f"tabrl {installed_version('tabrl')}: the shipped defaults"))
+    console.print(f"wrote {target}: tabrl's defaults; `tabrl params --params {target}` shows them", highlight=False)
 
 
 # name, the function, its panel, one example ("": its docstring ends with one). In `tabrl --help`'s order.

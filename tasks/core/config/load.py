@@ -108,7 +108,9 @@ def load_params(
     if path is not None:
         file = Path(path)
         if not file.is_file():
-            raise ParamsError(f"params file {file} not found (run from the repo root or pass --params PATH)")
+            raise ParamsError(
+                f"params file {file} not found (run where one is, write one with `tabrl init`, or pass --params PATH)"
+            )
         try:
             loaded = yaml.safe_load(file.read_text()) or {}
         except yaml.YAMLError as err:
