@@ -26,7 +26,6 @@ def _sets(params) -> list[str]:
 
 def test_ab_status_and_arms_print_one_json_document_for_scripts(tmp_path):
     params = tiny_params(tmp_path)
-    now = time.time()
     with open_store(params.paths.database_url) as engine:
         arms = [
             Arm(CHAMPION, "m/1", "/models/a", "embedded", 0.5),
@@ -34,9 +33,13 @@ def test_ab_status_and_arms_print_one_json_document_for_scripts(tmp_path):
         ]
         replace_arms(engine, arms)
         replace_arms(engine, [Arm(CHAMPION, "m.alpha/1", "/models/a", "embedded", 1.0, team="alpha")], "alpha")
-        rows = [completion_row(f"c{i}", now + 1, arm=[CHAMPION, CHALLENGER][i % 2], model_version="") for i in range(6)]
+        # after the arms were written (the A/B window's start) and before the command looks (its `now`): a look
+        # counts only what exists as of its own clock
+        now = time.time() + 0.01
+        rows = [completion_row(f"c{i}", now, arm=[CHAMPION, CHALLENGER][i % 2], model_version="") for i in range(6)]
         add_completions(engine, [dict(r, model_version=["m/1", "m/2"][i % 2]) for i, r in enumerate(rows)])
-        add_feedback(engine, "c0", True, now + 2)
+        add_feedback(engine, "c0", True, now + 0.01)
+    time.sleep(0.05)
     status = runner.invoke(app, ["ab-status", "--output", "json", *_sets(params)])
     assert status.exit_code == 0, status.output
     document = json.loads(status.output)  # nothing but the document on stdout

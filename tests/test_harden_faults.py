@@ -382,7 +382,7 @@ def test_mlflow_down_mid_rollout_restores_the_arms(
     down = _down(params, monkeypatch)
 
     @rollout_mod.task(name="check-arms")
-    def mlflow_goes_down(expected, p):
+    def mlflow_goes_down(expected, p, team):
         import mlflow
 
         mlflow.set_tracking_uri(down.paths.mlflow_tracking_uri)

@@ -174,7 +174,7 @@ def test_a_third_engine_plugs_in_with_one_registry_entry(
     assert {a.name: a.backend for a in read_arms(store)} == {CHAMPION: "fake", CHALLENGER: "fake"}
 
     @rollout_mod.task(name="check-arms")
-    def failing_check(expected, params):
+    def failing_check(expected, params, team):
         raise DeployError("injected")
 
     second = registry.register(tiny_model_dir, CycleRuns(params).start())

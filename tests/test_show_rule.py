@@ -199,7 +199,7 @@ def test_the_gateway_explores_a_fraction_of_requests_at_the_looser_cut(tmp_path,
         "seed": 5,
     }
     answers, rows, metrics = _serve_base(tmp_path, _prompts(lm, fim_samples, n=16), serving)
-    explored = int(float(re.search(r'tabrl_explored_total\{arm="champion"\} (\S+)', metrics).group(1)))
+    explored = int(float(re.search(r'tabrl_explored_total\{arm="champion",team="org"\} (\S+)', metrics).group(1)))
     assert 0 < explored < len(answers)  # seed 5's draws: some requests explore, some do not
     stop_ids = set(lm.tokenizer.convert_tokens_to_ids(list(stops_of(lm.template, lm.tokenizer))))
     loose = 0
