@@ -148,25 +148,14 @@ def run_setting(args, seed: int, setting: str) -> dict:
 
 def _traffic(params, port: int, users: dict, keys: dict, cycle: int, seed: int, requests: int) -> None:
     """Each team's users type `requests` of this cycle's window of their own train regions."""
-    from serving.simulate import run_simulation
+    from flows.online_loop import cycle_regions, simulate_cycle
     from tasks.sim.editor import read_regions, regions_path
     from tasks.sim.team_data import held_out_dir
 
     for team, group in users.items():
         regions = read_regions(regions_path(held_out_dir(params, team), "train"))
-        per_cycle = max(len(group), requests // 4)
-        window = [regions[((cycle - 1) * per_cycle + i) % len(regions)] for i in range(per_cycle)]
-        run_simulation(
-            f"http://127.0.0.1:{port}",
-            window,
-            group,
-            requests,
-            api_keys=keys,
-            concurrency=4,
-            seed=seed * 1000 + cycle,
-            traffic=params.traffic,
-            simulator=params.simulator,
-        )
+        per_cycle = cycle_regions(len(group), requests)
+        simulate_cycle(port, regions, per_cycle, cycle, group, requests, seed, params, keys)
 
 
 def _promote(params, team: str) -> None:

@@ -91,10 +91,19 @@ def cycle_regions(n_users: int, requests: int) -> int:
     return max(n_users, requests // 4)
 
 
-def _simulate(
-    port: int, traffic: list, per_cycle: int, cycle: int, users: list, requests: int, seed: int, params: Params
+def simulate_cycle(
+    port: int,
+    traffic: list,
+    per_cycle: int,
+    cycle: int,
+    users: list,
+    requests: int,
+    seed: int,
+    params: Params,
+    api_keys: dict[str, str] | None = None,
 ):
-    """One cycle's traffic: the users type this cycle's window of regions through the gateway on `port`."""
+    """One cycle's traffic: the users type this cycle's window of regions through the gateway on `port` (with
+    their API keys when given)."""
     offset = (cycle - 1) * per_cycle
     window = [traffic[(offset + i) % len(traffic)] for i in range(per_cycle)]
     return run_simulation(
@@ -102,7 +111,7 @@ def _simulate(
         window,
         users,
         requests,
-        api_keys=None,
+        api_keys=api_keys,
         concurrency=4,
         seed=seed * 1000 + cycle,
         traffic=params.traffic,
@@ -148,7 +157,7 @@ def run_online_loop(
         while len(rows) < cycles:
             cycle = len(rows) + 1
             started = time.perf_counter()
-            by_arm = _simulate(port, traffic, per_cycle, cycle, users, requests, seed, params)
+            by_arm = simulate_cycle(port, traffic, per_cycle, cycle, users, requests, seed, params)
             traffic_s = time.perf_counter() - started
             time.sleep(params.ingest.feedback_timeout_s + 0.5)
             decision = ab_decision(params_file, overrides, ORG)[ORG] if ab_test and len(by_arm) > 1 else None

@@ -9,8 +9,6 @@ rewards, and the candidate would greedily show a blank then stop (a blank counts
 """
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import mlflow
@@ -26,6 +24,7 @@ from tasks.deploy.model_cache import candidate_dir, resolve_model_dir
 from tasks.deploy.promote import rollback
 from tasks.deploy.registry import Registry
 from tasks.deploy.tracking import CycleRuns
+from tasks.ingest.versioning import ensure_repo
 from tasks.sim.corpus import write_samples
 from tasks.sim.editor import regions_path, write_regions
 from tasks.sim.users import make_users
@@ -51,17 +50,8 @@ EVERY_ANSWER_TAKEN = {"personas": ACCEPT_ALL, "client": "waits"}
 
 
 def _dvc_repo(path):
-    path.mkdir()
-    for cmd in (
-        ["git", "init", "-q"],
-        ["git", "config", "user.name", "t"],
-        ["git", "config", "user.email", "t@x"],
-        [sys.executable, "-m", "dvc", "init", "-q"],
-        [sys.executable, "-m", "dvc", "config", "core.analytics", "false"],
-        ["git", "commit", "-qm", "init"],
-    ):
-        subprocess.run(cmd, cwd=path, check=True)
-    return path
+    assert not path.exists()
+    return ensure_repo(path)  # git + DVC, an identity of its own (CI may have none)
 
 
 def write_cycle_inputs(tmp_path, repo, fim_samples, typing_regions, n_samples: int = 16, **sections):
