@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from serving.errors import ANSWERED, ApiError, error_answer, error_body
 from serving.logs import log_request
 from serving.metrics import Metrics
-from serving.protocol import Answer, encode_json, sse_chunks
+from serving.protocol import SSE_DONE, Answer, encode_json, sse_chunk
 
 CLIENT_GONE = 499  # the request log's status of a request whose client hung up before the answer (nginx's code)
 
@@ -56,6 +56,10 @@ class HangUp:
 
     async def wait(self) -> None:
         await self._seen.wait()
+
+    def set(self) -> None:
+        """The client is known to be gone another way (the server closed its stream)."""
+        self._seen.set()
 
     def close(self) -> None:
         if self._task is not None:
@@ -131,6 +135,9 @@ class HotRoutes:
         try:
             body = await self._body(receive, headers.get("content-length"))
             answer = await handler(headers, body, hang_up)
+            if answer.stream is not None:  # a streamed completion: its events come while it is generated
+                await self._stream(scope, send, answer, started)
+                return
         except ClientGone:
             log_request(scope["path"], CLIENT_GONE, time.perf_counter() - started, {})
             return
@@ -140,18 +147,28 @@ class HotRoutes:
             hang_up.close()
         self.metrics.requests.labels(scope["path"], str(answer.status)).inc()
         extra = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers.items()]
-        if answer.events:
-            start = [(b"content-type", b"text/event-stream; charset=utf-8"), *extra]
-            await send({"type": "http.response.start", "status": answer.status, "headers": start})
-            for chunk in sse_chunks(answer.events):
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b""})
-        else:
-            content = encode_json(answer.body)
-            start = [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode()), *extra]
-            await send({"type": "http.response.start", "status": answer.status, "headers": start})
-            await send({"type": "http.response.body", "body": content})
+        content = encode_json(answer.body)
+        start = [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode()), *extra]
+        await send({"type": "http.response.start", "status": answer.status, "headers": start})
+        await send({"type": "http.response.body", "body": content})
         log_request(scope["path"], answer.status, time.perf_counter() - started, answer.record)  # once it is sent
+
+    async def _stream(self, scope, send, answer: Answer, started: float) -> None:
+        """SSE events as the stream yields them: the response starts with its first event (an error before it is
+        answered as any error is, ClientGone raised through), then [DONE]."""
+        assert answer.stream is not None
+        events = aiter(answer.stream)
+        first = await anext(events)
+        self.metrics.requests.labels(scope["path"], str(answer.status)).inc()
+        extra = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers.items()]
+        start = [(b"content-type", b"text/event-stream; charset=utf-8"), *extra]
+        await send({"type": "http.response.start", "status": answer.status, "headers": start})
+        await send({"type": "http.response.body", "body": sse_chunk(first), "more_body": True})
+        async for event in events:
+            await send({"type": "http.response.body", "body": sse_chunk(event), "more_body": True})
+        await send({"type": "http.response.body", "body": SSE_DONE, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+        log_request(scope["path"], answer.status, time.perf_counter() - started, answer.record)
 
     async def _body(self, receive, content_length: str | None) -> bytes:
         check_declared_size(content_length, self.max_body_bytes)
@@ -169,12 +186,20 @@ class HotRoutes:
                 return b"".join(chunks)
 
 
-def as_response(answer: Answer) -> Response:
-    """An Answer as a Starlette response: the same hot routes when FastAPI serves them (without HotRoutes)."""
-    if answer.events:
-        return StreamingResponse(
-            iter(sse_chunks(answer.events)), answer.status, answer.headers, media_type="text/event-stream"
-        )
+async def as_response(answer: Answer) -> Response:
+    """An Answer as a Starlette response: the same hot routes when FastAPI serves them (without HotRoutes). A stream
+    starts once its first event came, as HotRoutes starts it (its headers are set by then)."""
+    if answer.stream is not None:
+        events = aiter(answer.stream)
+        first = await anext(events)
+
+        async def chunks():
+            yield sse_chunk(first)
+            async for event in events:
+                yield sse_chunk(event)
+            yield SSE_DONE
+
+        return StreamingResponse(chunks(), answer.status, answer.headers, media_type="text/event-stream")
     return Response(encode_json(answer.body), answer.status, answer.headers, media_type="application/json")
 
 
@@ -183,11 +208,12 @@ def fastapi_route(handler: Handler, metrics: Metrics) -> Callable[[Request], Awa
         hang_up = HangUp(request.receive)
         try:
             answer = await handler(request.headers, await request.body(), hang_up)
+            response = await as_response(answer)
         except ClientGone:
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
         finally:
             hang_up.close()
         metrics.requests.labels(request.url.path, str(answer.status)).inc()
-        return as_response(answer)
+        return response
 
     return route

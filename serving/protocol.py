@@ -4,14 +4,13 @@ what a hot route answers before any framework renders it (JSON or server-sent ev
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from tasks.core.generate import Generation
-from tasks.core.store import Arm
 
 
 class StreamOptions(BaseModel):
@@ -98,16 +97,27 @@ class Answer:
     status: int
     body: dict
     headers: dict[str, str] = field(default_factory=dict)
-    events: tuple[dict, ...] = ()  # when given: streamed as SSE `data:` lines, then `data: [DONE]`
     record: dict = field(default_factory=dict)  # what the request log says of it (serving/logs.py): ids, no texts
+    # when given: SSE events as they come (a streamed completion), then `data: [DONE]`; its headers are read once
+    # the first event came (the arm that answers is known by then)
+    stream: AsyncIterator[dict] | None = None
 
 
 def encode_json(body: Any) -> bytes:
     return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
-def sse_chunks(events: tuple[dict, ...]) -> list[bytes]:
-    return [f"data: {json.dumps(event)}\n\n".encode() for event in events] + [b"data: [DONE]\n\n"]
+def sse_chunk(event: dict) -> bytes:
+    return f"data: {json.dumps(event)}\n\n".encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def text_chunk(completion_id: str, created: int, model: str, text: str, extra: dict | None = None) -> dict:
+    """One streamed piece of a suggestion, as OpenAI's completion chunk (`extra`: more top-level fields)."""
+    base = {"id": completion_id, "object": "text_completion", "created": created, "model": model}
+    return {**base, "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": None}], **(extra or {})}
 
 
 def usage(gen: Generation) -> dict[str, int | None]:
@@ -120,20 +130,3 @@ def usage(gen: Generation) -> dict[str, int | None]:
         "completion_tokens": completion,
         "total_tokens": None if prompt is None else prompt + completion,
     }
-
-
-def sse_events(
-    completion_id: str, created: int, arm: Arm, gen: Generation, tabrl: dict, include_usage: bool = False
-) -> tuple[dict, ...]:
-    """OpenAI-style SSE: the text, then the finish reason, then (include_usage) a chunk with the usage and no
-    choices, then [DONE]; the row is already committed."""
-    base = {"id": completion_id, "object": "text_completion", "created": created, "model": arm.model_version}
-    first = {
-        **base,
-        "choices": [{"text": gen.text, "index": 0, "logprobs": None, "finish_reason": None}],
-        "tabrl": tabrl,
-    }
-    last = {**base, "choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": gen.finish_reason}]}
-    if not include_usage:
-        return (first, last)
-    return ({**first, "usage": None}, {**last, "usage": None}, {**base, "choices": [], "usage": usage(gen)})

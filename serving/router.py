@@ -31,7 +31,7 @@ from sqlalchemy.engine import Engine
 
 from serving.errors import ApiError
 from tasks.core.engines import make_backend
-from tasks.core.engines.base import Backend, BackendError, Sampling
+from tasks.core.engines.base import Backend, BackendError, Sampling, TextSink
 from tasks.core.fim import FimPrompt, FimTemplate
 from tasks.core.generate import Generation, ShowRule
 from tasks.core.store import CHAMPION, Arm, read_arms
@@ -146,8 +146,8 @@ class Router:
             return match[0], champion
         return assign(user_id, self.salt, arms), champion
 
-    async def generate(self, arm: Arm, request: FimRequest) -> tuple[str, Generation]:
-        """(the prompt in the arm's template, its generation)."""
+    async def generate(self, arm: Arm, request: FimRequest, on_text: TextSink | None = None) -> tuple[str, Generation]:
+        """(the prompt in the arm's template, its generation); on_text: its settled pieces as they come."""
         backend = self.backend(arm)
         template = await backend.template()
         fim = request.fim
@@ -156,7 +156,7 @@ class Router:
         prompt = template.rerender(fim, request.source)
         stop = tuple(stops_for(template, request))
         sampling = Sampling(request.max_tokens, request.temperature, request.top_p, stop, request.rule)
-        gen = await backend.complete(prompt, sampling)
+        gen = await backend.complete(prompt, sampling, on_text)
         return prompt, gen
 
     async def complete(
@@ -165,17 +165,33 @@ class Router:
         champion: Arm,
         request: FimRequest,
         on_fallback: Callable[[Arm, BackendError], None] = lambda arm, err: None,
+        on_text: Callable[[Arm, str], None] | None = None,
     ) -> tuple[Arm, str, Generation]:
         """(arm that answered, the prompt its model saw, generation). When a challenger's backend fails, the
-        champion answers (on_fallback is told); 502 when the champion itself fails."""
+        champion answers (on_fallback is told); 502 when the champion itself fails. on_text: each settled piece of
+        the suggestion as it comes, with the arm that made it (a streamed answer); an arm that fails after it sent
+        a piece has no champion to fall back to (the client has part of its answer): 502."""
+        sent: list[str] = []
+
+        def sink(for_arm: Arm) -> TextSink | None:
+            if on_text is None:
+                return None
+            tell = on_text
+
+            def told(piece: str) -> None:
+                sent.append(piece)
+                tell(for_arm, piece)
+
+            return told
+
         try:
-            return arm, *await self.generate(arm, request)
+            return arm, *await self.generate(arm, request, sink(arm))
         except BackendError as err:
-            if arm.name == champion.name:
+            if arm.name == champion.name or sent:
                 raise ApiError(502, f"arm {arm.name!r} ({arm.backend} {arm.model_uri}) failed: {err}") from err
             on_fallback(arm, err)
         try:
-            return champion, *await self.generate(champion, request)
+            return champion, *await self.generate(champion, request, sink(champion))
         except BackendError as err:
             raise ApiError(
                 502,

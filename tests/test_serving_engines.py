@@ -45,7 +45,7 @@ class FakeBackend:
     async def template(self) -> FimTemplate:
         return QWEN
 
-    async def complete(self, prompt: str, sampling: Sampling) -> Generation:
+    async def complete(self, prompt: str, sampling: Sampling, on_text=None) -> Generation:
         CALLS.append(("complete", self.arm.model_version))
         return Generation(f"fake:{self.arm.model_version}", [1, 2], [-0.1, -0.2])
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from transformers import (
@@ -295,6 +295,7 @@ def _sample(
     pad_id: int,
     text_stops: Sequence[str],
     abandoned: Callable[[], bool] | None = None,
+    streamer: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """HF generate on the left-padded batch: the (B, new) new tokens and their (B, new, V) logits, on the CPU."""
     width = input_ids.shape[1]
@@ -316,6 +317,7 @@ def _sample(
         pad_token_id=pad_id,
         return_dict_in_generate=True,
         output_logits=True,
+        streamer=streamer,
         **text_stop_kw,
     )
     new_tokens = out.sequences[:, width:].cpu()
@@ -346,11 +348,13 @@ def generate(
     stop: Sequence[str] | None = None,
     rule: ShowRule | None = None,
     abandoned: Callable[[], bool] | None = None,
+    streamer: Any = None,
 ) -> list[Generation]:
     """Complete a batch of prompts in the model's template (left-padded); greedy when temperature == 0.
     stop: the request's stop strings (default: the template's, with the tokenizer's EOS); rule: cut each
     suggestion at its first unsure token; abandoned: asked after every token, True ends the generation there
-    (what it made so far comes back, cut like a length-limited one)."""
+    (what it made so far comes back, cut like a length-limited one); streamer: told of each token of one prompt
+    as it comes (`tasks.core.streaming.feed`)."""
     if not prompts:
         return []
     started = time.perf_counter()
@@ -362,11 +366,21 @@ def generate(
     input_ids, attention = _left_padded(encoded, pad_id)
     if seed is not None:
         torch.manual_seed(seed)
-    sample = temperature > 0
     new_tokens, logits = _sample(
-        model, tokenizer, input_ids, attention, max_new_tokens, temperature, top_p, stops, pad_id, text_stops, abandoned
+        model,
+        tokenizer,
+        input_ids,
+        attention,
+        max_new_tokens,
+        temperature,
+        top_p,
+        stops,
+        pad_id,
+        text_stops,
+        abandoned,
+        streamer,
     )
-    scale = temperature if sample else 1.0
+    scale = temperature if temperature > 0 else 1.0  # greedy: the model's own distribution
     logps = _logps_at(logits, new_tokens, scale)  # (B, new)
     rule_logps = logps
     if rule is not None and rule.temperature != scale:

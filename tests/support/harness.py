@@ -58,7 +58,7 @@ class FastBackend:
     async def template(self) -> FimTemplate:
         return QWEN
 
-    async def complete(self, prompt: str, sampling: Sampling) -> Generation:
+    async def complete(self, prompt: str, sampling: Sampling, on_text=None) -> Generation:
         """The same suggestion every time, shown whole (a show rule is the model's business, not measured here)."""
         return Generation(
             text="return a + b",
@@ -83,7 +83,7 @@ class DelayedBackend:
     async def template(self) -> FimTemplate:
         return await self.inner.template()
 
-    async def complete(self, prompt: str, sampling: Sampling) -> Generation:
+    async def complete(self, prompt: str, sampling: Sampling, on_text=None) -> Generation:
         gen = await self.inner.complete(prompt, sampling)
         try:
             await asyncio.sleep(self.delay_s)

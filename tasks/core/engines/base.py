@@ -10,6 +10,7 @@ many prompts at once (padded together in process, all in flight on vLLM). An eng
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Protocol
@@ -44,12 +45,17 @@ class Sampling:
     rule: ShowRule | None = None  # cut at the first unsure token (serving.min_logprob)
 
 
+TextSink = Callable[[str], None]
+"""Told each piece of a suggestion that is certainly shown (`tasks/core/streaming.py`), as it is generated."""
+
+
 class Backend(Protocol):
-    """How one arm generates in the gateway: one prompt at a time, cancellable."""
+    """How one arm generates in the gateway: one prompt at a time, cancellable. With `on_text`, the suggestion's
+    settled pieces as they come (a streamed answer); the Generation returned is the same either way."""
 
     async def template(self) -> FimTemplate: ...
 
-    async def complete(self, prompt: str, sampling: Sampling) -> Generation: ...
+    async def complete(self, prompt: str, sampling: Sampling, on_text: TextSink | None = None) -> Generation: ...
 
     async def aclose(self) -> None: ...
 

@@ -22,11 +22,12 @@ from typing import ClassVar
 
 from tasks.core.adapters import AdapterBaseError, check_base, is_adapter
 from tasks.core.config import BackendName, Params
-from tasks.core.engines.base import Backend, BackendError, Sampling, Served, ServeError
+from tasks.core.engines.base import Backend, BackendError, Sampling, Served, ServeError, TextSink
 from tasks.core.fim import FimFormatError, FimTemplate
-from tasks.core.generate import Generation, LoadedModel, ModelLoadError, generate, load_model
+from tasks.core.generate import Generation, LoadedModel, ModelLoadError, generate, load_model, split_stops
 from tasks.core.inference import Engine, InProcess
 from tasks.core.store import Arm
+from tasks.core.streaming import Holdback, feed
 from tasks.core.vllm import adapter_name
 
 
@@ -194,26 +195,55 @@ class EmbeddedBackend:
             return lm.template
         return await asyncio.to_thread(self._template)
 
-    def _complete(self, prompt: str, s: Sampling, abandoned: threading.Event) -> Generation | None:
+    def _complete(
+        self, prompt: str, s: Sampling, abandoned: threading.Event, on_text: TextSink | None
+    ) -> Generation | None:
         with self._base.lock:
             if abandoned.is_set():  # cancelled while it waited for the model: never started
                 return None
             if self.adapter is not None and self.name is not None:
-                return self._generate(self._base.with_adapter(self.name, self.adapter), prompt, s, abandoned)
+                lm = self._base.with_adapter(self.name, self.adapter)
+                return self._generate(lm, prompt, s, abandoned, on_text)
             with self._base.base_only() as lm:
-                return self._generate(lm, prompt, s, abandoned)
+                return self._generate(lm, prompt, s, abandoned, on_text)
 
     @staticmethod
-    def _generate(lm: LoadedModel, prompt: str, s: Sampling, abandoned: threading.Event) -> Generation:
-        return generate(
-            *lm, [prompt], s.max_tokens, s.temperature, s.top_p, stop=s.stop, rule=s.rule, abandoned=abandoned.is_set
-        )[0]
+    def _generate(
+        lm: LoadedModel, prompt: str, s: Sampling, abandoned: threading.Event, on_text: TextSink | None
+    ) -> Generation:
+        args = (*lm, [prompt], s.max_tokens, s.temperature, s.top_p)
+        if on_text is None:
+            return generate(*args, stop=s.stop, rule=s.rule, abandoned=abandoned.is_set)[0]
+        stop_ids = set(split_stops(lm.tokenizer, s.stop)[0])  # what generate ends a suggestion at, as it does
+        holdback, sure_ids = Holdback(s.stop), []
 
-    async def complete(self, prompt: str, sampling: Sampling) -> Generation:
-        """The generation, in a worker thread. Cancelled (the client hung up), the thread is told to stop at its next
-        token, so the model is free for the next request at once."""
+        def on_token(token: int, logp: float | None) -> None:  # in this thread, as each token is drawn
+            if token in stop_ids or holdback.closed:
+                return
+            sure = s.rule is None or logp is None or logp >= s.rule.min_logprob
+            if sure:
+                sure_ids.append(token)
+            piece = holdback.release(lm.tokenizer.decode(sure_ids, skip_special_tokens=False), sure)
+            if piece:
+                on_text(piece)
+
+        rule_temperature = s.rule.temperature if s.rule is not None else None
+        with feed(lm.model, on_token, rule_temperature) as streamer:
+            return generate(*args, stop=s.stop, rule=s.rule, abandoned=abandoned.is_set, streamer=streamer)[0]
+
+    async def complete(self, prompt: str, sampling: Sampling, on_text: TextSink | None = None) -> Generation:
+        """The generation, in a worker thread; with on_text, its settled pieces as they come (called in the event
+        loop). Cancelled (the client hung up), the thread is told to stop at its next token, so the model is free
+        for the next request at once."""
         abandoned = threading.Event()
-        work = asyncio.ensure_future(asyncio.to_thread(self._complete, prompt, sampling, abandoned))
+        sink = None
+        if on_text is not None:
+            loop = asyncio.get_running_loop()
+
+            def sink(piece: str) -> None:
+                loop.call_soon_threadsafe(on_text, piece)
+
+        work = asyncio.ensure_future(asyncio.to_thread(self._complete, prompt, sampling, abandoned, sink))
         try:
             gen = await asyncio.shield(work)
         except asyncio.CancelledError:

@@ -30,7 +30,7 @@ import httpx
 
 from tasks.core.adapters import AdapterBaseError, check_base, is_adapter, read_base
 from tasks.core.config import BackendName, Params
-from tasks.core.engines.base import Backend, BackendError, Sampling, Served, ServeError, UnknownModel
+from tasks.core.engines.base import Backend, BackendError, Sampling, Served, ServeError, TextSink, UnknownModel
 from tasks.core.fim import FimFormatError, FimTemplate, template_for_model_name
 from tasks.core.generate import Generation, merged_dir, model_template, save_merged, stops_of
 from tasks.core.inference import Engine, VllmEngine
@@ -270,9 +270,10 @@ class VLLMBackend:
             raise BackendError(f"vLLM at {self.base_url}{path} answered {response.status_code}: {response.text[:300]}")
         return response.json()
 
-    async def complete(self, prompt: str, sampling: Sampling) -> Generation:
+    async def complete(self, prompt: str, sampling: Sampling, on_text: TextSink | None = None) -> Generation:
         """The show rule is applied to the log-probs vLLM returns, those under logits / temperature
-        (--logprobs-mode processed_logprobs): the rule's own when the request runs at the serving temperature."""
+        (--logprobs-mode processed_logprobs): the rule's own when the request runs at the serving temperature.
+        on_text: told nothing before the end (vLLM's answer is read whole; the gateway sends it in one piece)."""
         started = time.perf_counter()
         try:
             body = await self._complete(prompt, sampling)
