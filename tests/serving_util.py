@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import httpx
@@ -9,7 +10,7 @@ import pytest
 
 from tests.support.harness import serve_app, throwaway_schema
 
-__all__ = ["post_completions", "serve_app", "store_url"]
+__all__ = ["post_completions", "serve_app", "store_url", "streamed_chunks"]
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -36,3 +37,18 @@ def post_completions(url: str, key: str, prompts, timeout_s: float = 60.0, **bod
         )
         for p in prompts
     ]
+
+
+def streamed_chunks(url: str, key: str, prompt: str, **body) -> list[dict]:
+    """POST /v1/completions with stream: true: the SSE chunks before `data: [DONE]` (checked to end the stream)."""
+    with httpx.stream(
+        "POST",
+        url + "/v1/completions",
+        json={"prompt": prompt, "stream": True, **body},
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=60,
+    ) as response:
+        assert response.status_code == 200, response.read()
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]

@@ -3,7 +3,6 @@ logged row exactly what the same request unstreamed logs."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import httpx
@@ -16,7 +15,7 @@ from tasks.core.fim import QWEN
 from tasks.core.store import Arm, Store, completions, init_schema, replace_arms
 from tasks.core.streaming import Holdback
 from tests.conftest import tiny_params
-from tests.serving_util import serve_app
+from tests.serving_util import serve_app, streamed_chunks
 
 STOPS = ("\n\n", "<|endoftext|>")
 
@@ -64,17 +63,6 @@ def gateway(tmp_path):
     return start
 
 
-def _streamed(url: str, key: str, prompt: str) -> list[dict]:
-    body = {"prompt": prompt, "stream": True, "temperature": 0, "max_tokens": 40}
-    with httpx.stream(
-        "POST", url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60
-    ) as response:
-        assert response.status_code == 200, response.read()
-        lines = [line for line in response.iter_lines() if line]
-    assert lines[-1] == "data: [DONE]"
-    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
-
-
 LOGGED = ("completion", "token_ids", "logprobs", "abstained", "prompt", "model_version")
 
 
@@ -89,7 +77,7 @@ def test_a_streamed_answer_comes_in_pieces_and_logs_the_row_it_logs_unstreamed(g
     pieces_per_answer = []
     with serve_app(app) as url:
         for prompt in PROMPTS:
-            chunks = _streamed(url, key, prompt)
+            chunks = streamed_chunks(url, key, prompt, temperature=0, max_tokens=40)
             plain = httpx.post(
                 url + "/v1/completions",
                 json={"prompt": prompt, "temperature": 0, "max_tokens": 40},

@@ -29,7 +29,7 @@ from tasks.core.store import Arm, Store, completions, init_schema, replace_arms
 from tasks.core.vllm import recorded_servers, same_checkpoint, start_of_text
 from tasks.sim.acceptance import complete_samples, render_request
 from tests.conftest import tiny_params
-from tests.serving_util import post_completions, serve_app
+from tests.serving_util import post_completions, serve_app, streamed_chunks
 
 VLLM_CPU_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512"]
 
@@ -160,9 +160,11 @@ def test_a_vllm_arm_cuts_at_the_first_unsure_token_as_the_embedded_model_does(ba
     replace_arms(engine, [Arm("champion", "base/vllm", base_vllm_url, "vllm", 1.0)])
     with serve_app(create_app(params, engine=engine)) as url:
         answers = post_completions(url, key, prompts, max_tokens=12)
+        streams = [streamed_chunks(url, key, p, max_tokens=12) for p in prompts]  # vLLM's stream relayed
     assert [a.status_code for a in answers] == [200] * len(answers), answers[0].text
     with engine.connect() as conn:
         rows = {r["id"]: r for r in conn.execute(sa.select(completions)).mappings()}
+    _same_streamed(answers, streams, rows)  # under the rule, streamed as unstreamed
     whole = generate(model, tokenizer, template, prompts, 12)
     local = generate(model, tokenizer, template, prompts, 12, rule=rule)
     compared = cut = 0
@@ -175,6 +177,37 @@ def test_a_vllm_arm_cuts_at_the_first_unsure_token_as_the_embedded_model_does(ba
         cut += len(mine.token_ids) < len(w.token_ids)
         assert (row["completion"], row["token_ids"]) == (mine.text, mine.token_ids)
     assert compared >= 4 and cut >= 1
+    engine.dispose()
+
+
+def _same_streamed(answers, streams, rows) -> int:
+    """Each prompt's streamed answer spells its row's suggestion, and the row is the unstreamed one's; returns the
+    most pieces an answer came in."""
+    pieces = 0
+    for answer, (*texts, finish) in zip(answers, streams, strict=True):
+        row, streamed = rows[answer.json()["id"]], rows[finish["id"]]
+        assert "".join(c["choices"][0]["text"] for c in texts) == streamed["completion"]
+        assert (streamed["completion"], streamed["token_ids"]) == (row["completion"], row["token_ids"])
+        pieces = max(pieces, sum(bool(c["choices"][0]["text"]) for c in texts))
+    return pieces
+
+
+def test_a_vllm_arm_relays_vllms_stream(base_vllm_url, tmp_path, fim_samples):
+    """stream: true on a vLLM arm: vLLM's stream relayed as it comes (no show rule here: the shipped base's answers
+    have text), the logged rows those of the same requests unstreamed (greedy)."""
+    params = tiny_params(tmp_path, serving={"config_ttl_s": 0, "max_tokens": 12, "temperature": 0})
+    engine = Store(params.paths.database_url).engine
+    init_schema(engine)
+    key = add_key(engine, "alice")
+    template = load_model(SHIPPED_BASE)[2]
+    prompts = [template.render(s["prefix"][-300:], s["suffix"][:100]) for s in fim_samples[:8]]
+    replace_arms(engine, [Arm("champion", "base/vllm", base_vllm_url, "vllm", 1.0)])
+    with serve_app(create_app(params, engine=engine)) as url:
+        answers = post_completions(url, key, prompts, max_tokens=12)
+        streams = [streamed_chunks(url, key, p, max_tokens=12) for p in prompts]
+    with engine.connect() as conn:
+        rows = {r["id"]: r for r in conn.execute(sa.select(completions)).mappings()}
+    assert _same_streamed(answers, streams, rows) >= 2  # some answer came in pieces, not whole at the end
     engine.dispose()
 
 

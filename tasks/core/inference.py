@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -125,7 +125,7 @@ class VllmEngine:
                 if response.status_code != 200:
                     answer = (await response.aread()).decode(errors="replace")
                     raise VllmError(f"vLLM at {self.url} answered {response.status_code}: {answer[:300]}")
-                choice = await streamed_choice(response, watch)
+                choice, _ = await streamed_choice(response, lambda _choice: watch.tick())
         except httpx.HTTPError as err:
             raise VllmError(f"vLLM at {self.url} unreachable: {type(err).__name__}: {err}") from err
         return generation_from_vllm(
@@ -159,18 +159,22 @@ class _Watch:
                 )
 
 
-async def streamed_choice(response: httpx.Response, watch: _Watch) -> dict:
+async def streamed_choice(response: httpx.Response, on_chunk: Callable[[dict], None]) -> tuple[dict, dict | None]:
     """One streamed /v1/completions answer (server-sent events) joined into the choice a non-streamed answer
-    has: its text, token ids, log-probs (tokens, token_logprobs, top_logprobs) and finish reason."""
-    text, ids, tokens, lps, tops, finish = [], [], [], [], [], None
+    has: its text, token ids, log-probs (tokens, token_logprobs, top_logprobs) and finish reason; and its usage
+    (None unless stream_options.include_usage asked for it). on_chunk: told each chunk's choice as it comes."""
+    text, ids, tokens, lps, tops, finish, usage = [], [], [], [], [], None, None
     async for line in response.aiter_lines():
         if not line.startswith("data:") or (data := line[5:].strip()) == "[DONE]":
             continue
         chunk = json.loads(data)
+        if "error" not in chunk and not chunk.get("choices") and chunk.get("usage"):
+            usage = chunk["usage"]  # include_usage's last chunk: no choices
+            continue
         if "error" in chunk or not chunk.get("choices"):
             raise VllmError(f"vLLM stream broke off: {data[:300]}")
-        watch.tick()
         choice = chunk["choices"][0]
+        on_chunk(choice)
         text.append(choice.get("text") or "")
         ids.extend(choice.get("token_ids") or [])
         logprobs = choice.get("logprobs") or {}
@@ -179,4 +183,4 @@ async def streamed_choice(response: httpx.Response, watch: _Watch) -> dict:
         tops.extend(logprobs.get("top_logprobs") or [])
         finish = choice.get("finish_reason") or finish
     logprobs = {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops or None}
-    return {"text": "".join(text), "token_ids": ids, "logprobs": logprobs, "finish_reason": finish}
+    return {"text": "".join(text), "token_ids": ids, "logprobs": logprobs, "finish_reason": finish}, usage

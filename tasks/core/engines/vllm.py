@@ -33,8 +33,9 @@ from tasks.core.config import BackendName, Params
 from tasks.core.engines.base import Backend, BackendError, Sampling, Served, ServeError, TextSink, UnknownModel
 from tasks.core.fim import FimFormatError, FimTemplate, template_for_model_name
 from tasks.core.generate import Generation, merged_dir, model_template, save_merged, stops_of
-from tasks.core.inference import Engine, VllmEngine
+from tasks.core.inference import Engine, VllmEngine, streamed_choice
 from tasks.core.store import Arm
+from tasks.core.streaming import Holdback
 from tasks.core.vllm import (
     VllmError,
     adapter_name,
@@ -264,42 +265,72 @@ class VLLMBackend:
             response = await self._client.request(method, self.base_url + path, json=json)
         except httpx.HTTPError as err:
             raise BackendError(f"vLLM at {self.base_url} unreachable: {type(err).__name__}: {err}") from err
-        if response.status_code == 404 and self.adapter is not None and "does not exist" in response.text:
-            raise UnknownModel(f"vLLM at {self.base_url} does not know {self.model!r}")
         if response.status_code != 200:
-            raise BackendError(f"vLLM at {self.base_url}{path} answered {response.status_code}: {response.text[:300]}")
+            raise self._refused(response.status_code, response.text, path)
         return response.json()
+
+    def _refused(self, status: int, text: str, path: str = "/completions") -> BackendError:
+        """The error of an answer other than 200: UnknownModel when the server lost the arm's adapter."""
+        if status == 404 and self.adapter is not None and "does not exist" in text:
+            return UnknownModel(f"vLLM at {self.base_url} does not know {self.model!r}")
+        return BackendError(f"vLLM at {self.base_url}{path} answered {status}: {text[:300]}")
 
     async def complete(self, prompt: str, sampling: Sampling, on_text: TextSink | None = None) -> Generation:
         """The show rule is applied to the log-probs vLLM returns, those under logits / temperature
         (--logprobs-mode processed_logprobs): the rule's own when the request runs at the serving temperature.
-        on_text: told nothing before the end (vLLM's answer is read whole; the gateway sends it in one piece)."""
+        on_text: vLLM's stream relayed, its settled pieces as they come (`_relay`)."""
         started = time.perf_counter()
         try:
-            body = await self._complete(prompt, sampling)
+            body = await self._complete(prompt, sampling, on_text)
         except UnknownModel:
             await asyncio.to_thread(self._reload_adapter)
-            body = await self._complete(prompt, sampling)
+            body = await self._complete(prompt, sampling, on_text)
         latency_ms = (time.perf_counter() - started) * 1000.0
         try:
             return generation_from_vllm(body, sampling.stop, latency_ms, sampling.rule)
         except VllmError as err:
             raise BackendError(str(err)) from err
 
-    async def _complete(self, prompt: str, sampling: Sampling) -> dict:
-        return await self._request(
-            "POST",
-            "/completions",
-            completion_body(
-                await self._model_name(),
-                prompt or await self._start_text(),
-                sampling.max_tokens,
-                sampling.temperature,
-                sampling.top_p,
-                sampling.stop,
-                seed=None,
-            ),
+    async def _complete(self, prompt: str, sampling: Sampling, on_text: TextSink | None) -> dict:
+        s = sampling
+        body = completion_body(
+            await self._model_name(),
+            prompt or await self._start_text(),
+            s.max_tokens,
+            s.temperature,
+            s.top_p,
+            s.stop,
+            None,
         )
+        if on_text is None:
+            return await self._request("POST", "/completions", body)
+        return await self._relay(body, s, on_text)
+
+    async def _relay(self, body: dict, sampling: Sampling, on_text: TextSink) -> dict:
+        """The same request streamed (the same tokens and log-probs, joined into the answer unstreamed reads): each
+        chunk's text goes on while its tokens are sure, through a Holdback (`tasks/core/streaming.py`)."""
+        holdback, text = Holdback(sampling.stop), ""
+        rule = sampling.rule
+
+        def on_chunk(choice: dict) -> None:
+            nonlocal text
+            lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
+            sure = rule is None or all(lp is not None and lp >= rule.min_logprob for lp in lps)
+            text += (choice.get("text") or "") if sure else ""
+            if piece := holdback.release(text, sure):
+                on_text(piece)
+
+        streamed = body | {"stream": True, "stream_options": {"include_usage": True}}
+        try:
+            async with self._client.stream("POST", self.base_url + "/completions", json=streamed) as response:
+                if response.status_code != 200:
+                    raise self._refused(response.status_code, (await response.aread()).decode(errors="replace"))
+                choice, usage = await streamed_choice(response, on_chunk)
+        except httpx.HTTPError as err:
+            raise BackendError(f"vLLM at {self.base_url} unreachable: {type(err).__name__}: {err}") from err
+        except VllmError as err:
+            raise BackendError(str(err)) from err
+        return {"choices": [choice], "usage": usage}
 
     async def _start_text(self) -> str:
         """What an empty prompt (a prefix-only model at the top of a file) is sent as; the server's base must be a
