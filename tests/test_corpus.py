@@ -1,3 +1,4 @@
+import dataclasses
 import hashlib
 import json
 import os
@@ -10,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from flows.loop_state import CycleRow
 from tasks.core.config import SHIPPED_CORPUS, load_params
 from tasks.core.fim import QWEN
 from tasks.sim.corpus import (
@@ -183,3 +185,17 @@ def test_a_fresh_clone_builds_the_corpus_and_fim_data_dvc_lock_records(tmp_path)
     for stage in ("corpus", "fim"):
         assert built[stage]["outs"] == recorded[stage]["outs"], f"stage {stage}'s outputs differ from dvc.lock"
     assert _md5(clone / SHIPPED_CORPUS) == _md5(REPO / SHIPPED_CORPUS)  # rebuilt in place, left as shipped
+    # dvc.yaml's plot: the demo's cycles.json (flows/report.py writes CycleRow rows) drawn by `dvc plots show`
+    (plot,) = yaml.safe_load((REPO / "dvc.yaml").read_text())["plots"]
+    ((path, spec),) = plot.items()
+    fields = {f.name for f in dataclasses.fields(CycleRow)}
+    assert {spec["x"], *spec["y"]} <= fields, f"dvc.yaml plots names a field cycles.json lacks: {spec}"
+    rows = [{**dict.fromkeys(fields, None), "cycle": c, **dict.fromkeys(spec["y"], 0.1 * c)} for c in (1, 2)]
+    (clone / path).parent.mkdir(parents=True)
+    (clone / path).write_text(json.dumps(rows))
+    shown = subprocess.run(
+        [sys.executable, "-m", "dvc", "plots", "show", "--json"], cwd=clone, env=env, capture_output=True, text=True
+    )
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    drawn = json.loads(shown.stdout)["data"][path]
+    assert drawn and not json.loads(shown.stdout).get("errors"), shown.stdout[:500]
