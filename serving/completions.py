@@ -7,9 +7,10 @@ hang-up during generation stops it (the backend's task is cancelled: vLLM aborts
 away, the embedded backend stops at its next token); one during the commit marks the committed row.
 
 Streamed (`stream: true`), the suggestion's settled pieces are sent as the model makes them (both backends): only
-text that is certainly shown, held back until the stop strings and the show rule have settled (``tasks/core/streaming.py``). The logged row is the same as unstreamed, and the invariant
-is: the row is committed before the stream's last chunk (what is left of the suggestion and its finish reason) is
-sent, so a client that read the whole answer holds a committed row; one that hung up before was logged cancelled.
+text that is certainly shown, held back until the stop strings and the show rule have settled
+(``tasks/core/streaming.py``). The logged row is the same as unstreamed, and the invariant is: the row is committed
+before the stream's last chunk (what is left of the suggestion and its finish reason) is sent, so a client that read
+the whole answer holds a committed row; one that hung up before was logged cancelled.
 """
 
 from __future__ import annotations
