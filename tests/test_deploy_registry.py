@@ -188,15 +188,21 @@ def test_mlflow_loads_the_champion_and_an_adapter_version_in_a_fresh_process_and
     registry.set_alias(CHALLENGER, adapter.version)
     template = load_model(tiny_model_dir).template  # the prompts the adapter was trained to answer otherwise
     prompts = [template.render(s["prefix"][-300:], s["suffix"][:60]) for s in fim_samples[:16]]
-    script = (  # MLflow's load and tabrl's own, in one process (greedy on a near-uniform tiny model: same threads)
-        "import json, sys, mlflow\n"
+    # MLflow's load and tabrl's own, in one process, sampling at T = 1 from the same seed: the same model draws the
+    # same tokens, and the adapter draws others than its base (greedy, this near-uniform test model may answer every
+    # prompt with its end-of-text token, base and adapter alike, depending on the CPU's float rounding)
+    script = (
+        "import json, sys, mlflow, torch\n"
         "from tasks.core.generate import generate, load_model\n"
         "prompts, dirs, out = json.loads(sys.argv[1]), json.loads(sys.argv[2]), {}\n"
         "for alias in ('champion', 'challenger'):\n"
         f"    model = mlflow.pyfunc.load_model('models:/{registry.name}@' + alias)\n"
         "    lm = load_model(dirs[alias])\n"
-        "    out[alias] = (model.predict(prompts, params={'max_tokens': 32}),\n"
-        "                  [g.text for g in generate(lm.model, lm.tokenizer, lm.template, prompts, 32)])\n"
+        "    torch.manual_seed(0)\n"
+        "    loaded = model.predict(prompts, params={'max_tokens': 32, 'temperature': 1.0})\n"
+        "    torch.manual_seed(0)\n"
+        "    own = generate(lm.model, lm.tokenizer, lm.template, prompts, 32, temperature=1.0)\n"
+        "    out[alias] = (loaded, [g.text for g in own])\n"
         "print(json.dumps(out))\n"
     )
     dirs = {"champion": str(tiny_model_dir), "challenger": str(tiny_adapter_dir)}
@@ -212,4 +218,5 @@ def test_mlflow_loads_the_champion_and_an_adapter_version_in_a_fresh_process_and
     got = json.loads(done.stdout.strip().splitlines()[-1])
     for alias, (loaded, expected) in got.items():
         assert loaded == expected, (alias, loaded, expected)
+    assert any(got["champion"][0]), "sampling at T = 1 gives some text"
     assert got["champion"][0] != got["challenger"][0], "the adapter answers otherwise than its base"
