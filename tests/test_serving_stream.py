@@ -3,6 +3,8 @@ logged row exactly what the same request unstreamed logs."""
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 
 import httpx
@@ -12,10 +14,11 @@ import sqlalchemy as sa
 from serving.auth import add_key
 from serving.gateway import create_app
 from tasks.core.fim import QWEN
-from tasks.core.store import Arm, Store, completions, init_schema, replace_arms
+from tasks.core.store import CHAMPION, Arm, Store, completions, init_schema, replace_arms
 from tasks.core.streaming import Holdback
 from tests.conftest import tiny_params
 from tests.serving_util import serve_app, streamed_chunks
+from tests.support.harness import delayed_factory
 
 STOPS = ("\n\n", "<|endoftext|>")
 
@@ -53,12 +56,12 @@ SHIPPED_BASE = Path(__file__).resolve().parents[1] / "models" / "tabrl-tiny"  # 
 
 @pytest.fixture
 def gateway(tmp_path):
-    def start(**serving):
+    def start(factory=None, **serving):
         params = tiny_params(tmp_path, serving={"config_ttl_s": 0, "max_tokens": 40, **serving})
         engine = Store(params.paths.database_url).engine
         init_schema(engine)
-        replace_arms(engine, [Arm("champion", "tiny/1", str(SHIPPED_BASE), "embedded", 1.0)])
-        return engine, create_app(params, engine=engine)
+        replace_arms(engine, [Arm(CHAMPION, "tiny/1", str(SHIPPED_BASE), "embedded", 1.0)])
+        return engine, create_app(params, engine=engine, **({} if factory is None else {"backend_factory": factory}))
 
     return start
 
@@ -97,3 +100,35 @@ def test_a_streamed_answer_comes_in_pieces_and_logs_the_row_it_logs_unstreamed(g
             pieces_per_answer.append(sum(1 for c in texts if c["choices"][0]["text"]))
     if min_logprob is None:
         assert max(pieces_per_answer) >= 2, pieces_per_answer
+
+
+def test_a_client_that_hangs_up_mid_stream_is_logged_cancelled(gateway):
+    """The row is committed before the stream's last chunk; a client that read a piece and hung up before it is a
+    cancel (docs/concepts/outcomes.md). The arm's answer is held 5 s after generation (a slow network, say), and the
+    client hangs up 1 s after its first piece, when the model has finished and the last chunk has not come: the row
+    keeps the suggestion the model made, stamped cancelled. (A hang-up during generation stops it, as unstreamed.)"""
+    engine, app = gateway(factory=delayed_factory({CHAMPION: 5.0}), min_logprob=None)
+    key = add_key(engine, "alice")
+    body = {"prompt": PROMPTS[1], "stream": True, "temperature": 0, "max_tokens": 40}
+    with serve_app(app) as url:
+        started = time.perf_counter()
+        with httpx.stream(
+            "POST", url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30
+        ) as response:
+            lines = response.iter_lines()  # held: an iterator dropped here would close the connection at once
+            first = json.loads(next(line for line in lines if line).removeprefix("data: "))
+            read_s = time.perf_counter() - started
+            time.sleep(1.0)  # the model has finished (tabrl-tiny: milliseconds); its answer is still held
+        # leaving the block closes the connection: the hang-up
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not _rows(engine):
+            time.sleep(0.1)
+    (row,) = _rows(engine)
+    assert read_s < 4.0 and first["choices"][0]["text"]  # a piece came long before the held answer
+    assert row["cancelled_at"] is not None and row["token_ids"]
+    assert row["completion"].startswith(first["choices"][0]["text"])
+
+
+def _rows(engine) -> list[dict]:
+    with engine.connect() as conn:
+        return [dict(r) for r in conn.execute(sa.select(completions)).mappings()]

@@ -84,7 +84,7 @@ class DelayedBackend:
         return await self.inner.template()
 
     async def complete(self, prompt: str, sampling: Sampling, on_text=None) -> Generation:
-        gen = await self.inner.complete(prompt, sampling)
+        gen = await self.inner.complete(prompt, sampling, on_text)  # a stream's pieces come as the model makes them
         try:
             await asyncio.sleep(self.delay_s)
         except asyncio.CancelledError:
