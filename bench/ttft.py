@@ -30,10 +30,12 @@ import httpx
 
 from bench.adapters import typing_bodies
 from bench.gateway import machine
+from bench.team_adapters import backend_sets
 from flows.cli.console import console
 from flows.online_loop import start_gateway
 from tasks.core.config import load_params
 from tasks.core.procs import free_port
+from tasks.core.vllm import recorded_servers, stop_vllm
 from tasks.deploy.arms import serve_champion
 
 
@@ -130,33 +132,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--set", action="append", default=[], help="override: section.key=value")
+    parser.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="for --backend vllm")
     parser.add_argument("--out", type=Path, default=Path("bench/out/ttft.json"))
     args = parser.parse_args(argv)
     state = Path(tempfile.mkdtemp(prefix="tabrl-bench-ttft-"))
-    sets = [
-        f"model.base_dir={args.model.resolve()}",
-        f"serving.backend={args.backend}",
-        f"paths.state_dir={state}",
-        f"paths.database_url=sqlite:///{state}/tabrl.db",
-        f"paths.mlflow_tracking_uri=sqlite:///{state}/mlflow.db",
-        f"paths.models_dir={state}/models",
-        "serving.rate_limit_per_minute=100000000",
-        "serving.rate_limit_per_key_per_minute=100000000",
-        *args.set,
-    ]
+    sets = backend_sets(args, args.backend, state)  # the model as the one arm, its state, no rate limits
     params = load_params(args.params, sets)
     os.environ["MLFLOW_TRACKING_URI"] = params.paths.mlflow_tracking_uri
     before = machine()
-    serve_champion(params)
-    port = free_port()
-    gateway = start_gateway(args.params, sets, port, state / "gateway.log")
+    gateway = None
     try:
-        pairs = measure(
-            f"http://127.0.0.1:{port}/v1/completions", typing_bodies(params, args.requests), args.max_tokens
-        )
+        serve_champion(params)  # on vLLM: the model's server, stopped at the end
+        port = free_port()
+        gateway = start_gateway(args.params, sets, port, state / "gateway.log")
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        pairs = measure(url, typing_bodies(params, args.requests), args.max_tokens)
     finally:
-        gateway.terminate()
-        gateway.wait(timeout=60)
+        if gateway is not None:
+            gateway.terminate()
+            gateway.wait(timeout=60)
+        for server in recorded_servers(params):
+            stop_vllm(server.pid)
     out = {"model": str(args.model), "backend": args.backend, "machine": before, "summary": summary(pairs)}
     report(out | {"pairs": pairs}, args.out)
     return 0
