@@ -112,12 +112,18 @@ def run_backend(args, backend: str) -> dict:
             out["counts"][count] = load.as_dict() | {"rss_mb": _rss_mb(gateway, params)}
             console.print(f"{backend}, {count} team adapter(s): {out['counts'][count]}", highlight=False)
     finally:
-        if gateway is not None:
-            gateway.terminate()
-            gateway.wait(timeout=60)
-        for server in recorded_servers(params):
-            stop_vllm(server.pid)
+        stop_served(gateway, params)
     return out
+
+
+def stop_served(gateway, params: Params) -> None:
+    """Stop what a bench started to serve: its gateway process (None: not started) and the vLLM servers recorded in
+    its state."""
+    if gateway is not None:
+        gateway.terminate()
+        gateway.wait(timeout=60)
+    for server in recorded_servers(params):
+        stop_vllm(server.pid)
 
 
 def _rss_mb(gateway, params: Params) -> dict[str, float]:

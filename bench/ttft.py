@@ -30,12 +30,11 @@ import httpx
 
 from bench.adapters import typing_bodies
 from bench.gateway import machine
-from bench.team_adapters import backend_sets
+from bench.team_adapters import backend_sets, stop_served
 from flows.cli.console import console
 from flows.online_loop import start_gateway
 from tasks.core.config import load_params
 from tasks.core.procs import free_port
-from tasks.core.vllm import recorded_servers, stop_vllm
 from tasks.deploy.arms import serve_champion
 
 
@@ -148,11 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         url = f"http://127.0.0.1:{port}/v1/completions"
         pairs = measure(url, typing_bodies(params, args.requests), args.max_tokens)
     finally:
-        if gateway is not None:
-            gateway.terminate()
-            gateway.wait(timeout=60)
-        for server in recorded_servers(params):
-            stop_vllm(server.pid)
+        stop_served(gateway, params)
     out = {"model": str(args.model), "backend": args.backend, "machine": before, "summary": summary(pairs)}
     report(out | {"pairs": pairs}, args.out)
     return 0
