@@ -87,6 +87,34 @@ def test_the_rule_compares_log_probs_at_its_own_temperature(lm, fim_samples):
     assert all(lp >= -1.0 for g in sampled for lp in _shown_logprobs(g))
 
 
+def _forwards(lm, call) -> tuple[list, int]:
+    """(call's result, how many forwards the model's output layer ran for it)."""
+    seen = []
+    hook = lm.model.get_output_embeddings().register_forward_hook(lambda *_: seen.append(1))
+    try:
+        return call(), len(seen)
+    finally:
+        hook.remove()
+
+
+@pytest.mark.parametrize(("temperature", "rule"), [(0.0, ShowRule(-0.25, 1.0)), (0.3, ShowRule(-0.25, 0.3))])
+def test_generation_ends_at_the_first_unsure_token_and_shows_and_logs_the_same(lm, fim_samples, temperature, rule):
+    """A batch stops once every row is cut or stopped; each row's suggestion, tokens and log-probs are those of the
+    whole generation cut by the rule afterwards (same seed: the same draws up to every cut)."""
+    prompts = _prompts(lm, fim_samples, n=16)
+    whole, whole_steps = _forwards(lm, lambda: generate(*lm, prompts, 24, temperature=temperature, seed=7))
+    cut, cut_steps = _forwards(lm, lambda: generate(*lm, prompts, 24, temperature=temperature, seed=7, rule=rule))
+    stops = stops_of(lm.template, lm.tokenizer)
+    for w, c in zip(whole, cut, strict=True):
+        unsure = rule.first_unsure(w.logprobs, w.finish_reason == "stop")
+        keep = len(w.token_ids) if unsure is None else unsure
+        assert c.token_ids == w.token_ids[:keep] and c.logprobs == w.logprobs[:keep]
+        shown = w.text if unsure is None else parse_completion(lm.tokenizer.decode(w.token_ids[:keep]), stops)
+        assert c.text == shown
+    assert sum(1 for w in whole if rule.first_unsure(w.logprobs, w.finish_reason == "stop") == 0) >= 1
+    assert cut_steps < whole_steps  # the rows cut early took no more forwards than the longest kept row
+
+
 def test_min_logprob_zero_shows_nothing(lm, fim_samples):
     gens = generate(*lm, _prompts(lm, fim_samples), 12, rule=ShowRule(0.0, 1.0))
     assert [g.text for g in gens] == [""] * len(gens)
