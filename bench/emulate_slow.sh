@@ -27,10 +27,12 @@ if [ -n "$cores" ]; then
     mkdir -p "$group"
     echo "$period" > "$group/cpu.cfs_period_us"
     echo "$quota" > "$group/cpu.cfs_quota_us"
+    echo 102400 > "$group/cpu.shares"  # its quota, not other work on the machine, is what bounds it
   elif [ -w /sys/fs/cgroup/cgroup.subtree_control ]; then  # cgroup v2
     group=/sys/fs/cgroup/tabrl-slow-$$
     mkdir -p "$group"
     echo "$quota $period" > "$group/cpu.max"
+    echo 10000 > "$group/cpu.weight"  # its quota, not other work on the machine, is what bounds it
   else
     echo "error: no writable cgroup here for a CPU quota of $cores cores; run without --cores (AVX2 kernels only)" >&2
     exit 1
