@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from tasks.core.config import Params
+from tests.support.tree import source_files
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,8 +76,7 @@ def test_the_architecture_page_names_every_module() -> None:
     page = (ROOT / "docs" / "concepts" / "architecture.md").read_text()
     modules = [
         p.relative_to(ROOT).as_posix()
-        for package in ("tasks", "serving", "flows", "bench")
-        for p in (ROOT / package).rglob("*.py")
+        for p in source_files(ROOT, ("tasks", "serving", "flows", "bench"))
         if p.name != "__init__.py"
     ]
     missing = [m for m in modules if f"`{m}`" not in page]

@@ -25,6 +25,8 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.support.tree import source_files
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("tasks", "serving", "flows")
 STAGES = ("ingest", "reward", "train", "evaluate", "deploy")
@@ -52,7 +54,7 @@ def _resolve(candidate: str, known: set[str]) -> str | None:
 
 def imports(root: Path = ROOT) -> list[Import]:
     """Every import of one product module by another, module-level or lazy, with where it is written."""
-    files = {_module(p, root): p for pkg in PACKAGES for p in (root / pkg).rglob("*.py")}
+    files = {_module(p, root): p for p in source_files(root, PACKAGES)}
     known = set(files)
     found = []
     for name, path in sorted(files.items()):
@@ -151,7 +153,7 @@ def breaks_between_tests_and_benches(root: Path = ROOT) -> list[str]:
     """Each test import of bench/ and each bench touching sys.path, as file:line and what it does."""
     lines = []
     for folder, rule in (("tests", "a test imports bench/"), ("bench", "a bench patches sys.path")):
-        for path in sorted((root / folder).rglob("*.py")):
+        for path in source_files(root, (folder,)):
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
                 if folder == "tests" and isinstance(node, ast.ImportFrom) and node.level == 0:
                     names = [node.module or ""]
@@ -183,7 +185,7 @@ def _strings(node: ast.expr) -> bool:
 def backend_branches(root: Path = ROOT) -> list[str]:
     """Each comparison of a backend setting with a string outside the engine modules, as file:line: what."""
     lines = []
-    for path in sorted(p for pkg in PACKAGES for p in (root / pkg).rglob("*.py")):
+    for path in source_files(root, PACKAGES):
         where = path.relative_to(root).as_posix()
         if where.startswith(ENGINE_MODULES):
             continue

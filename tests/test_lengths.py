@@ -24,6 +24,8 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
+from tests.support.tree import source_files
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("tasks", "serving", "flows", "bench")
 MAX_FILE_LINES = 400
@@ -32,7 +34,7 @@ MARKER = "# long:"
 
 
 def product_files() -> list[Path]:
-    return sorted(p for package in PACKAGES for p in (ROOT / package).rglob("*.py"))
+    return source_files(ROOT, PACKAGES)
 
 
 def file_lines(path: Path) -> int:
