@@ -1,6 +1,6 @@
 """What ending a generation at its first unsure token saves (issue 54): the same held-out typing sessions typed in
 process twice in one run, decoding on to evaluate.max_new_tokens and cut afterwards (as before a484b90), then ending
-each row at its first unsure token under the show rule (`tasks.core.generate._StopAtUnsure`, switched off for the
+each row at its first unsure token under the show rule (`tasks.core.stopping.StopAtUnsure`, switched off for the
 first run by making it answer "go on" for every row).
 
     python -m bench.stop_at_unsure [--model models/tabrl-tiny] [--requests 300] [--set section.key=value ...]
@@ -23,7 +23,7 @@ import torch
 
 from bench import CPU_OVERLAY
 from flows.cli.console import console
-from tasks.core import generate
+from tasks.core import generate, stopping
 from tasks.core.config import load_params
 from tasks.core.inference import InProcess
 from tasks.core.machine import describe
@@ -38,9 +38,9 @@ def _go_on(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwarg
 
 def type_once(lm, regions, params, stop_at_unsure: bool) -> dict:
     """One typing run: its speed, the forwards it took and what the users did."""
-    stopping = generate._StopAtUnsure.__call__
+    original = stopping.StopAtUnsure.__call__
     if not stop_at_unsure:
-        generate._StopAtUnsure.__call__ = _go_on  # type: ignore[method-assign]
+        stopping.StopAtUnsure.__call__ = _go_on  # type: ignore[method-assign]
     rows: list[int] = []
     hook = lm.model.get_output_embeddings().register_forward_hook(lambda _m, _i, out: rows.append(out.shape[0]))
     try:
@@ -49,7 +49,7 @@ def type_once(lm, regions, params, stop_at_unsure: bool) -> dict:
         seconds = time.perf_counter() - started
     finally:
         hook.remove()
-        generate._StopAtUnsure.__call__ = stopping  # type: ignore[method-assign]
+        stopping.StopAtUnsure.__call__ = original  # type: ignore[method-assign]
     s = typed.summary
     return {
         "seconds": seconds,

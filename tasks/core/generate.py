@@ -8,8 +8,8 @@ decoding reports temperature 1). The stop token that ended a completion is kept 
 
 A ``ShowRule`` shows a suggestion only up to the model's first unsure token (``cut_unsure``): the same
 rule, on the same log-probs, in the gateway's embedded and vLLM arms and in the held-out evaluation. In process, a
-row's generation also ends at that token (``_StopAtUnsure``): nothing after it is shown or logged, so a batch stops
-once every row is cut or stopped (a gate's typing of tabrl-tiny ran 48 forwards instead of 403, the same answers).
+row's generation also ends at that token (``tasks.core.stopping``): nothing after it is shown or logged, so a batch
+stops once every row is cut or stopped (a gate's typing of tabrl-tiny: 48 forwards instead of 403, the same answers).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -28,13 +28,13 @@ from transformers import (
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
-    StoppingCriteria,
     StoppingCriteriaList,
 )
 
 from tasks.core.adapters import ADAPTER_WEIGHTS, base_dir_of, file_sha256, is_adapter
 from tasks.core.config import ServingParams
 from tasks.core.fim import FimTemplate, infer_template, parse_completion, read_template, save_template
+from tasks.core.stopping import Abandoned, StopAtUnsure
 
 
 class ModelLoadError(ValueError):
@@ -276,45 +276,6 @@ def _row_generation(
     )
 
 
-class _Abandoned(StoppingCriteria):
-    """Ends every row at the next token once nobody waits for the answer (the client hung up)."""
-
-    def __init__(self, abandoned: Callable[[], bool]):
-        self.abandoned = abandoned
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
-        return torch.full((input_ids.shape[0],), self.abandoned(), dtype=torch.bool, device=input_ids.device)
-
-
-class _StopAtUnsure(StoppingCriteria):
-    """Ends a row at its first unsure token under the show rule: the suggestion is cut before that token
-    (`_shown_part`), so nothing the model would write after it is shown or logged, and a batch ends once every row
-    is cut or stopped instead of running on to max_new_tokens. Its log-probs are the rule's (the raw logits at
-    rule.temperature, as `_shown_part` compares them), from a hook on the output layer (`watching`), not from the
-    sampling's processed scores."""
-
-    def __init__(self, rule: ShowRule):
-        self.rule = rule
-        self.step: torch.Tensor | None = None  # the last forward's raw logits at the last position, (B, V)
-
-    @contextlib.contextmanager
-    def watching(self, model: PreTrainedModel) -> Iterator[StoppingCriteriaList]:
-        def keep(_module: Any, _inputs: Any, output: Any) -> None:
-            self.step = output[:, -1, :].detach()
-
-        hook = model.get_output_embeddings().register_forward_hook(keep)
-        try:
-            yield StoppingCriteriaList([self])
-        finally:
-            hook.remove()
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
-        assert self.step is not None, "no forward seen: watching() hooks the model's output layer"
-        logps = torch.log_softmax(self.step.float() / self.rule.temperature, dim=-1)
-        chosen = logps.gather(-1, input_ids[:, -1:].to(logps.device)).squeeze(-1)
-        return (chosen < self.rule.min_logprob).to(input_ids.device)
-
-
 def _sample(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -338,9 +299,11 @@ def _sample(
     sample = temperature > 0
     text_stop_kw: dict = {"stop_strings": text_stops, "tokenizer": tokenizer} if text_stops else {}
     with contextlib.ExitStack() as stack:
-        criteria = stack.enter_context(_StopAtUnsure(rule).watching(model)) if rule else StoppingCriteriaList()
+        criteria = StoppingCriteriaList()
+        if rule is not None:
+            criteria = stack.enter_context(StopAtUnsure(rule.min_logprob, rule.temperature).watching(model))
         if abandoned is not None:
-            criteria.append(_Abandoned(abandoned))
+            criteria.append(Abandoned(abandoned))
         out = model.generate(
             input_ids=input_ids.to(device),
             attention_mask=attention.to(device),
@@ -420,9 +383,7 @@ def generate(
     )
     scale = temperature if temperature > 0 else 1.0  # greedy: the model's own distribution
     logps = _logps_at(logits, new_tokens, scale)  # (B, new)
-    rule_logps = logps
-    if rule is not None and rule.temperature != scale:
-        rule_logps = _logps_at(logits, new_tokens, rule.temperature)
+    rule_logps = logps if rule is None or rule.temperature == scale else _logps_at(logits, new_tokens, rule.temperature)
     elapsed_ms = (time.perf_counter() - started) * 1000.0
     stop_set = set(stops)
     results = []
