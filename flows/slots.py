@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 
 from tasks.core.store import open_store, store_id
 from tasks.core.teams import ORG
@@ -68,9 +68,12 @@ def arms_slot(database_url: str, team: str = ORG) -> Iterator[None]:
 def _slot(name: str, wait_s: float, taken: type[SlotTaken]) -> Iterator[None]:
     from prefect.client.orchestration import get_client
     from prefect.concurrency.sync import concurrency
+    from prefect.exceptions import ObjectAlreadyExists
 
-    with get_client(sync_client=True) as client:
-        client.upsert_global_concurrency_limit_by_name(name, 1)  # idempotent: the first user creates it
+    # The first user creates the limit. The upsert reads, then creates: a run started at the same moment may have
+    # created it in between (409), which is as good.
+    with get_client(sync_client=True) as client, suppress(ObjectAlreadyExists):
+        client.upsert_global_concurrency_limit_by_name(name, 1)
     deadline = time.monotonic() + max(wait_s, SLOW_SERVER_S)
     with ExitStack() as held:
         while True:
