@@ -210,7 +210,7 @@ def run(args, online: dict) -> int:
     curves = {setting: [runs[seed][0] for seed in reported] for setting, runs in done.items()}
     finals = {setting: [runs[seed][1] for seed in reported] for setting, runs in done.items()}
     # cycle 0 of every curve: the base model scored by the same seeds' users (as the control is)
-    base = {k: statistics.mean(bench.base_window(seed, 0)[k] for seed in reported) for k in KEYS}
+    base = {k: statistics.mean(bench.base_typed(seed, done)[k] for seed in reported) for k in KEYS}
     for entry in [base, *(e for seeds in curves.values() for curve in seeds for e in curve if e)]:
         entry["reward_per_request"] = product_reward(entry, bench.params.reward)
     report(curves, finals, base, args, bench.params, time.time() - started)
@@ -228,7 +228,7 @@ class Bench:
 
         self.args, self.online = args, online
         self.params = params = load_params(args.params, args.set)
-        if params.serving.backend == "vllm":  # one server of the base for the bench's evaluations, stopped at the end
+        if params.serving.backend == "vllm" and not args.report_only:  # the base's server for the bench's evaluations
             from tasks.core.vllm import base_server
 
             base_server(params.model.base_dir, load_params(args.params, [*args.set, *serving_state(args)]))
@@ -309,6 +309,12 @@ class Bench:
         if seed not in self.bases:
             self.bases[seed] = final_sessions(self.params.model.base_dir, seed, self.args)
         return self.bases[seed]
+
+    def base_typed(self, seed: int, done: dict[str, dict[int, tuple[list, dict]]]) -> dict:
+        """Cycle 0 of seed's curves: the control's stored first point (window 0) where there is one, else the base
+        typed now, so a report of stored runs types nothing."""
+        control = done.get("control", {}).get(seed)
+        return control[0][0] if control else self.base_window(seed, 0)
 
     def base_window(self, seed: int, window: int) -> dict:
         """The base model typed by seed's users through gate window `window`, as a cycle's gate types it
