@@ -84,3 +84,11 @@ def test_doctor_predicts_a_cycle_from_the_timed_one_and_refuses_when_it_trained_
     done = CliRunner().invoke(app, ["doctor", "--no-vllm", "--predict", "cycle"])
     assert done.exit_code == 1
     assert "No prediction" in done.output and "0 of 40 requests decided" in done.output
+
+
+def test_doctor_predict_before_make_data_exits_2_with_a_sentence(tmp_path):
+    """A fresh clone has no typing regions until `make data`: --predict says so instead of a traceback."""
+    done = doctor("--no-vllm", "--predict", "demo", "--set", f"paths.data_dir={tmp_path}")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    assert f"{tmp_path}/fim/typing_train.parquet" in done.stderr and "make data" in done.stderr

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-from flows.cli.console import ParamsOpt, SetOpt, console, params_or_exit, print_table
+from flows.cli.console import ParamsOpt, SetOpt, console, fail, params_or_exit, print_table
 from tasks.core.config import DEFAULT_PARAMS_FILE, Params
 from tasks.core.machine import Machine, VllmEnv, describe, vllm_env
 
@@ -59,7 +59,10 @@ def doctor_cmd(
     prediction = None
     if predict is not None:
         with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
-            prediction = _predict(predict, str(params), list(set_ or []), requests, users, probe_requests)
+            try:
+                prediction = _predict(predict, str(params), list(set_ or []), requests, users, probe_requests)
+            except FileNotFoundError as missing:  # a fresh clone before `make data`: the regions it types
+                fail(f"--predict times one online cycle here: {missing}", 2)
     if as_json:
         record = machine.as_dict() | ({} if vllm is None else {"vllm": vllm.__dict__})
         record |= {} if prediction is None else {"prediction": prediction}
