@@ -14,8 +14,10 @@ do not fit --budget-min, it says so and takes --if-short's choice: fewer cycles,
 2. One A/B test that can decide. The base model comes back as champion, the final model of part 1 is the
    challenger, and live traffic is split between them. Its size is planned before it starts (a two-sided test at
    deploy.alpha with --power to find a reward difference of --mde, sd measured on cycle 1's traffic), capped at
-   what the cycles left of the --budget-min wall time, and the decision flow looks once, at the end: repeated
-   looks would inflate alpha (tasks/deploy/ab.py). It promotes the challenger on live evidence, or rolls it back.
+   what the cycles left of the --budget-min wall time, and extended with what they leave beyond it (--ab-fill, up to
+   --max-per-arm: the gains one demo learns are often below --mde). The decision flow looks once, at the end:
+   repeated looks would inflate alpha (tasks/deploy/ab.py). It promotes the challenger on live evidence, or rolls
+   it back. Wall time alone sizes the test, never its outcomes.
 3. The closing table: base vs the final champion on held-out requests no gate typed, with 95 % intervals, and in
    words where an interval includes 0. When the A/B test rolled the final model back (the base is champion again),
    the table shows base vs that rolled-back model, named so.
@@ -39,13 +41,16 @@ from flows.ab_decision import ab_decision
 from flows.demo_plan import (
     CLOSING_REQUESTS,
     DEMO_SETTINGS,
+    AbFill,
     AbPlan,
     DemoPlan,
+    ab_traffic_left_s,
     base_reward_sd,
     budget_per_arm,
     describe_plan,
     plan_ab,
     plan_demo,
+    power_at,
     unattended,
 )
 from flows.loop_state import CycleRow
@@ -86,11 +91,18 @@ def start_ab_test(params_file: str, overrides: list[str], base_label: str) -> st
 
 
 def run_ab_test(
-    params_file: str, overrides: list[str], state: Path, plan: AbPlan, users: int, seed: int, typed_regions: int
+    params_file: str,
+    overrides: list[str],
+    state: Path,
+    plan: AbPlan,
+    users: int,
+    seed: int,
+    typed_regions: int,
+    fill: AbFill | None = None,
 ) -> dict:
-    """Live traffic until each arm has about plan.per_arm requests, the feedback timeout, then one decision.
-    typed_regions: the train regions the cycles offered (the first ones); the test's traffic types the others, so
-    the challenger is never tested on code it was trained on."""
+    """Live traffic until each arm has about plan.per_arm requests (more, to fill.until, with `fill`), the feedback
+    timeout, then one decision. typed_regions: the train regions the cycles offered (the first ones); the test's
+    traffic types the others, so the challenger is never tested on code it was trained on."""
     params = load_params(params_file, overrides)
     regions = read_regions(regions_path(params.paths.data_dir, "train"))[typed_regions:]
     if not regions:
@@ -99,7 +111,7 @@ def run_ab_test(
     gateway = start_gateway(params_file, overrides, port, state / "gateway-ab.log")
     try:
         started = time.perf_counter()
-        by_arm = _traffic_until_planned(f"http://127.0.0.1:{port}", regions, plan, users, seed, params)
+        by_arm, target = _traffic_until_planned(f"http://127.0.0.1:{port}", regions, plan, users, seed, params, fill)
         traffic_s = time.perf_counter() - started
         time.sleep(params.ingest.feedback_timeout_s + 0.5)  # every shown suggestion has its outcome
     finally:
@@ -113,6 +125,7 @@ def run_ab_test(
     decision = ab_decision(params_file, [*overrides, *one_look], ORG)[ORG]
     return {
         "plan": asdict(plan),
+        "ran_to": target,  # requests per arm the traffic ran to: plan.per_arm, or more with what the budget left
         "requests": dict(sorted(by_arm.items())),
         "traffic_s": traffic_s,
         "action": decision.action,
@@ -122,22 +135,24 @@ def run_ab_test(
 
 
 def _traffic_until_planned(
-    url: str, regions: list, plan: AbPlan, users: int, seed: int, params: Params
-) -> dict[str, int]:
+    url: str, regions: list, plan: AbPlan, users: int, seed: int, params: Params, fill: AbFill | None = None
+) -> tuple[dict[str, int], int]:
     """Requests per arm after live traffic from the far end of `regions` (train regions no cycle offered) until
-    each arm has plan.per_arm. Half the users are on each arm (`_users_per_arm`), but users type at their own
-    pace, so a first round of 2 x plan.per_arm can leave an arm short; the next rounds top it up with that arm's
-    users only, typing further regions, as many more requests as the arm's share of never-shown ones (cancelled,
-    not shown: no request of the test) says it needs. When to stop depends on counts only, never on outcomes, so
-    the one look at the end keeps its alpha."""
+    each arm has plan.per_arm (or, with `fill`, what fill.target sets after the first round), and that target.
+    Half the users are on each arm (`_users_per_arm`), but users type at their own pace, so a round can leave an
+    arm short; the next rounds top up the short arms with their users only, typing further regions, as many more
+    requests as each arm's share of never-shown ones (cancelled, not shown: no request of the test) says it needs.
+    When to stop depends on counts and wall time only, never on outcomes, so the one look at the end keeps its
+    alpha."""
     sim_users, arm_of = _users_per_arm(users, params, seed)
     served: dict[str, int] = {}  # decided requests per arm
     logged: dict[str, int] = {}  # completions per arm, never-shown ones included
-    typing, total = sim_users, 2 * plan.per_arm
-    width = min(max(users, total // 4), len(regions))  # regions per round
+    target, typing, total, end = plan.per_arm, sim_users, 2 * plan.per_arm, len(regions)
     for round_ in range(_AB_ROUNDS):
-        end = len(regions) - (round_ * width) % len(regions)  # rounds walk back from the end, wrapping
-        window = regions[max(end - width, 0) : end]
+        width = min(max(len(typing), total // 4), len(regions))  # regions this round: rounds walk back, wrapping
+        end = end if end - width >= 0 else len(regions)
+        window, end = regions[end - width : end], end - width
+        began = time.perf_counter()
         by_arm = run_simulation(
             url,
             window,
@@ -152,17 +167,19 @@ def _traffic_until_planned(
         for arm, summary in by_arm.items():
             served[arm] = served.get(arm, 0) + summary.requests
             logged[arm] = logged.get(arm, 0) + summary.logged
-        shorter = min((CHAMPION, CHALLENGER), key=lambda arm: served.get(arm, 0))
-        missing = plan.per_arm - served.get(shorter, 0)
-        if missing <= 0:
+        if round_ == 0 and fill is not None:
+            target = fill.target(served, time.perf_counter() - began, plan.per_arm)
+        short = {arm: target - served.get(arm, 0) for arm in (CHAMPION, CHALLENGER) if served.get(arm, 0) < target}
+        if not short:
             break
-        typing = [u for u in sim_users if arm_of[u.user_id] == shorter]
+        typing = [u for u in sim_users if arm_of[u.user_id] in short]
+        needs = [math.ceil(n * logged.get(arm, 1) / max(served.get(arm, 0), 1)) for arm, n in short.items()]
         # at least one request per typing user: a top-up of 2 can be cancelled whole by an editor that aborts
-        total = max(math.ceil(missing * logged.get(shorter, 1) / max(served.get(shorter, 0), 1)), len(typing))
-        print(f"A/B traffic: {served}; {total} more requests from the {shorter} arm's {len(typing)} users", flush=True)
+        total = max(sum(needs), len(typing))
+        print(f"A/B traffic: {served}, to {target} per arm; {total} more requests from {sorted(short)}", flush=True)
     else:
         print(f"A/B traffic: {served} after {_AB_ROUNDS} rounds; the test looks at what the shorter arm has")
-    return served
+    return served, target
 
 
 def _users_per_arm(users: int, params: Params, seed: int) -> tuple[list[SimUser], dict[str, str]]:
@@ -198,6 +215,14 @@ def print_ab(ab: dict) -> None:
             else ""
         )
         + ")"
+        + (
+            f"; run to {ab['ran_to']} with what the time budget left (power "
+            f"{power_at(ab['ran_to'], plan['reward_sd'], plan['mde'], plan['alpha']):.0%} at {plan['mde']}, "
+            f"{power_at(ab['ran_to'], plan['reward_sd'], plan['mde'] * 2 / 3, plan['alpha']):.0%} at "
+            f"{plan['mde'] * 2 / 3:.4f})"
+            if ab.get("ran_to", 0) > plan["per_arm"]
+            else ""
+        )
     )
     for col in ("arm", "requests", "shown", "accept/shown", "reward/request", "accepted chars/request"):
         table.add_column(col, justify="right")
@@ -229,13 +254,14 @@ def main(argv: list[str] | None = None) -> int:
             params = load_params(args.params, overrides)
             needed = plan_ab(base_reward_sd(rows[0], params), args.mde, params.deploy.alpha, args.power, 10**9)
             elapsed = time.perf_counter() - started
-            plan = plan_demo(rows, elapsed, args.cycles, 60 * args.budget_min, needed.per_arm, params)
+            fill = args.max_per_arm if args.ab_fill else 0
+            plan = plan_demo(rows, elapsed, args.cycles, 60 * args.budget_min, needed.per_arm, params, fill)
             planned.append(plan)
             for line in describe_plan(plan, args.mde, args.power):
                 print(line, flush=True)
             if not plan.fits:
                 args.cycles, args.budget_min = choose(plan, args.if_short, args.cycles, args.budget_min)
-                chosen = plan_demo(rows, elapsed, args.cycles, 60 * args.budget_min, needed.per_arm, params)
+                chosen = plan_demo(rows, elapsed, args.cycles, 60 * args.budget_min, needed.per_arm, params, fill)
                 planned.append(chosen)  # what runs: its predicted wall time is the one to check
                 print(f"Predicted: {chosen.predicted_s / 60:.1f} min.", flush=True)
         return args.cycles
@@ -284,13 +310,15 @@ def final_ab_test(args: argparse.Namespace, rows: list[CycleRow], params: Params
     if final is None or final.version == registry.version_of(f"models:/{base_label}").version:
         print(f"no candidate passed the gate in {len(rows)} cycles: there is no A/B test to run", flush=True)
         return {"action": "none", "reason": "no candidate passed the gate"}
-    cap = args.max_per_arm
+    cap, fill = args.max_per_arm, None
     if args.budget_min > 0:  # what the cycles left of the wall-time budget
         cap = min(cap, budget_per_arm(rows, elapsed_s, 60 * args.budget_min, params))
+        left_s = ab_traffic_left_s(rows, elapsed_s, 60 * args.budget_min, params)
+        fill = AbFill(time.perf_counter() + left_s, args.max_per_arm) if args.ab_fill else None
     plan = plan_ab(base_reward_sd(rows[0], params), args.mde, params.deploy.alpha, args.power, cap)
     ab = {"challenger": start_ab_test(args.params, full, base_label)}
     offered = len(rows) * cycle_regions(args.users, args.requests)  # the cycles' train regions, typed first
-    ab |= run_ab_test(args.params, full, args.state, plan, args.ab_users, args.seed, offered)
+    ab |= run_ab_test(args.params, full, args.state, plan, args.ab_users, args.seed, offered, fill)
     print_ab(ab)
     return ab
 
@@ -334,6 +362,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mde", type=float, default=0.014, help="reward-per-request difference the A/B test is sized for")
     p.add_argument("--power", type=float, default=0.8, help="power of the A/B test at --mde")
     p.add_argument("--max-per-arm", type=int, default=4000, help="cap on the A/B test's requests per arm")
+    p.add_argument(
+        "--ab-fill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="extend the A/B test past its planned size with what --budget-min leaves, up to --max-per-arm (wall "
+        "time decides how far, never the outcomes): more power at the small gains one demo learns",
+    )
     p.add_argument(
         "--budget-min",
         type=float,

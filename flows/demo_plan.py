@@ -47,12 +47,15 @@ class AbPlan:
 def plan_ab(reward_sd: float, mde: float, alpha: float, power: float, max_per_arm: int) -> AbPlan:
     """Requests per arm for a two-sided test at alpha to find a difference mde in mean reward per request with the
     given power: n = 2 (z_{1-alpha/2} + z_power)^2 sd^2 / mde^2, capped at max_per_arm."""
-    z_alpha = norm.ppf(1 - alpha / 2)
-    z = z_alpha + norm.ppf(power)
+    z = norm.ppf(1 - alpha / 2) + norm.ppf(power)
     needed = math.ceil(2 * z * z * reward_sd * reward_sd / (mde * mde))
     per_arm = min(needed, max_per_arm)
-    power_at_n = float(norm.cdf(math.sqrt(per_arm / 2) * mde / reward_sd - z_alpha))
-    return AbPlan(per_arm, needed, reward_sd, mde, power, alpha, power_at_n)
+    return AbPlan(per_arm, needed, reward_sd, mde, power, alpha, power_at(per_arm, reward_sd, mde, alpha))
+
+
+def power_at(per_arm: int, reward_sd: float, mde: float, alpha: float) -> float:
+    """The two-sided test's power to find a difference mde with per_arm requests per arm."""
+    return float(norm.cdf(math.sqrt(per_arm / 2) * mde / reward_sd - norm.ppf(1 - alpha / 2)))
 
 
 def budget_per_arm(rows: list[CycleRow], elapsed_s: float, budget_s: float, params: Params) -> int:
@@ -63,9 +66,34 @@ def budget_per_arm(rows: list[CycleRow], elapsed_s: float, budget_s: float, para
     MIN_PER_ARM."""
     if not any(r.traffic_s > 0 for r in rows) or not any(r.evaluate_s > 0 for r in rows):
         return MIN_PER_ARM
+    left = ab_traffic_left_s(rows, elapsed_s, budget_s, params)
+    return max(int(left * measured_pace(rows, params).traffic_rps / 2), MIN_PER_ARM)
+
+
+def ab_traffic_left_s(rows: list[CycleRow], elapsed_s: float, budget_s: float, params: Params) -> float:
+    """Seconds of A/B traffic that budget_s leaves after elapsed_s: less the closing table at the gates' pace, the
+    test's fixed costs and the feedback timeout (negative when nothing is left)."""
     pace = measured_pace(rows, params)
-    left = budget_s - elapsed_s - 2 * CLOSING_REQUESTS / pace.gate_rps - AB_FIXED_S - params.ingest.feedback_timeout_s
-    return max(int(left * pace.traffic_rps / 2), MIN_PER_ARM)
+    closing_s = 2 * CLOSING_REQUESTS / pace.gate_rps
+    return budget_s - elapsed_s - closing_s - AB_FIXED_S - params.ingest.feedback_timeout_s
+
+
+@dataclass(frozen=True)
+class AbFill:
+    """The A/B test extended past its planned size with what the budget leaves: its traffic runs to about `until`
+    (a time.perf_counter() deadline fixed before the test starts), at the pace its first round measured, up to
+    max_per_arm. Wall time decides the extension, never the outcomes, so the one look keeps its alpha; and the
+    more requests, the smaller the gain the test can find (one demo's final model gains 0.001-0.012 reward per
+    request on held-out requests, docs/results.md, where the test is sized for --mde 0.014)."""
+
+    until: float
+    max_per_arm: int
+
+    def target(self, served: dict[str, int], round_s: float, planned: int) -> int:
+        """Requests per arm to run to, after a first round that decided `served` requests in round_s seconds."""
+        rate = sum(served.values()) / max(round_s, 1e-9)
+        reachable = int((sum(served.values()) + max(self.until - time.perf_counter(), 0.0) * rate) / 2)
+        return min(self.max_per_arm, max(planned, reachable))
 
 
 def base_reward_sd(row: CycleRow, params: Params) -> float:
@@ -114,14 +142,22 @@ class DemoPlan:
     budget_s: float
     fewer_cycles: int | None  # the most cycles that fit the budget with that test; None: none does
     fits: bool
+    filled: int = 0  # requests per arm once the test takes what the budget leaves (AbFill); 0: not extended
 
 
 def plan_demo(
-    rows: list[CycleRow], elapsed_s: float, cycles: int, budget_s: float, per_arm: int, params: Params
+    rows: list[CycleRow],
+    elapsed_s: float,
+    cycles: int,
+    budget_s: float,
+    per_arm: int,
+    params: Params,
+    max_per_arm: int = 0,
 ) -> DemoPlan:
     """The plan after the first cycle (rows[0]): the predicted wall time of `cycles` cycles and an A/B test of
     per_arm requests per arm, and, when that is over budget_s, the most cycles that are not. A single cycle counts
-    only when it promoted a candidate on the gate (else there is nothing to A/B test)."""
+    only when it promoted a candidate on the gate (else there is nothing to A/B test). max_per_arm > 0: a plan that
+    fits extends the test with what the budget leaves, up to max_per_arm (AbFill), and predicts that wall time."""
     pace = measured_pace(rows[:1], params)
     total = predicted_s(pace, elapsed_s, len(rows), cycles, per_arm, params)
     fitting = [
@@ -130,7 +166,12 @@ def plan_demo(
         if predicted_s(pace, elapsed_s, len(rows), k, per_arm, params) <= budget_s
         and (k > 1 or rows[0].cycle_status == "deployed")
     ]
-    return DemoPlan(pace, cycles, per_arm, total, budget_s, max(fitting, default=None), total <= budget_s)
+    plan = DemoPlan(pace, cycles, per_arm, total, budget_s, max(fitting, default=None), total <= budget_s)
+    if not (plan.fits and max_per_arm > per_arm):
+        return plan
+    spare_s = budget_s - total  # the planned test's requests take their time in `total` already
+    filled = min(max_per_arm, per_arm + int(spare_s * pace.traffic_rps / 2))
+    return replace(plan, filled=filled, predicted_s=predicted_s(pace, elapsed_s, len(rows), cycles, filled, params))
 
 
 def describe_plan(plan: DemoPlan, mde: float, power: float) -> list[str]:
@@ -140,8 +181,9 @@ def describe_plan(plan: DemoPlan, mde: float, power: float) -> list[str]:
         f"Pace on this machine (cycle 1): {p.traffic_rps:.1f} decided requests/s through the gateway; a cycle "
         f"{p.cycle_s / 60:.1f} min (training {p.train_s:.0f} s), the gate typing {p.gate_rps:.1f} requests/s.",
         f"Plan: {plan.cycles} cycles, an A/B test of {plan.per_arm} requests per arm ({power:.0%} power at a reward "
-        f"difference of {mde}), the closing table: about {plan.predicted_s / 60:.1f} min in all "
-        f"(budget {plan.budget_s / 60:.1f} min).",
+        f"difference of {mde})"
+        + (f", extended to about {plan.filled} with what the budget leaves" if plan.filled > plan.per_arm else "")
+        + f", the closing table: about {plan.predicted_s / 60:.1f} min in all (budget {plan.budget_s / 60:.1f} min).",
     ]
     if not plan.fits:
         lines.append(
@@ -208,18 +250,26 @@ def cycle_wall_s(row: CycleRow, params: Params) -> float:
 
 
 def predict_demo(
-    probe: Probe, params: Params, cycles: int, requests: int, budget_s: float, mde: float, power: float
+    probe: Probe,
+    params: Params,
+    cycles: int,
+    requests: int,
+    budget_s: float,
+    mde: float,
+    power: float,
+    max_per_arm: int = 0,
 ) -> tuple[DemoPlan, DemoPlan]:
     """What the demo's plan after cycle 1 will say on this machine, from the probe, and the plan it will run
     unattended (`unattended`): its cycle 1 at full size (`scaled`, gates of evaluate.n_requests), the A/B test's
     size from the probe's reward sd, the predicted wall time (the probe's startup included). Cycle 1's gate outcome
-    is not known ahead, so the fewer cycles are never one (a single cycle counts only when its gate passed)."""
+    is not known ahead, so the fewer cycles are never one (a single cycle counts only when its gate passed).
+    max_per_arm > 0: the demo extends its test with what the budget leaves (`plan_demo`)."""
     row = replace(scaled(probe, requests, params.evaluate.n_requests), cycle_status="unknown")
     needed = plan_ab(base_reward_sd(row, params), mde, params.deploy.alpha, power, 10**9)
     elapsed = probe.startup_s + cycle_wall_s(row, params)
-    asked = plan_demo([row], elapsed, cycles, budget_s, needed.per_arm, params)
+    asked = plan_demo([row], elapsed, cycles, budget_s, needed.per_arm, params, max_per_arm)
     cycles, budget_s = unattended(asked)
-    return asked, plan_demo([row], elapsed, cycles, budget_s, needed.per_arm, params)
+    return asked, plan_demo([row], elapsed, cycles, budget_s, needed.per_arm, params, max_per_arm)
 
 
 def unattended(plan: DemoPlan) -> tuple[int, float]:

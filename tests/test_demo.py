@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+import time
 from dataclasses import replace
 
 import pytest
@@ -12,6 +13,7 @@ import yaml
 
 from flows.demo import choose, run_ab_test, start_ab_test
 from flows.demo_plan import (
+    AbFill,
     AbPlan,
     Probe,
     base_reward_sd,
@@ -62,6 +64,31 @@ def test_the_ab_test_gets_what_the_cycles_leave_of_the_time_budget():
     assert budget_per_arm(rows, 500.0, 840.0, params) == int(left * 20 / 2)
     assert budget_per_arm(rows, 830.0, 840.0, params) == 300  # nothing left: the smallest test
     assert budget_per_arm([], 0.0, 840.0, params) == 300  # no cycle timed
+
+
+def test_what_the_budget_leaves_extends_the_ab_test_at_its_first_rounds_pace_up_to_the_cap():
+    # a first round decided 100 + 90 requests in 10 s (19/s); 100 s left -> 1900 more: (190 + 1900) / 2 per arm
+    fill = AbFill(until=time.perf_counter() + 100.0, max_per_arm=4000)
+    assert fill.target({CHAMPION: 100, CHALLENGER: 90}, 10.0, planned=500) == pytest.approx(1045, abs=2)
+    assert replace(fill, max_per_arm=800).target({CHAMPION: 100, CHALLENGER: 90}, 10.0, planned=500) == 800
+    # past the deadline: never below the planned size, whatever the pace
+    late = AbFill(until=time.perf_counter() - 5.0, max_per_arm=4000)
+    assert late.target({CHAMPION: 100, CHALLENGER: 90}, 10.0, planned=500) == 500
+
+
+def test_a_plan_that_fits_predicts_the_test_extended_to_the_budget_or_the_cap():
+    params = tiny_params()
+    rows = [_timed()]  # traffic at 10 decided requests/s
+    pace = measured_pace(rows, params)
+    budget = predicted_s(pace, 300.0, 1, 4, 2000, params) + 60.0  # a minute to spare: 600 requests, 300 per arm
+    plan = plan_demo(rows, 300.0, 4, budget, 2000, params, max_per_arm=4000)
+    assert plan.fits and plan.per_arm == 2000 and plan.filled == 2300
+    assert plan.predicted_s == pytest.approx(budget, abs=0.2)
+    capped = plan_demo(rows, 300.0, 4, budget, 2000, params, max_per_arm=2100)
+    assert capped.filled == 2100 and capped.predicted_s == pytest.approx(budget - 40.0, abs=0.2)
+    assert plan_demo(rows, 300.0, 4, budget, 2000, params).filled == 0  # not asked to extend
+    over = plan_demo(rows, 300.0, 4, budget - 120.0, 2000, params, max_per_arm=4000)
+    assert not over.fits and over.filled == 0  # nothing to spare: the planned test, and the usual choice
 
 
 def _row(requests: int, suggest_rate: float, accept_rate: float) -> CycleRow:
@@ -133,8 +160,11 @@ def test_the_final_ab_test_puts_the_base_back_and_decides_at_one_look(
     plan = AbPlan(per_arm=40, needed=40, reward_sd=0.2, mde=0.1, power=0.8, alpha=0.05, power_at_n=0.8)
     with pytest.raises(ValueError, match="none is left for the A/B test"):  # never the regions the cycles typed
         run_ab_test(str(params_file), [], tmp_path, plan, users=8, seed=0, typed_regions=len(typing_regions))
-    ab = run_ab_test(str(params_file), [], tmp_path, plan, users=8, seed=0, typed_regions=8)
-    assert min(ab["requests"].values()) >= plan.per_arm  # sticky users leave one arm short: topped up to the plan
+    # what the budget leaves extends it past the plan, up to the cap (a far deadline: the cap decides)
+    fill = AbFill(until=time.perf_counter() + 3600.0, max_per_arm=60)
+    ab = run_ab_test(str(params_file), [], tmp_path, plan, users=8, seed=0, typed_regions=8, fill=fill)
+    assert ab["ran_to"] == 60 and ab["plan"]["per_arm"] == 40
+    assert min(ab["requests"].values()) >= 60  # sticky users leave one arm short: topped up to the target
     # one look at what each arm has: decided there (never "continue"), and a babbler is never promoted
     assert ab["action"] == "rollback", ab
     assert ab["reason"].startswith(("inconclusive", "challenger worse")), ab["reason"]

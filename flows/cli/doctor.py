@@ -161,8 +161,12 @@ def _demo_prediction(timed: Probe, params: Params, demo: argparse.Namespace, mea
     runs unattended."""
     from flows.demo_plan import predict_demo
 
-    asked, runs = predict_demo(timed, params, demo.cycles, demo.requests, 60 * demo.budget_min, demo.mde, demo.power)
+    fill = demo.max_per_arm if demo.ab_fill else 0
+    budget_s = 60 * demo.budget_min
+    asked, runs = predict_demo(timed, params, demo.cycles, demo.requests, budget_s, demo.mde, demo.power, fill)
     plan = f"{runs.cycles} cycles and an A/B test of {runs.per_arm} requests per arm"
+    if runs.filled > runs.per_arm:
+        plan += f", extended to about {runs.filled} with what the budget leaves"
     if asked.fits:
         verdict = f"`make demo` runs {plan} within its {demo.budget_min:g}-min budget"
     elif runs.cycles < asked.cycles:
@@ -174,6 +178,7 @@ def _demo_prediction(timed: Probe, params: Params, demo: argparse.Namespace, mea
         "predicted_s": runs.predicted_s,
         "cycles": runs.cycles,
         "per_arm": runs.per_arm,
+        "filled_per_arm": runs.filled,
         "asked_predicted_s": asked.predicted_s,
         "lines": [
             measured,
