@@ -10,7 +10,8 @@ do not fit --budget-min, it says so and takes --if-short's choice: fewer cycles,
 
 1. Gated cycles. Simulated users type train files through the gateway; each cycle trains on their outcomes, and
    a candidate that passes the gate (held-out evaluation) is promoted at once, without an A/B test. One cycle's
-   gain is small, and an A/B test per cycle would need thousands of requests per arm to see it.
+   gain is small, and an A/B test per cycle would need thousands of requests per arm to see it. When the planned
+   cycles end with no candidate, the demo runs another while the budget still has room for it and a test.
 2. One A/B test that can decide. The base model comes back as champion, the final model of part 1 is the
    challenger, and live traffic is split between them. Its size is planned before it starts (a two-sided test at
    deploy.alpha with --power to find a reward difference of --mde, sd measured on cycle 1's traffic), capped at
@@ -45,6 +46,7 @@ from flows.demo_plan import (
     AbPlan,
     DemoPlan,
     ab_traffic_left_s,
+    another_cycle_fits,
     base_reward_sd,
     budget_per_arm,
     describe_plan,
@@ -55,7 +57,7 @@ from flows.demo_plan import (
 )
 from flows.loop_state import CycleRow
 from flows.online_loop import champion_dir, cycle_regions, loop_overrides, run_online_loop, start_gateway
-from flows.report import print_report, print_story, print_ui_pointers
+from flows.report import print_ab, print_report, print_story, print_ui_pointers
 from serving.router import assign
 from serving.simulate import run_simulation
 from tasks.core.config import DEFAULT_PARAMS_FILE, Params, load_params
@@ -126,6 +128,7 @@ def run_ab_test(
     return {
         "plan": asdict(plan),
         "ran_to": target,  # requests per arm the traffic ran to: plan.per_arm, or more with what the budget left
+        "ran_to_power": [(d, power_at(target, plan.reward_sd, d, plan.alpha)) for d in (plan.mde, plan.mde * 2 / 3)],
         "requests": dict(sorted(by_arm.items())),
         "traffic_s": traffic_s,
         "action": decision.action,
@@ -198,49 +201,6 @@ def _users_per_arm(users: int, params: Params, seed: int) -> tuple[list[SimUser]
     return per_arm[CHAMPION] + per_arm[CHALLENGER], arm_of
 
 
-def print_ab(ab: dict) -> None:
-    from rich.table import Table
-
-    from flows.cli.console import console, print_table
-
-    n = ab["numbers"]
-    plan = ab["plan"]
-    table = Table(
-        title=f"Live A/B test, looked at once: base (champion) vs final model (challenger); planned "
-        f"{plan['per_arm']} requests per arm (power {plan['power']:.0%} for a reward difference of "
-        f"{plan['mde']} at alpha {plan['alpha']}, reward sd {plan['reward_sd']:.3f}"
-        + (
-            f"; {plan['needed']} asked for, capped to fit the time: power {plan['power_at_n']:.0%}"
-            if plan["needed"] > plan["per_arm"]
-            else ""
-        )
-        + ")"
-        + (
-            f"; run to {ab['ran_to']} with what the time budget left (power "
-            f"{power_at(ab['ran_to'], plan['reward_sd'], plan['mde'], plan['alpha']):.0%} at {plan['mde']}, "
-            f"{power_at(ab['ran_to'], plan['reward_sd'], plan['mde'] * 2 / 3, plan['alpha']):.0%} at "
-            f"{plan['mde'] * 2 / 3:.4f})"
-            if ab.get("ran_to", 0) > plan["per_arm"]
-            else ""
-        )
-    )
-    for col in ("arm", "requests", "shown", "accept/shown", "reward/request", "accepted chars/request"):
-        table.add_column(col, justify="right")
-    for arm in (CHAMPION, CHALLENGER):
-        if f"{arm}_requests" in n:
-            table.add_row(
-                arm,
-                f"{n[f'{arm}_requests']:.0f}",
-                f"{n[f'{arm}_shown']:.0f}",
-                f"{n[f'{arm}_accept_rate']:.3f}",
-                f"{n[f'{arm}_reward_per_request']:.4f}",
-                f"{n[f'{arm}_chars_per_request']:.2f}",
-            )
-    print_table(table)
-    verdict = "PROMOTED on live A/B evidence" if ab["action"] == "promote" else "ROLLED BACK"
-    console.print(f"{verdict}: {ab['reason']}", highlight=False)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     exit_on_sigterm()  # a `kill` stops the gateway the demo started, too
@@ -264,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                 chosen = plan_demo(rows, elapsed, args.cycles, 60 * args.budget_min, needed.per_arm, params, fill)
                 planned.append(chosen)  # what runs: its predicted wall time is the one to check
                 print(f"Predicted: {chosen.predicted_s / 60:.1f} min.", flush=True)
+        elif len(rows) == args.cycles and args.budget_min > 0:
+            args.cycles += _one_more_cycle(rows, time.perf_counter() - started, args, overrides)
         return args.cycles
 
     rows, params = run_online_loop(
@@ -299,6 +261,22 @@ def main(argv: list[str] | None = None) -> int:
     predicted = f" (predicted after cycle 1: {planned[-1].predicted_s / 60:.1f})" if planned else ""
     print(f"demo done in {times['total_s'] / 60:.1f} min{predicted}; record: {args.state / 'demo.json'}", flush=True)
     return 0
+
+
+def _one_more_cycle(rows: list[CycleRow], elapsed_s: float, args: argparse.Namespace, overrides: list[str]) -> int:
+    """1 when the planned cycles ended with no candidate and the budget has room for one more and an A/B test (the
+    time kept for the test would go unused), else 0. The gates' outcomes decide it, never the test's: its alpha is
+    kept."""
+    if any(r.cycle_status == "deployed" for r in rows):
+        return 0
+    if not another_cycle_fits(rows, elapsed_s, 60 * args.budget_min, load_params(args.params, overrides)):
+        return 0
+    print(
+        f"No candidate passed the gate in {len(rows)} cycles, and the budget has room for one more cycle and an A/B "
+        f"test: running cycle {len(rows) + 1}.",
+        flush=True,
+    )
+    return 1
 
 
 def final_ab_test(args: argparse.Namespace, rows: list[CycleRow], params: Params, full: list[str], elapsed_s: float):

@@ -78,6 +78,14 @@ def ab_traffic_left_s(rows: list[CycleRow], elapsed_s: float, budget_s: float, p
     return budget_s - elapsed_s - closing_s - AB_FIXED_S - params.ingest.feedback_timeout_s
 
 
+def another_cycle_fits(rows: list[CycleRow], elapsed_s: float, budget_s: float, params: Params) -> bool:
+    """Whether one more cycle at the measured pace still leaves budget_s room for the closing table and an A/B test
+    of MIN_PER_ARM requests per arm: what the demo asks when its planned cycles end with no candidate (the time it
+    kept for the test would go unused)."""
+    pace = measured_pace(rows, params)
+    return ab_traffic_left_s(rows, elapsed_s + pace.cycle_s, budget_s, params) * pace.traffic_rps / 2 >= MIN_PER_ARM
+
+
 @dataclass(frozen=True)
 class AbFill:
     """The A/B test extended past its planned size with what the budget leaves: its traffic runs to about `until`
@@ -182,7 +190,12 @@ def describe_plan(plan: DemoPlan, mde: float, power: float) -> list[str]:
         f"{p.cycle_s / 60:.1f} min (training {p.train_s:.0f} s), the gate typing {p.gate_rps:.1f} requests/s.",
         f"Plan: {plan.cycles} cycles, an A/B test of {plan.per_arm} requests per arm ({power:.0%} power at a reward "
         f"difference of {mde})"
-        + (f", extended to about {plan.filled} with what the budget leaves" if plan.filled > plan.per_arm else "")
+        + (
+            f", extended with what the budget leaves (to about {plan.filled} per arm at cycle 1's pace; the test "
+            "measures its own)"
+            if plan.filled > plan.per_arm
+            else ""
+        )
         + f", the closing table: about {plan.predicted_s / 60:.1f} min in all (budget {plan.budget_s / 60:.1f} min).",
     ]
     if not plan.fits:

@@ -142,3 +142,47 @@ def print_ui_pointers(params: Params) -> None:
         "Prefect UI: prefect server start --host 127.0.0.1, then `tabrl schedule` (http://127.0.0.1:4200); "
         "this run used Prefect's ephemeral mode"
     )
+
+
+def print_ab(ab: dict) -> None:
+    """The demo's live A/B test (flows/demo.py): its plan, each arm's numbers and the decision."""
+    from rich.table import Table
+
+    from flows.cli.console import console, print_table
+    from tasks.core.store import CHALLENGER, CHAMPION
+
+    n = ab["numbers"]
+    plan = ab["plan"]
+    table = Table(
+        title=f"Live A/B test, looked at once: base (champion) vs final model (challenger); planned "
+        f"{plan['per_arm']} requests per arm (power {plan['power']:.0%} for a reward difference of "
+        f"{plan['mde']} at alpha {plan['alpha']}, reward sd {plan['reward_sd']:.3f}"
+        + (
+            f"; {plan['needed']} asked for, capped to fit the time: power {plan['power_at_n']:.0%}"
+            if plan["needed"] > plan["per_arm"]
+            else ""
+        )
+        + ")"
+        + (
+            f"; run to {ab['ran_to']} with what the time budget left (power "
+            + ", ".join(f"{p:.0%} at {mde:.4f}" for mde, p in ab["ran_to_power"])
+            + ")"
+            if ab.get("ran_to", 0) > plan["per_arm"]
+            else ""
+        )
+    )
+    for col in ("arm", "requests", "shown", "accept/shown", "reward/request", "accepted chars/request"):
+        table.add_column(col, justify="right")
+    for arm in (CHAMPION, CHALLENGER):
+        if f"{arm}_requests" in n:
+            table.add_row(
+                arm,
+                f"{n[f'{arm}_requests']:.0f}",
+                f"{n[f'{arm}_shown']:.0f}",
+                f"{n[f'{arm}_accept_rate']:.3f}",
+                f"{n[f'{arm}_reward_per_request']:.4f}",
+                f"{n[f'{arm}_chars_per_request']:.2f}",
+            )
+    print_table(table)
+    verdict = "PROMOTED on live A/B evidence" if ab["action"] == "promote" else "ROLLED BACK"
+    console.print(f"{verdict}: {ab['reason']}", highlight=False)

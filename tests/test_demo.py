@@ -11,11 +11,13 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from flows.demo import choose, run_ab_test, start_ab_test
+from flows.demo import _one_more_cycle, choose, defaults, run_ab_test, start_ab_test
 from flows.demo_plan import (
     AbFill,
     AbPlan,
     Probe,
+    ab_traffic_left_s,
+    another_cycle_fits,
     base_reward_sd,
     budget_per_arm,
     cycle_wall_s,
@@ -30,6 +32,7 @@ from flows.demo_plan import (
 )
 from flows.loop_state import CycleRow
 from flows.report import story_in_words
+from tasks.core.config import load_params
 from tasks.core.store import CHALLENGER, CHAMPION, open_store, read_arms
 from tasks.deploy.registry import Registry
 from tasks.deploy.tracking import CycleRuns
@@ -203,6 +206,27 @@ def test_a_plan_over_budget_offers_the_most_cycles_that_fit_or_none():
     one = predicted_s(pace, 300.0, 1, 1, 2000, params) + 1.0
     assert plan_demo(rows, 300.0, 4, one, 2000, params).fewer_cycles == 1
     assert plan_demo([_timed("gate_failed")], 300.0, 4, one, 2000, params).fewer_cycles is None
+
+
+def test_planned_cycles_with_no_candidate_run_one_more_only_where_it_and_a_smallest_test_fit():
+    params = tiny_params()
+    rows = [_timed("gate_failed"), _timed("gate_failed")]  # 10 decided requests/s; a cycle's wall time below
+    cycle_s = measured_pace(rows, params).cycle_s
+    # what is left for A/B traffic after one more cycle: 60 s -> 300 per arm at 10/s, the smallest test
+    budget = 600.0 + cycle_s + 60.0 - ab_traffic_left_s(rows, 600.0, 600.0, params)
+    assert ab_traffic_left_s(rows, 600.0 + cycle_s, budget, params) == pytest.approx(60.0)
+    assert another_cycle_fits(rows, 600.0, budget + 0.5, params)
+    assert not another_cycle_fits(rows, 600.0, budget - 1.0, params)
+    # the demo asks only when no gate passed: a deployed candidate has its A/B test coming
+    args = defaults()  # the shipped params.yaml: its gate and timeout set the closing table's and test's times
+    shipped = load_params(args.params)
+    cycle_s = measured_pace(rows, shipped).cycle_s
+    budget = 600.0 + cycle_s + 60.0 - ab_traffic_left_s(rows, 600.0, 600.0, shipped)
+    args.budget_min = (budget + 0.5) / 60
+    assert _one_more_cycle(rows, 600.0, args, []) == 1
+    assert _one_more_cycle([rows[0], _timed("deployed")], 600.0, args, []) == 0
+    args.budget_min = (budget - 1.0) / 60
+    assert _one_more_cycle(rows, 600.0, args, []) == 0
 
 
 def test_a_short_budget_takes_fewer_cycles_or_a_longer_run_but_caps_only_when_asked(capsys):

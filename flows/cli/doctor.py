@@ -166,7 +166,7 @@ def _demo_prediction(timed: Probe, params: Params, demo: argparse.Namespace, mea
     asked, runs = predict_demo(timed, params, demo.cycles, demo.requests, budget_s, demo.mde, demo.power, fill)
     plan = f"{runs.cycles} cycles and an A/B test of {runs.per_arm} requests per arm"
     if runs.filled > runs.per_arm:
-        plan += f", extended to about {runs.filled} with what the budget leaves"
+        plan += f", extended with what the budget leaves (to about {runs.filled} at cycle 1's pace)"
     if asked.fits:
         verdict = f"`make demo` runs {plan} within its {demo.budget_min:g}-min budget"
     elif runs.cycles < asked.cycles:
