@@ -32,6 +32,7 @@ import xmlrpc.client
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import psutil
 from supervisor.xmlrpc import SupervisorTransport
 
@@ -47,12 +48,14 @@ FIRST = ("prefect", "mlflow")  # started with supervisord; the rest once the dep
 
 @dataclass(frozen=True)
 class Program:
-    """One process supervisord runs: its command, where it answers when up (None: nothing to poll)."""
+    """One process supervisord runs: its command, where it answers when up (None: nothing to poll), and for a
+    Prefect worker its pool (up once the Prefect server lists it online in that pool)."""
 
     name: str
     command: list[str]
     ready_url: str | None = None
     cwd: str | None = None
+    worker_pool: str | None = None
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,7 @@ def plan(
             Program(
                 f"worker-{pool}",
                 [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process"],
+                worker_pool=pool,
             )
         )
     gateway_url = f"http://{params.serving.host if params.serving.host != '0.0.0.0' else host}:{port}"
@@ -261,7 +265,10 @@ def wait_ready(running: Running, names: list[str], timeout_s: float = READY_TIME
             state = _state(running, program.name)
             if state in ("FATAL", "EXITED") or running.proc.poll() is not None:
                 raise StackError(f"{program.name} stopped ({state}): {_tail(running.stack.log(program.name))}")
-            if program.ready_url is None and state == "RUNNING":
+            if program.worker_pool is not None:
+                if state == "RUNNING" and _worker_online(running.stack.env["PREFECT_API_URL"], program.worker_pool):
+                    break
+            elif program.ready_url is None and state == "RUNNING":
                 break
             if program.ready_url is not None:
                 try:
@@ -276,6 +283,16 @@ def wait_ready(running: Running, names: list[str], timeout_s: float = READY_TIME
             time.sleep(0.5)
         took[program.name] = time.monotonic() - started
     return took
+
+
+def _worker_online(api_url: str, pool: str) -> bool:
+    """Whether the Prefect server lists a worker of `pool` as online: the worker has started and sent its first
+    heartbeat (supervisord's RUNNING only says the process lives)."""
+    try:
+        answer = httpx.post(f"{api_url}/work_pools/{pool}/workers/filter", json={}, timeout=5.0)
+    except httpx.HTTPError:
+        return False
+    return answer.status_code == 200 and any(w.get("status") == "ONLINE" for w in answer.json())
 
 
 def _state(running: Running, name: str) -> str:

@@ -108,10 +108,19 @@ def test_tabrl_up_brings_the_stack_up_and_ctrl_c_leaves_nothing_running(tmp_path
             (arm,) = read_arms(store)
         assert (arm.name, arm.model_version) == (CHAMPION, "tabrl-completion/1")
         assert "the champion tabrl-completion/1 is the one arm" in said
+        # `up` waited for each worker to be online in its pool (its first heartbeat) ...
+        api_workers = {
+            pool: httpx.post(f"{api}/work_pools/{pool}/workers/filter", json={}).json() for pool in ("cpu", "gpu")
+        }
+        assert all(any(w["status"] == "ONLINE" for w in ws) for ws in api_workers.values()), api_workers
+        # ... and each process logs to its own file (a worker prints "started!" just after its first heartbeat)
         logs = tmp_path / "state" / "up" / "logs"
+        deadline = time.monotonic() + 30
+        while "started" not in (logs / "worker-gpu.log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert "started" in (logs / "worker-gpu.log").read_text()
         for name in ("prefect", "mlflow", "worker-cpu", "worker-gpu", "gateway", "deploy"):
             assert (logs / f"{name}.log").stat().st_size > 0, name
-        assert "started" in (logs / "worker-gpu.log").read_text()
         second = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
         assert second.returncode == 1 and "already runs on this state dir" in second.stderr, second.stderr
 
