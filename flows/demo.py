@@ -2,6 +2,7 @@
 
     python -m flows.demo --seed 0                 # what `make demo` runs
     python -m flows.demo --cycles 2 --requests 200 --max-per-arm 300   # a quicker, less decisive look
+    python -m flows.demo --replay --cycles 2 --requests 200 --max-per-arm 300   # the same demo.json every run
 
 Three parts, all on the real gateway, log store, Prefect flows and MLflow registry (state in --state). After the
 first cycle the demo prints this machine's pace (decided requests/s through the gateway, a cycle's minutes) and its
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     exit_on_sigterm()  # a `kill` stops the gateway the demo started, too
     started = time.perf_counter()
-    overrides = [*DEMO_SETTINGS, *args.set]
+    overrides = _overrides(args)
     planned: list[DemoPlan] = []
 
     def after_cycle(rows: list[CycleRow]) -> int:
@@ -261,6 +262,14 @@ def main(argv: list[str] | None = None) -> int:
     predicted = f" (predicted after cycle 1: {planned[-1].predicted_s / 60:.1f})" if planned else ""
     print(f"demo done in {times['total_s'] / 60:.1f} min{predicted}; record: {args.state / 'demo.json'}", flush=True)
     return 0
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    """The demo's settings and --set's; with --replay, what makes a run replay, and no wall-time budget or fill."""
+    if not args.replay:
+        return [*DEMO_SETTINGS, *args.set]
+    args.budget_min, args.ab_fill = 0.0, False
+    return [*DEMO_SETTINGS, *args.set, "simulator.client=waits", "simulator.replay=true"]
 
 
 def _one_more_cycle(rows: list[CycleRow], elapsed_s: float, args: argparse.Namespace, overrides: list[str]) -> int:
@@ -363,6 +372,13 @@ def _parser() -> argparse.ArgumentParser:
         "fewer-cycles, longer (raise the budget to the predicted time) or cap (the A/B test capped: may not decide)",
     )
     p.add_argument("--ab-users", type=int, default=96, help="simulated users during the A/B test")
+    p.add_argument(
+        "--replay",
+        action="store_true",
+        help="a run that replays: on one machine, the same demo.json but for its wall times, each time (to check "
+        "that a change keeps behaviour). Editors wait for every answer, each user asks a fixed share of seeded "
+        "requests (simulator.replay), and nothing follows the wall clock (--budget-min 0, --no-ab-fill)",
+    )
     p.add_argument("--state", type=Path, default=Path("state/demo"), help="state dir (wiped at start)")
     return p
 

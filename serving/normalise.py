@@ -65,5 +65,5 @@ def normalise_request(req: CompletionRequest, s: ServingParams, explore: bool = 
     temperature = s.temperature if req.temperature is None else req.temperature
     top_p = s.top_p if req.top_p is None else req.top_p
     return CompletionInputs(
-        FimRequest(fim, source, stop, max_tokens, temperature, top_p, show_rule(s, explore)), client_prompt
+        FimRequest(fim, source, stop, max_tokens, temperature, top_p, show_rule(s, explore), req.seed), client_prompt
     )

@@ -30,7 +30,6 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "presence_penalty": lambda v: v in (None, 0),  # the policy's own distribution is what is learnt
     "frequency_penalty": lambda v: v in (None, 0),
     "logit_bias": lambda v: not v,
-    "seed": lambda v: v is None,  # suggestions are sampled at serving.temperature with the gateway's seed
 }
 
 
@@ -48,6 +47,7 @@ class CompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=128)
     n: int = Field(1, ge=1, le=1)
+    seed: int | None = Field(None, ge=0, lt=2**63)  # sampled from this seed alone (None: the serving process's draws)
 
     def unsupported(self) -> list[str]:
         """The parameters of NEUTRAL this request sets to another value than their neutral one, by name."""

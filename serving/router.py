@@ -50,6 +50,7 @@ class FimRequest:
     temperature: float
     top_p: float
     rule: ShowRule | None = None  # serving.min_logprob's cut at the first unsure token
+    seed: int | None = None  # the editor's `seed`: the suggestion depends on it and the request alone
 
 
 def stops_for(target: FimTemplate, request: FimRequest) -> list[str]:
@@ -155,7 +156,7 @@ class Router:
             fim = replace(fim, prefix=window_prefix(fim.prefix, *self.window))
         prompt = template.rerender(fim, request.source)
         stop = tuple(stops_for(template, request))
-        sampling = Sampling(request.max_tokens, request.temperature, request.top_p, stop, request.rule)
+        sampling = Sampling(request.max_tokens, request.temperature, request.top_p, stop, request.rule, request.seed)
         gen = await backend.complete(prompt, sampling, on_text)
         return prompt, gen
 

@@ -5,8 +5,10 @@ editor POSTs /v1/completions with the file up to the cursor as prefix and the fi
 region as suffix; the user thinks for its persona's ``think_s``, then presses Tab (POST
 /v1/feedback accepted=true, the cursor jumps past the suggestion) when it is what they were about
 to type, or keeps typing (silence: the ingest timeout rule turns it into a rejection). Users run
-concurrently; their decisions are seeded per (user, request), so a run is reproducible however
-requests interleave.
+concurrently; their decisions are seeded per (user, request), whatever order requests arrive in. What the
+model suggests depends on that order (the gateway's draws are shared) and so does who asks how much (one budget),
+unless ``simulator.replay``: each user asks a fixed share, every request carries its own ``seed``, and with the
+waiting editor a run replays exactly.
 
 With ``simulator.client: continue`` (the default) the editor behaves as Continue does. Each pause lasts
 ``Session.pause`` (the persona's pace); the editor asks ``simulator.debounce_s`` into it (a shorter pause asks
@@ -23,6 +25,7 @@ outcome. Time is compressed: nothing sleeps the pauses; a request waits at most 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -53,6 +56,7 @@ class _Editor:
     sim: SimulatorParams
     limiter: asyncio.Semaphore
     max_tokens: int | None
+    seed: int | None = None  # simulator.replay: the run's seed, from which each request's own is drawn
     turns: list[Turn] = field(default_factory=list)
     arm: str = ""  # the arm the user's answers came from (sticky per user); "" before the first answer
     unattributed: list[int] = field(default_factory=list)  # turns cancelled before any answer named the arm
@@ -69,6 +73,8 @@ class _Editor:
         body = {"prompt": request["prefix"], "suffix": request["suffix"], "user": self.user.user_id}
         if self.max_tokens is not None:
             body["max_tokens"] = self.max_tokens
+        if self.seed is not None:
+            body["seed"] = request_seed(self.seed, self.user.user_id, len(self.turns))
         async with self.limiter:
             started = time.perf_counter()
             try:
@@ -133,6 +139,19 @@ class _Editor:
         self.saw(turn)  # a rejection is the user's silence: the timeout rule's
 
 
+def _budgets(n_requests: int, users: int, replay: bool) -> list[list[int]]:
+    """Each user's request budget (a one-item list it counts down): one budget shared by all, spent by whoever
+    asks first; with simulator.replay, a fixed share each (the first n_requests % users users one more)."""
+    if not replay:
+        return [[n_requests]] * users
+    return [[n_requests // users + (i < n_requests % users)] for i in range(users)]
+
+
+def request_seed(run_seed: int, user_id: str, k: int) -> int:
+    """The `seed` of user_id's k-th request in a run (simulator.replay): the same in every replay of the run."""
+    return int.from_bytes(hashlib.sha256(f"{run_seed}:{user_id}:{k}".encode()).digest()[:8], "big") >> 1
+
+
 async def _one_user(
     editor: _Editor,
     regions: Sequence[Region],
@@ -142,7 +161,7 @@ async def _one_user(
     done: Callable[[], None],
     on_error: Callable[[Exception], None] | None = None,
 ) -> dict[str, int]:
-    """Type this user's regions in order until the shared request budget is spent; characters typed per arm.
+    """Type this user's regions in order until its request budget is spent; characters typed per arm.
     With on_error, a turn the gateway failed (no answer, or an error status) is reported to it and the user goes
     on a second later instead of the simulation stopping (a soak's traffic through faults)."""
     typed: dict[str, int] = {}  # arm -> characters typed in sessions it served
@@ -189,7 +208,7 @@ async def simulate_async(
     on_error: see _one_user; event_hooks: httpx's, on the editors' client (a soak's ledger reads every answer)."""
     if not regions or not users:
         raise ValueError("simulation needs at least one region and one user")
-    budget = [n_requests]
+    budgets = _budgets(n_requests, len(users), simulator.replay)
     limiter = asyncio.Semaphore(concurrency)
     # The limiter bounds what is in flight, not the pool: a request cancelled while it waits for a pool connection
     # leaks that slot in httpcore 1.0.9 (encode/httpcore#1093), and after enough aborted requests every request
@@ -200,11 +219,20 @@ async def simulate_async(
         base_url=base_url, timeout=httpx.Timeout(timeout_s), limits=limits, event_hooks=event_hooks
     ) as client:
         editors = [
-            _Editor(client, user, (api_keys or {}).get(user.user_id), simulator, limiter, max_tokens) for user in users
+            _Editor(
+                client,
+                user,
+                (api_keys or {}).get(user.user_id),
+                simulator,
+                limiter,
+                max_tokens,
+                seed if simulator.replay else None,
+            )
+            for user in users
         ]
         per_user = await asyncio.gather(
             *[
-                _one_user(editor, regions[i :: len(users)], budget, seed, traffic, progress, on_error)
+                _one_user(editor, regions[i :: len(users)], budgets[i], seed, traffic, progress, on_error)
                 for i, editor in enumerate(editors)
             ]
         )

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from flows.demo import _one_more_cycle, choose, defaults, run_ab_test, start_ab_test
+from flows.demo import _one_more_cycle, _overrides, _parser, choose, defaults, run_ab_test, start_ab_test
 from flows.demo_plan import (
     AbFill,
     AbPlan,
@@ -296,3 +296,18 @@ def test_a_probe_cycle_times_its_parts_on_a_gate_of_its_own_size_in_a_state_it_r
     assert 0 < row.typing_s < row.evaluate_s < row.cycle_s and row.train_s > 0 and row.traffic_s > 0
     assert probe.startup_s > 0
     assert list((tmp_path / "tmp").iterdir()) == []  # its state dir is gone
+
+
+def test_replay_takes_the_wall_clock_out_of_the_demo():
+    """--replay: the waiting editor and replayable traffic (simulator.replay, after any --set), no wall-time budget
+    and no fill, so what runs depends on the seed alone; without it the demo's own settings and --set's."""
+    args = _parser().parse_args(["--replay", "--set", "simulator.client=continue"])
+    settings = _overrides(args)
+    assert settings[-2:] == ["simulator.client=waits", "simulator.replay=true"]
+    assert (args.budget_min, args.ab_fill) == (0.0, False)
+    plain = _parser().parse_args(["--set", "train.lr=1e-5"])
+    assert _overrides(plain)[-1] == "train.lr=1e-5" and (plain.budget_min, plain.ab_fill) == (14.5, True)
+    params = load_params(defaults().params, settings)
+    assert params.simulator.replay and params.simulator.client == "waits"
+    with pytest.raises(ValueError, match="simulator.replay needs simulator.client=waits"):
+        load_params(defaults().params, ["simulator.replay=true"])  # a cancelling editor follows the wall clock

@@ -407,3 +407,17 @@ def test_rows_another_family_sampled_are_not_trained_on(tiny_model_dir):
     assert not sampled_by_another_model({"token_ids": ids, "completion": "return x"}, tok)
     assert sampled_by_another_model({"token_ids": [len(tok) + 5], "completion": ""}, tok)  # outside the vocabulary
     assert sampled_by_another_model({"token_ids": ids, "completion": "import os"}, tok)  # decodes to another text
+
+
+def test_a_snapshot_is_read_in_the_same_order_however_its_users_requests_interleaved(tmp_path):
+    """Training reads the rows round-robin over users, each user's in the order it asked: two snapshots of the same
+    requests that arrived interleaved differently train alike (what `python -m flows.demo --replay` needs)."""
+    asked = {u: [_row(f"{u}{k}", "x", [1], [-0.1], 0.5) | {"user_id": u} for k in range(3)] for u in "ab"}
+    one = [*asked["a"], *asked["b"]]
+    other = [asked["b"][0], asked["a"][0], asked["a"][1], asked["b"][1], asked["b"][2], asked["a"][2]]
+    orders = []
+    for name, rows in (("one", one), ("other", other)):
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(pa.Table.from_pylist(rows, schema=REWARDED_SCHEMA), path)
+        orders.append([r["prompt"] for r in read_snapshot(path)])
+    assert orders[0] == orders[1] == ["a0", "b0", "a1", "b1", "a2", "b2"]

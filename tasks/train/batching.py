@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,8 +52,21 @@ def read_snapshot(path: str | Path) -> list[dict]:
     missing = [c for c in SNAPSHOT_COLUMNS if c not in table.column_names]
     if missing:
         raise SnapshotError(f"snapshot {path} lacks column(s) {missing}; run the reward stage first")
-    optional = [c for c in ("completion", "reward", "outcome", "continuation") if c in table.column_names]
-    return table.select([*SNAPSHOT_COLUMNS, *optional]).to_pylist()
+    optional = [c for c in ("completion", "reward", "outcome", "continuation", "user_id") if c in table.column_names]
+    return in_user_order(table.select([*SNAPSHOT_COLUMNS, *optional]).to_pylist())
+
+
+def in_user_order(rows: list[dict]) -> list[dict]:
+    """The rows taken round-robin over users (each user's first row, by user, then each one's second, ...), each
+    user's in the order it asked: what training reads does not depend on how concurrent users' requests happened
+    to interleave as they arrived, only on what each user asked."""
+    asked: Counter[str] = Counter()
+    keys = []
+    for i, row in enumerate(rows):
+        user = row.get("user_id") or ""
+        keys.append((asked[user], user, i))
+        asked[user] += 1
+    return [rows[i] for _, _, i in sorted(keys)]
 
 
 def sampled_by_another_model(row: dict, tokenizer) -> bool:

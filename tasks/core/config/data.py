@@ -168,12 +168,21 @@ class SimulatorParams(Section):
     min_display_s: float = Field(0.25, ge=0)
     """A suggestion on screen for less than this before the user types on was not seen (Continue counts no
     rejection before 250 ms: DO_NOT_COUNT_REJECTED_BEFORE)."""
+    replay: bool = False
+    """Traffic that replays: each user asks a fixed share of the requests (not a shared budget the quickest users
+    spend most of) and sends each request a `seed` of its own, drawn from the run's seed, the user and the request's
+    number, so no suggestion depends on which request reached the model first. Needs client=waits: a cancelling
+    editor's outcomes follow the wall clock."""
 
     @model_validator(mode="after")
     def _unique(self) -> SimulatorParams:
         names = [p.name for p in self.personas]
         if not names or len(set(names)) != len(names):
             raise ValueError(f"personas need at least one entry and unique names, got {names}")
+        if self.replay and self.client != "waits":
+            raise ValueError(
+                "simulator.replay needs simulator.client=waits: a cancelling editor's outcomes follow the wall clock"
+            )
         return self
 
 

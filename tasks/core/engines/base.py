@@ -43,6 +43,7 @@ class Sampling:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     rule: ShowRule | None = None  # cut at the first unsure token (serving.min_logprob)
+    seed: int | None = None  # OpenAI's `seed`: the same request and seed get the same suggestion, whatever else runs
 
 
 TextSink = Callable[[str], None]

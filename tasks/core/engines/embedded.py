@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
 
+import torch
+
 from tasks.core.adapters import AdapterBaseError, check_base, is_adapter
 from tasks.core.config import BackendName, Params
 from tasks.core.engines.base import Backend, BackendError, Sampling, Served, ServeError, TextSink
@@ -160,6 +162,12 @@ _BASES: dict[str, _EmbeddedBase] = {}
 _BASES_LOCK = threading.Lock()
 
 
+def _seeded(seed: int | None) -> contextlib.AbstractContextManager:
+    """Around a generation with the request's own seed: the draws it makes leave the process's generator as they
+    found it, so requests without a seed go on as if it had not run."""
+    return contextlib.nullcontext() if seed is None else torch.random.fork_rng()
+
+
 def _shared_base(model_dir: Path) -> _EmbeddedBase:
     key = os.path.realpath(model_dir)
     with _BASES_LOCK:
@@ -198,7 +206,7 @@ class EmbeddedBackend:
     def _complete(
         self, prompt: str, s: Sampling, abandoned: threading.Event, on_text: TextSink | None
     ) -> Generation | None:
-        with self._base.lock:
+        with self._base.lock, _seeded(s.seed):
             if abandoned.is_set():  # cancelled while it waited for the model: never started
                 return None
             if self.adapter is not None and self.name is not None:
@@ -213,7 +221,7 @@ class EmbeddedBackend:
     ) -> Generation:
         args = (*lm, [prompt], s.max_tokens, s.temperature, s.top_p)
         if on_text is None:
-            return generate(*args, stop=s.stop, rule=s.rule, abandoned=abandoned.is_set)[0]
+            return generate(*args, seed=s.seed, stop=s.stop, rule=s.rule, abandoned=abandoned.is_set)[0]
         stop_ids = set(split_stops(lm.tokenizer, s.stop)[0])  # what generate ends a suggestion at, as it does
         holdback, sure_ids = Holdback(s.stop), []
 
@@ -229,7 +237,9 @@ class EmbeddedBackend:
 
         rule_temperature = s.rule.temperature if s.rule is not None else None
         with feed(lm.model, on_token, rule_temperature) as streamer:
-            return generate(*args, stop=s.stop, rule=s.rule, abandoned=abandoned.is_set, streamer=streamer)[0]
+            return generate(
+                *args, seed=s.seed, stop=s.stop, rule=s.rule, abandoned=abandoned.is_set, streamer=streamer
+            )[0]
 
     async def complete(self, prompt: str, sampling: Sampling, on_text: TextSink | None = None) -> Generation:
         """The generation, in a worker thread; with on_text, its settled pieces as they come (called in the event

@@ -300,7 +300,7 @@ class VLLMBackend:
             s.temperature,
             s.top_p,
             s.stop,
-            None,
+            s.seed,
         )
         if on_text is None:
             return await self._request("POST", "/completions", body)
