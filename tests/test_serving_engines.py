@@ -208,3 +208,32 @@ def test_a_third_engine_plugs_in_with_one_registry_entry(
         ("evaluation", tiny_model_dir.name),
     ]
     assert ("complete", "tabrl-completion/1") in CALLS and make_backend(champion, 1.0).arm == champion
+
+
+def test_seeded_requests_on_two_checkpoints_at_once_draw_as_they_would_alone(tmp_path, tiny_model_dir):
+    """Two arms on two checkpoints generate in two threads at once (the demo's A/B test). torch has one generator per
+    process, so a seeded request holds it for its whole generation: each suggestion is the one it is alone."""
+    import asyncio
+    import shutil
+
+    from tasks.core.engines.embedded import EmbeddedBackend
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model_dir, other)
+    arms = [EmbeddedBackend(tiny_model_dir), EmbeddedBackend(other)]
+    prompts = [QWEN.render(f"def f{i}(x):\n    return x", "\n") for i in range(6)]
+    asks = [(arm, p, Sampling(12, 1.0, seed=100 * j + i)) for j, arm in enumerate(arms) for i, p in enumerate(prompts)]
+
+    async def alone() -> list[list[int]]:
+        return [(await arm.complete(p, s)).token_ids for arm, p, s in asks]
+
+    async def together() -> list[list[int]]:
+        return [g.token_ids for g in await asyncio.gather(*(arm.complete(p, s) for arm, p, s in asks))]
+
+    try:
+        one_by_one = asyncio.run(alone())
+        assert asyncio.run(together()) == one_by_one
+        assert len({tuple(ids) for ids in one_by_one}) > 6  # sampled at T = 1: the seeds, not greedy decoding, agree
+    finally:
+        for arm in arms:
+            asyncio.run(arm.aclose())
