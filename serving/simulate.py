@@ -8,7 +8,7 @@ to type, or keeps typing (silence: the ingest timeout rule turns it into a rejec
 concurrently; their decisions are seeded per (user, request), whatever order requests arrive in. What the
 model suggests depends on that order (the gateway's draws are shared) and so does who asks how much (one budget),
 unless ``simulator.replay``: each user asks a fixed share, every request carries its own ``seed``, and with the
-waiting editor a run replays exactly.
+waiting editor a run against one arm replays exactly.
 
 With ``simulator.client: continue`` (the default) the editor behaves as Continue does. Each pause lasts
 ``Session.pause`` (the persona's pace); the editor asks ``simulator.debounce_s`` into it (a shorter pause asks
