@@ -2,7 +2,7 @@
 
     python -m flows.demo --seed 0                 # what `make demo` runs
     python -m flows.demo --cycles 2 --requests 200 --max-per-arm 300   # a quicker, less decisive look
-    python -m flows.demo --replay --cycles 2 --requests 200 --max-per-arm 300   # cycles that replay exactly
+    python -m flows.demo --replay --cycles 2 --requests 200 --max-per-arm 300   # the same demo.json every run
 
 Three parts, all on the real gateway, log store, Prefect flows and MLflow registry (state in --state). After the
 first cycle the demo prints this machine's pace (decided requests/s through the gateway, a cycle's minutes) and its
@@ -375,10 +375,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--replay",
         action="store_true",
-        help="a run that replays, to check that a change keeps behaviour: on one machine its cycles and closing table "
-        "come out the same each time (its A/B test still varies by a few suggestions per arm). Editors wait for every "
-        "answer, each user asks a fixed share of seeded requests (simulator.replay), and nothing follows the wall "
-        "clock (--budget-min 0, --no-ab-fill)",
+        help="a run that replays, to check that a change keeps behaviour: on one machine the same demo.json each time "
+        "but for wall times (unless the machine is so loaded that a Tab comes later than the 10-s outcome window). "
+        "Editors wait for every answer, each user asks a fixed share of seeded requests (simulator.replay), and "
+        "nothing follows the wall clock (--budget-min 0, --no-ab-fill)",
     )
     p.add_argument("--state", type=Path, default=Path("state/demo"), help="state dir (wiped at start)")
     return p
