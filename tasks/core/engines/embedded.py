@@ -165,17 +165,17 @@ _BASES_LOCK = threading.Lock()
 _SEEDED = threading.Lock()  # torch has one generator per process, shared by every thread: one seeded draw at a time
 
 
-def _seeded(seed: int | None) -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def _seeded(seed: int | None) -> Iterator[None]:
     """Around a generation with the request's own seed: no other seeded generation (another checkpoint's, in another
     thread) draws from the process's generator meanwhile, and the draws leave it as they found it, so requests
     without a seed go on as if it had not run. An unseeded generation on another checkpoint at the same moment can
     still draw from it in between: a seed holds exactly where every request has one (simulator.replay)."""
     if seed is None:
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    stack.enter_context(_SEEDED)
-    stack.enter_context(torch.random.fork_rng())
-    return stack
+        yield
+        return
+    with _SEEDED, torch.random.fork_rng():
+        yield
 
 
 def _shared_base(model_dir: Path) -> _EmbeddedBase:
